@@ -1,0 +1,281 @@
+"""Read rank files: everything before a torn or corrupt part, and a report of what was skipped.
+
+``iter_records`` streams raw records (the arrays of ``tensor_trace.schema``); ``load_rank_file``
+resolves interned ids and fingerprints into plain objects for one file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import struct
+import zlib
+
+import msgpack
+
+from tensor_trace import schema
+from tensor_trace.errors import BadInput
+
+
+@dataclasses.dataclass
+class ReadReport:
+    """What reading one rank file met besides good chunks."""
+
+    path: str
+    chunks: int = 0
+    records: int = 0
+    skipped_bytes: int = 0
+    corrupt_chunks: int = 0
+    truncated_tail: bool = False
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.corrupt_chunks:
+            out.append(f"{self.corrupt_chunks} corrupt chunk(s), {self.skipped_bytes} bytes skipped")
+        if self.truncated_tail:
+            out.append("a truncated tail (the process was killed mid-write)")
+        return out
+
+
+def _check_prefix(path: str, data: bytes) -> None:
+    if len(data) < len(schema.MAGIC) or not data.startswith(schema.MAGIC):
+        raise BadInput(f"{path}: not a tensor-trace rank file")
+    if len(data) < len(schema.FILE_PREFIX):
+        raise BadInput(f"{path}: truncated before its format version")
+    (version,) = struct.unpack_from("<I", data, len(schema.MAGIC))
+    if version != schema.FORMAT_VERSION:
+        raise BadInput(f"{path}: format version {version}, this tensor-trace reads {schema.FORMAT_VERSION}")
+
+
+def iter_chunks(path: str, report: ReadReport):
+    """Yield the payload of every intact chunk; resynchronise on the sync marker after damage."""
+    with open(path, "rb") as f:
+        data = f.read()
+    _check_prefix(path, data)
+    pos = len(schema.FILE_PREFIX)
+    end = len(data)
+    head = schema.CHUNK_HEAD
+    while pos < end:
+        if end - pos < head.size:
+            report.truncated_tail = True
+            report.skipped_bytes += end - pos
+            return
+        sync, length, crc = head.unpack_from(data, pos)
+        if sync == schema.SYNC and length <= schema.MAX_CHUNK_BYTES:
+            start = pos + head.size
+            if start + length > end:
+                # Either a torn last chunk or a corrupt length: look for a later chunk first.
+                nxt = data.find(schema.SYNC, pos + 1)
+                if nxt == -1:
+                    report.truncated_tail = True
+                    report.skipped_bytes += end - pos
+                    return
+            else:
+                payload = data[start:start + length]
+                if zlib.crc32(payload) == crc:
+                    report.chunks += 1
+                    yield payload
+                    pos = start + length
+                    continue
+        # Damage: skip to the next sync marker.
+        nxt = data.find(schema.SYNC, pos + 1)
+        report.corrupt_chunks += 1
+        if nxt == -1:
+            report.skipped_bytes += end - pos
+            return
+        report.skipped_bytes += nxt - pos
+        pos = nxt
+
+
+def iter_records(path: str, report: ReadReport | None = None):
+    """Yield every record (a list whose first item is its type) of a rank file."""
+    report = report or ReadReport(path)
+    for payload in iter_chunks(path, report):
+        try:
+            records = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+        except Exception:
+            report.corrupt_chunks += 1
+            continue
+        if not isinstance(records, list):
+            report.corrupt_chunks += 1
+            continue
+        for rec in records:
+            if isinstance(rec, list) and rec and isinstance(rec[0], int):
+                report.records += 1
+                yield rec
+
+
+@dataclasses.dataclass
+class TensorInfo:
+    slot: str
+    shape: list
+    dtype: str
+    device: str
+    fp: tuple | None = None  # (sum, sum of squares)
+
+
+@dataclasses.dataclass
+class Span:
+    step: int
+    index: int
+    parent: int
+    path: str
+    cls: str
+    call: int
+    t0: int  # ns from the step's start
+    dur: int
+    tensors: list
+    flags: int
+    fp_refs: list  # fingerprint index per tensor (-1 none)
+
+
+@dataclasses.dataclass
+class Collective:
+    step: int
+    index: int
+    parent: int
+    op: str
+    reduce_op: str | None
+    group: int
+    seq: int
+    t0: int
+    dur: int
+    tensors: list
+    flags: int
+    bytes: int
+    fp_refs: list
+
+
+@dataclasses.dataclass
+class Step:
+    step: int
+    root: str = ""
+    t_begin: int = 0
+    t_end: int | None = None
+    attrs: dict = dataclasses.field(default_factory=dict)
+    spans: list = dataclasses.field(default_factory=list)
+    collectives: list = dataclasses.field(default_factory=list)
+    fingerprints: dict = dataclasses.field(default_factory=dict)  # index -> (sum, sumsq)
+
+
+@dataclasses.dataclass
+class RankTrace:
+    """One rank file, resolved."""
+
+    path: str
+    header: dict
+    identity: dict
+    steps: dict
+    modules: dict  # path -> class
+    groups: dict  # group id -> dict(name, ranks, backend, pg_name)
+    errors: list
+    end: dict | None
+    report: ReadReport
+
+    @property
+    def rank(self):
+        return self.identity.get("rank")
+
+
+def _fp_refs(n: int, n_pre: int, fp_pre: int, fp_post: int) -> list:
+    refs = []
+    for i in range(n):
+        if i < n_pre:
+            refs.append(fp_pre + i if fp_pre >= 0 else -1)
+        else:
+            refs.append(fp_post + i - n_pre if fp_post >= 0 else -1)
+    return refs
+
+
+def load_rank_file(path: str) -> RankTrace:
+    """Read and resolve a whole rank file (for summaries and tests; the merge streams)."""
+    report = ReadReport(path)
+    strings: dict = {}
+    metas: dict = {}
+    layouts: dict = {}
+    modules: dict = {}
+    groups: dict = {}
+    steps: dict = {}
+    errors: list = []
+    header: dict = {}
+    identity: dict = {}
+    end = None
+
+    def tensors_of(layout_id):
+        out = []
+        for slot_id, meta_id in layouts.get(layout_id, ()):
+            shape, dtype, device = metas.get(meta_id, ([], "?", "?"))
+            out.append(TensorInfo(strings.get(slot_id, "?"), shape, dtype, device))
+        return out
+
+    for rec in iter_records(path, report):
+        kind = rec[0]
+        try:
+            if kind == schema.SPAN:
+                _, step, index, parent, path_id, call, t0, dur, lay, fp_pre, fp_post, n_pre, flags = rec[:13]
+                tensors = tensors_of(lay)
+                p = strings.get(path_id, "?")
+                st = steps.setdefault(step, Step(step))
+                st.spans.append(Span(step, index, parent, p, modules.get(p, "?"), call, t0, dur, tensors,
+                                     flags, _fp_refs(len(tensors), n_pre, fp_pre, fp_post)))
+            elif kind == schema.COLLECTIVE:
+                (_, step, index, parent, op, redop, gid, seq, t0, dur, lay, fp_pre, fp_post, n_pre,
+                 flags, nbytes) = rec[:16]
+                tensors = tensors_of(lay)
+                st = steps.setdefault(step, Step(step))
+                st.collectives.append(Collective(step, index, parent, strings.get(op, "?"),
+                                                 strings.get(redop) if redop >= 0 else None, gid, seq,
+                                                 t0, dur, tensors, flags, nbytes,
+                                                 _fp_refs(len(tensors), n_pre, fp_pre, fp_post)))
+            elif kind == schema.STRING:
+                strings[rec[1]] = rec[2]
+            elif kind == schema.META:
+                metas[rec[1]] = (rec[2], strings.get(rec[3], "?"), strings.get(rec[4], "?"))
+            elif kind == schema.LAYOUT:
+                layouts[rec[1]] = rec[2]
+            elif kind == schema.MODULE:
+                modules[strings.get(rec[1], "?")] = strings.get(rec[2], "?")
+            elif kind == schema.STEP_BEGIN:
+                st = steps.setdefault(rec[1], Step(rec[1]))
+                st.root, st.t_begin, st.attrs = strings.get(rec[2], ""), rec[3], rec[4] or {}
+            elif kind == schema.STEP_END:
+                steps.setdefault(rec[1], Step(rec[1])).t_end = rec[2]
+            elif kind == schema.FINGERPRINTS:
+                _, step, first, data, indices = rec[:5]
+                n = len(data) // schema.FP_PAIR.size
+                idx = (range(first, first + n) if indices is None
+                       else struct.unpack(f"<{len(indices) // 4}I", indices))
+                st = steps.setdefault(step, Step(step))
+                for i, (s, q) in zip(idx, schema.FP_PAIR.iter_unpack(data[:n * schema.FP_PAIR.size])):
+                    st.fingerprints[i] = (s, None if math.isnan(q) else q)
+            elif kind == schema.GROUP:
+                groups[rec[1]] = dict(name=rec[2], ranks=rec[3], backend=rec[4],
+                                      pg_name=rec[5] if len(rec) > 5 else "")
+            elif kind == schema.IDENTITY:
+                identity = dict(rec[1])
+            elif kind == schema.HEADER:
+                header = dict(rec[1])
+            elif kind == schema.ERROR:
+                errors.append(dict(t=rec[1], where=rec[2], message=rec[3]))
+            elif kind == schema.END:
+                end = dict(rec[1])
+        except (ValueError, TypeError, IndexError, KeyError, struct.error):
+            report.corrupt_chunks += 0  # a malformed record: skip it, count it
+            report.records -= 1
+    if not header:
+        raise BadInput(f"{path}: no header record (the file was damaged at its start)")
+    for st in steps.values():
+        for item in (*st.spans, *st.collectives):
+            for t, ref in zip(item.tensors, item.fp_refs):
+                if ref >= 0:
+                    t.fp = st.fingerprints.get(ref)
+    return RankTrace(path, header, identity, steps, modules, groups, errors, end, report)
+
+
+def rank_files(trace_dir: str) -> list[str]:
+    """The rank files of a trace folder, sorted."""
+    d = os.path.join(trace_dir, "ranks")
+    if not os.path.isdir(d):
+        return []
+    return sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(schema.RANK_FILE_SUFFIX))

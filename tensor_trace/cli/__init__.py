@@ -1,0 +1,37 @@
+"""The ``tensor-trace`` command: a thin layer, one small function per command.
+
+Errors derived from ``TensorTraceError`` become one line on stderr and the contract's exit code
+(1: no answer in this trace, 2: bad usage or unreadable input); nothing else prints a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from tensor_trace.errors import TensorTraceError
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except TensorTraceError as exc:
+            click.echo(f"tensor-trace: {exc}", err=True)
+            sys.exit(exc.exit_code)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="tensor-trace")
+def main():
+    """Distributed tensor tracing for tensor-parallel inference."""
+
+
+def _register():
+    from tensor_trace.cli import record
+
+    main.add_command(record.record)
+
+
+_register()

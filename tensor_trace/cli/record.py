@@ -1,0 +1,40 @@
+"""tensor-trace record [options] -- CMD [ARGS...]"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+
+import click
+
+from tensor_trace.errors import BadInput
+
+
+@click.command(context_settings=dict(ignore_unknown_options=True, allow_interspersed_args=False))
+@click.option("-o", "--out", "out_dir", default="tensor-trace-out", show_default=True,
+              help="Folder for this run's rank files.")
+@click.option("--module", "modules", multiple=True, help="Record only modules whose path matches this glob.")
+@click.option("--exclude", "exclude", multiple=True, help="Do not record modules whose path matches this glob.")
+@click.option("--steps", default=None, help="Record steps A:B of every process (0-based, B excluded).")
+@click.option("--no-fingerprint", is_flag=True, help="Record shapes and dtypes only, no value fingerprints.")
+@click.option("--otlp-endpoint", default=None, help="Also stream spans live to this OTLP endpoint.")
+@click.option("--replace", is_flag=True, help="Overwrite a run already recorded in the folder.")
+@click.argument("cmd", nargs=-1, type=click.UNPROCESSED, required=True)
+def record(out_dir, modules, exclude, steps, no_fingerprint, otlp_endpoint, replace, cmd):
+    """Run CMD with every Python process it starts traced; print a summary; exit with CMD's code."""
+    from tensor_trace.exporters.summary import format_summary, summarize
+    from tensor_trace.tracer.config import TraceConfig, parse_steps
+    from tensor_trace.tracer.launch import prepare_out_dir, run_traced
+
+    if otlp_endpoint:
+        raise BadInput("--otlp-endpoint: live OTLP streaming is not available in this version yet")
+    try:
+        window = parse_steps(steps)
+    except ValueError as exc:
+        raise BadInput(str(exc))
+    config = TraceConfig(out_dir=out_dir, run_id=uuid.uuid4().hex[:16], modules=list(modules),
+                         exclude=list(exclude), steps=window, fingerprint=not no_fingerprint)
+    prepare_out_dir(out_dir, replace)
+    code = run_traced(list(cmd), config)
+    click.echo(format_summary(summarize(out_dir)), err=True)
+    sys.exit(code)

@@ -1,0 +1,97 @@
+"""The rank-file format: the only module the writer (tracer) and reader (exporters) share.
+
+A rank file is ``MAGIC`` + a little-endian u32 ``FORMAT_VERSION``, then a sequence of chunks.
+Each chunk is ``SYNC`` + u32 payload length + u32 CRC-32 of the payload + the payload, a
+msgpack array of records. A writer appends one chunk per flush, so a process killed mid-write
+leaves at most one torn chunk at the tail; a reader that meets a bad chunk scans forward for the
+next ``SYNC`` and reports what it skipped.
+
+Every record is a msgpack array whose first element is its type. Strings that repeat (module
+paths, dtypes, slot names, group names) are interned once per file with ``STRING`` records and
+referred to by id; tensor metadata (shape, dtype, device) is interned with ``META``; the set of
+tensors of one span (slot name + meta per tensor) is interned as a ``LAYOUT``. Ids are per file.
+
+Times are host ``time.monotonic_ns()`` values; ``HEADER`` carries one wall-clock anchor
+(``wall_ns`` taken next to ``mono_ns``) so ranks on one host share a clock and other hosts can
+be aligned later. Within a step, span times are offsets in ns from the step's start.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+MAGIC = b"\x89TTRACE\n"
+FORMAT_VERSION = 1
+FILE_PREFIX = MAGIC + struct.pack("<I", FORMAT_VERSION)
+SYNC = b"\xf7TTc"
+CHUNK_HEAD = struct.Struct("<4sII")  # sync, payload length, crc32
+MAX_CHUNK_BYTES = 64 << 20  # a reader refuses longer claims: they are corruption
+RANK_FILE_SUFFIX = ".ttr"
+
+# Record types. The comment after each gives the array layout after the type.
+HEADER = 0  # dict: run_id, pid, ppid, host, argv, mono_ns, wall_ns, config, format
+IDENTITY = 1  # dict: rank, world_size, local_rank, tp_rank, tp_size, tp_ranks, device, ... (latest wins)
+STRING = 2  # id, text
+META = 3  # id, shape (list of int), dtype string id, device string id
+LAYOUT = 4  # id, [[slot string id, meta id], ...]
+MODULE = 5  # path string id, class string id
+GROUP = 6  # group id, name, ranks (list of global ranks), backend, c10d group name
+STEP_BEGIN = 7  # step, root path string id, mono_ns, attrs (dict)
+STEP_END = 8  # step, mono_ns, n_spans, n_collectives
+SPAN = 9  # step, index, parent index (-1 = none), path id, call, t0, dur, layout id,
+#            fp_pre, fp_post, n_pre, flags
+COLLECTIVE = 10  # step, index, parent span index, op id, reduce-op id (-1 none), group id, seq,
+#                  t0, dur, layout id, fp_pre, fp_post, n_pre, flags, bytes
+# Fingerprint indices: the first n_pre tensors of the layout (seen when the call began) have
+# fingerprints fp_pre, fp_pre+1, ...; the others (seen when it ended) fp_post, fp_post+1, ...
+# -1 means no fingerprints.
+FINGERPRINTS = 11  # step, first index, packed little-endian float32 pairs (sum, sum of squares),
+#                    packed u32 indices or None when they run first, first+1, ...; NaN = none
+ERROR = 12  # mono_ns, where, message, count so far
+END = 13  # dict: reason, stats (spans, collectives, steps, bytes, errors, dropped)
+SKIPPED_STEPS = 14  # first step, last step (steps seen but outside the --steps window)
+
+RECORD_NAMES = {
+    HEADER: "header",
+    IDENTITY: "identity",
+    STRING: "string",
+    META: "meta",
+    LAYOUT: "layout",
+    MODULE: "module",
+    GROUP: "group",
+    STEP_BEGIN: "step_begin",
+    STEP_END: "step_end",
+    SPAN: "span",
+    COLLECTIVE: "collective",
+    FINGERPRINTS: "fingerprints",
+    ERROR: "error",
+    END: "end",
+    SKIPPED_STEPS: "skipped_steps",
+}
+
+# SPAN / COLLECTIVE flags.
+FLAG_CAPTURED = 1  # recorded while a CUDA graph was being captured: structure only
+FLAG_ASYNC = 2  # async collective: the span ends when its work was waited on
+FLAG_ERROR = 4  # the module or collective raised
+FLAG_NO_FP = 8  # fingerprints off for this span
+FLAG_UNWAITED = 16  # async collective whose work was never waited on before the step ended
+
+# Slot names of a span's tensors: "input.0", "input.NAME", "output", "output.0", "output.0.key".
+# Collective slots: "input.0" ..., "output.0" ...
+
+FP_PAIR = struct.Struct("<ff")
+FP_WIDTH = 2  # numbers per tensor: sum, sum of squares (fp32 accumulation)
+
+
+def chunk(payload: bytes) -> bytes:
+    """Frame one msgpack payload as a chunk."""
+    return CHUNK_HEAD.pack(SYNC, len(payload), zlib.crc32(payload)) + payload
+
+
+# Environment variables through which `tensor-trace record` configures every child process.
+ENV_DIR = "TENSOR_TRACE_DIR"
+ENV_RUN_ID = "TENSOR_TRACE_RUN_ID"
+ENV_CONFIG = "TENSOR_TRACE_CONFIG"  # JSON: modules, exclude, steps, fingerprint, otlp_endpoint, ...
+ENV_BOOTSTRAP = "TENSOR_TRACE_BOOTSTRAP"  # the bootstrap folder, so it can find the next sitecustomize
+ENV_CLOCK_OFFSET = "TENSOR_TRACE_CLOCK_OFFSET_NS"  # test hook: shift this process's monotonic clock

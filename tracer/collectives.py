@@ -1,0 +1,439 @@
+"""Collective interception: every c10d and functional collective becomes a span.
+
+Covered: ``torch.distributed`` all_reduce, reduce_scatter(_tensor), _reduce_scatter_base,
+all_gather(_into_tensor, _object), _all_gather_base, all_to_all(_single), broadcast, reduce,
+gather, scatter, barrier, send/recv, isend/irecv; and the functional collectives, intercepted at
+the ``torch.ops._c10d_functional`` namespace (which ``torch.distributed._functional_collectives``
+looks up at every call), with the span of an async result ending at its ``wait_tensor``.
+
+Names bound at import time. Code such as ``from torch.distributed import all_reduce`` (SGLang
+binds ``reduce_scatter_tensor`` this way) keeps the function object it got. Two things reach such
+names: (1) the bootstrap patches right after ``import torch`` finishes, before user modules run
+their imports, so they bind the wrapper; (2) ``install`` also walks ``sys.modules`` and rebinds
+every module-level attribute that *is* an original function to its wrapper, for code imported
+before tracing started. ``uninstall`` reverses both.
+
+No double counting: a collective called while another is being recorded (``all_gather_object``
+calls ``all_gather``; a functional wrapper calls its op) is passed straight through.
+
+Sequence numbers: one counter per process group, advanced by every call through the wrappers,
+traced or not, so that ranks agree on ``(group, seq)`` whatever their step windows.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+
+from tensor_trace import schema
+
+_ACTIVE = None  # the Tracer whose wrappers are installed
+
+
+def _bind(names, args, kwargs) -> dict:
+    bound = dict(zip(names, args))
+    if kwargs:
+        bound.update(kwargs)
+    return bound
+
+
+def _tensors(x) -> list:
+    if x is None:
+        return []
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for t in x if isinstance(t, torch.Tensor)]
+    return []
+
+
+# op -> (parameter names, input tensors, output tensors, has reduce op, async from argument)
+_C10D_SPECS = {
+    "all_reduce": (("tensor", "op", "group", "async_op"), "tensor", "tensor", True),
+    "reduce_scatter": (("output", "input_list", "op", "group", "async_op"), "input_list", "output", True),
+    "reduce_scatter_tensor": (("output", "input", "op", "group", "async_op"), "input", "output", True),
+    "_reduce_scatter_base": (("output", "input", "op", "group", "async_op"), "input", "output", True),
+    "all_gather": (("tensor_list", "tensor", "group", "async_op"), "tensor", "tensor_list", False),
+    "all_gather_into_tensor": (("output_tensor", "input_tensor", "group", "async_op"), "input_tensor",
+                               "output_tensor", False),
+    "_all_gather_base": (("output_tensor", "input_tensor", "group", "async_op"), "input_tensor",
+                         "output_tensor", False),
+    "all_gather_object": (("object_list", "obj", "group"), None, None, False),
+    "all_to_all": (("output_tensor_list", "input_tensor_list", "group", "async_op"), "input_tensor_list",
+                   "output_tensor_list", False),
+    "all_to_all_single": (("output", "input", "output_split_sizes", "input_split_sizes", "group",
+                           "async_op"), "input", "output", False),
+    "broadcast": (("tensor", "src", "group", "async_op"), "tensor", "tensor", False),
+    "reduce": (("tensor", "dst", "op", "group", "async_op"), "tensor", "tensor", True),
+    "gather": (("tensor", "gather_list", "dst", "group", "async_op"), "tensor", "gather_list", False),
+    "scatter": (("tensor", "scatter_list", "src", "group", "async_op"), "scatter_list", "tensor", False),
+    "barrier": (("group", "async_op"), None, None, False),
+    "send": (("tensor", "dst", "group", "tag"), "tensor", None, False),
+    "recv": (("tensor", "src", "group", "tag"), None, "tensor", False),
+    "isend": (("tensor", "dst", "group", "tag"), "tensor", None, False),
+    "irecv": (("tensor", "src", "group", "tag"), None, "tensor", False),
+}
+_ALWAYS_ASYNC = {"isend", "irecv"}
+
+# functional op -> (parameter names, input argument, output is the result (True) or an argument)
+_FUNCTIONAL_SPECS = {
+    "all_reduce": (("input", "reduce_op", "group_name"), "input", True),
+    "all_reduce_": (("input", "reduce_op", "group_name"), "input", "input"),
+    "all_reduce_coalesced": (("inputs", "reduce_op", "group_name"), "inputs", True),
+    "all_gather_into_tensor": (("input", "group_size", "group_name"), "input", True),
+    "all_gather_into_tensor_out": (("input", "group_size", "group_name"), "input", "out"),
+    "all_gather_into_tensor_coalesced": (("inputs", "group_size", "group_name"), "inputs", True),
+    "reduce_scatter_tensor": (("input", "reduce_op", "group_size", "group_name"), "input", True),
+    "reduce_scatter_tensor_coalesced": (("inputs", "reduce_op", "group_size", "group_name"), "inputs", True),
+    "all_to_all_single": (("input", "output_split_sizes", "input_split_sizes", "group_name"), "input", True),
+    "broadcast": (("input", "src", "group_name"), "input", True),
+    "broadcast_": (("input", "src", "group_name"), "input", "input"),
+}
+
+
+def _reduce_op_name(op) -> str:
+    if op is None:
+        return "sum"
+    if isinstance(op, str):
+        return op.lower()
+    name = getattr(op, "name", None)
+    if name is None:
+        name = str(op).rsplit(".", 1)[-1]
+    return str(name).lower()
+
+
+class TracedWork:
+    """Stands in for an async collective's ``Work``: ends the span when it is waited on."""
+
+    __slots__ = ("_work", "_token", "_interceptor")
+
+    def __init__(self, work, token, interceptor):
+        self._work = work
+        self._token = token
+        self._interceptor = interceptor
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        self._finish()
+        return result
+
+    def _finish(self):
+        token, self._token = self._token, None
+        if token is not None:
+            self._interceptor.finish(token)
+
+    def get_future(self):
+        return self._work.get_future()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+class CollectiveInterceptor:
+    """Installs and removes the collective wrappers for one Tracer."""
+
+    def __init__(self, tracer):
+        self.tracer = tracer
+        self.originals: dict[str, object] = {}
+        self.wrappers: dict[str, object] = {}
+        self.functional_originals: dict[str, object] = {}
+        self.rebound: list = []  # (module dict, name, original)
+        self.groups: dict[int, tuple] = {}  # id(pg) -> (gid, pg)
+        self.seq: dict[int, int] = {}
+        self.awaiting: dict[int, tuple] = {}  # id(functional result) -> token
+        self.open_async: dict[int, tuple] = {}  # token id -> token (for unwaited at step end)
+        self._default_group = None
+
+    # ------------------------------------------------------------------ install
+    def install(self) -> None:
+        global _ACTIVE
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return
+        from torch.distributed import distributed_c10d as c10d
+
+        _ACTIVE = self.tracer
+        for name, spec in _C10D_SPECS.items():
+            orig = getattr(c10d, name, None)
+            if orig is None or getattr(orig, "__tensor_trace_original__", None) is not None:
+                continue
+            wrapper = self._c10d_wrapper(name, orig, spec)
+            self.originals[name] = orig
+            self.wrappers[name] = wrapper
+        for name in ("init_process_group", "new_group"):
+            orig = getattr(c10d, name, None)
+            if orig is not None and getattr(orig, "__tensor_trace_original__", None) is None:
+                self.originals[name] = orig
+                self.wrappers[name] = self._identity_wrapper(orig)
+        by_original = {id(o): (n, o) for n, o in self.originals.items()}
+        for mod_name, mod in list(sys.modules.items()):
+            d = getattr(mod, "__dict__", None)
+            if not isinstance(d, dict) or mod_name.startswith("tensor_trace"):
+                continue
+            try:
+                items = list(d.items())
+            except Exception:
+                continue
+            for attr, value in items:
+                hit = by_original.get(id(value))
+                if hit is not None and hit[1] is value:
+                    d[attr] = self.wrappers[hit[0]]
+                    self.rebound.append((d, attr, value))
+        self._install_functional()
+
+    def _install_functional(self) -> None:
+        try:
+            ns = torch.ops._c10d_functional
+        except Exception:
+            return
+        for name, spec in _FUNCTIONAL_SPECS.items():
+            try:
+                orig = getattr(ns, name)
+            except Exception:
+                continue
+            self.functional_originals[name] = orig
+            setattr(ns, name, self._functional_wrapper(name, orig, spec))
+        try:
+            wait = ns.wait_tensor
+        except Exception:
+            return
+        self.functional_originals["wait_tensor"] = wait
+        setattr(ns, "wait_tensor", self._wait_wrapper(wait))
+
+    def uninstall(self) -> None:
+        global _ACTIVE
+        for d, attr, value in self.rebound:
+            d[attr] = value
+        self.rebound = []
+        try:
+            ns = torch.ops._c10d_functional
+            for name, orig in self.functional_originals.items():
+                setattr(ns, name, orig)
+        except Exception:
+            pass
+        self.functional_originals = {}
+        if _ACTIVE is self.tracer:
+            _ACTIVE = None
+
+    def patched_names(self) -> list:
+        """Names that currently point at a wrapper (a stopped tracer leaves none)."""
+        return [attr for _, attr, _ in self.rebound]
+
+    # ------------------------------------------------------------------ wrappers
+    def _identity_wrapper(self, orig):
+        tracer = self.tracer
+
+        @functools.wraps(orig)
+        def wrapper(*args, **kwargs):
+            result = orig(*args, **kwargs)
+            try:
+                if tracer.enabled:
+                    tracer.update_identity()
+            except Exception as exc:
+                tracer._on_error("identity", exc)
+            return result
+
+        wrapper.__tensor_trace_original__ = orig
+        return wrapper
+
+    def _c10d_wrapper(self, name, orig, spec):
+        names, in_arg, out_arg, has_op = spec
+        tracer = self.tracer
+        interceptor = self
+
+        @functools.wraps(orig)
+        def wrapper(*args, **kwargs):
+            if not tracer.enabled or tracer.in_collective or tracer.busy:
+                return orig(*args, **kwargs)
+            token = None
+            try:
+                bound = _bind(names, args, kwargs)
+                group = interceptor._group_seq(bound.get("group"))
+                if tracer.tracing_step:
+                    is_async = bool(bound.get("async_op")) or name in _ALWAYS_ASYNC
+                    token = interceptor.begin(name, bound.get("op") if has_op else None, group,
+                                              _tensors(bound.get(in_arg)) if in_arg else [],
+                                              is_async)
+                    token.append(bound.get(out_arg) if out_arg else None)
+            except Exception as exc:
+                tracer._on_error(f"collective {name}", exc)
+                token = None
+            tracer.in_collective = True
+            try:
+                result = orig(*args, **kwargs)
+            except BaseException:
+                tracer.in_collective = False
+                if token is not None:
+                    interceptor.finish(token, error=True)
+                raise
+            tracer.in_collective = False
+            if token is None:
+                return result
+            if token[_T_ASYNC] and result is not None:
+                return TracedWork(result, token, interceptor)
+            interceptor.finish(token)
+            return result
+
+        wrapper.__tensor_trace_original__ = orig
+        return wrapper
+
+    def _functional_wrapper(self, name, orig, spec):
+        names, in_arg, out_spec = spec
+        tracer = self.tracer
+        interceptor = self
+
+        def wrapper(*args, **kwargs):
+            if not tracer.enabled or tracer.in_collective or tracer.busy:
+                return orig(*args, **kwargs)
+            token = None
+            try:
+                bound = _bind(names, args, kwargs)
+                group = interceptor._group_seq(bound.get("group_name"))
+                if tracer.tracing_step:
+                    token = interceptor.begin(name, bound.get("reduce_op"), group,
+                                              _tensors(bound.get(in_arg)), True)
+            except Exception as exc:
+                tracer._on_error(f"collective {name}", exc)
+                token = None
+            tracer.in_collective = True
+            try:
+                result = orig(*args, **kwargs)
+            finally:
+                tracer.in_collective = False
+            if token is not None:
+                try:
+                    outs = result if out_spec is True else bound.get(out_spec)
+                    token.append(outs)
+                    for t in _tensors(outs):
+                        interceptor.awaiting[id(t)] = token
+                except Exception as exc:
+                    tracer._on_error(f"collective {name}", exc)
+            return result
+
+        wrapper.__tensor_trace_original__ = orig
+        return wrapper
+
+    def _wait_wrapper(self, orig):
+        interceptor = self
+        tracer = self.tracer
+
+        def wrapper(tensor, *args, **kwargs):
+            result = orig(tensor, *args, **kwargs)
+            if interceptor.awaiting:
+                token = interceptor.awaiting.pop(id(tensor), None)
+                if token is not None and not tracer.busy:
+                    interceptor.finish(token)
+            return result
+
+        wrapper.__tensor_trace_original__ = orig
+        return wrapper
+
+    # ------------------------------------------------------------------ groups
+    def _group_seq(self, group) -> tuple:
+        """(per-process group id, this call's sequence number) for a process group or its name
+        (None = the default group); advances the group's sequence."""
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        if group is None:
+            if self._default_group is None:
+                self._default_group = c10d._get_default_group()
+            group = self._default_group
+        elif isinstance(group, str):
+            group = c10d._resolve_process_group(group)
+        key = id(group)
+        entry = self.groups.get(key)
+        if entry is None:
+            gid = len(self.groups)
+            try:
+                ranks = dist.get_process_group_ranks(group)
+            except Exception:
+                ranks = []
+            try:
+                backend = str(dist.get_backend(group))
+            except Exception:
+                backend = ""
+            pg_name = getattr(group, "group_name", "") or ""
+            desc = getattr(group, "group_desc", "") or ""
+            is_default = group is self._default_group or group is c10d._get_default_group()
+            name = "world" if is_default else (desc if desc and desc != "undefined" else pg_name)
+            entry = (gid, group, name, list(ranks), backend, pg_name)
+            self.groups[key] = entry
+            self.seq[gid] = 0
+        gid = entry[0]
+        written = self.tracer.written_groups
+        if gid not in written and self.tracer.writer is not None:
+            _, _, name, ranks, backend, pg_name = entry
+            self.tracer.writer.add((schema.GROUP, gid, name, ranks, backend, pg_name))
+            written.add(gid)
+        seq = self.seq[gid]
+        self.seq[gid] = seq + 1
+        return gid, seq
+
+    # ------------------------------------------------------------------ spans
+    def begin(self, op, reduce_op, group_seq, inputs, is_async):
+        tracer = self.tracer
+        t0 = tracer.now()
+        index = tracer.coll_count
+        tracer.coll_count = index + 1
+        fp_pre = -1
+        if inputs and tracer.fingerprint and not tracer.capturing:
+            tracer.busy = True
+            try:
+                fp_pre = tracer.fps.add(inputs, store=False)
+            finally:
+                tracer.busy = False
+        gid, seq = group_seq
+        token = [op, reduce_op, gid, seq, t0, index, tracer.innermost_span(), inputs,
+                 fp_pre, is_async, tracer.step]
+        if is_async:
+            self.open_async[id(token)] = token
+        return token
+
+    def finish(self, token, error: bool = False, unwaited: bool = False) -> None:
+        tracer = self.tracer
+        if tracer.writer is None:
+            return
+        if token[_T_ASYNC] and self.open_async.pop(id(token), None) is None:
+            return  # already closed (e.g. as unwaited at the end of its step)
+        tracer.busy = True
+        try:
+            op, reduce_op, gid, seq, t0, index, parent, inputs, fp_pre, is_async, step = token[:11]
+            outputs = _tensors(token[11]) if len(token) > 11 else []
+            t1 = tracer.now()
+            writer = tracer.writer
+            fps = tracer.fps
+            fp_post = -1
+            if outputs and tracer.fingerprint and not tracer.capturing and step == tracer.step and not unwaited:
+                fps.forget(outputs)
+                fp_post = fps.add(outputs)
+            slots = [(f"input.{i}", t) for i, t in enumerate(inputs)]
+            slots += [(f"output.{i}", t) for i, t in enumerate(outputs)]
+            layout = writer.layout(tuple([(s, t.shape, t.dtype, t.device) for s, t in slots]))
+            nbytes = sum(t.numel() * t.element_size() for t in inputs)
+            flags = ((schema.FLAG_ASYNC if is_async else 0) | (schema.FLAG_ERROR if error else 0)
+                     | (schema.FLAG_CAPTURED if tracer.capturing else 0)
+                     | (schema.FLAG_UNWAITED if unwaited else 0))
+            redop = writer.string(_reduce_op_name(reduce_op)) if reduce_op is not None or op in (
+                "all_reduce", "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base",
+                "reduce") else -1
+            writer.add((schema.COLLECTIVE, step, index, parent, writer.string(op), redop, gid, seq,
+                        t0 - tracer.step_t0, t1 - t0, layout, fp_pre, fp_post, len(inputs), flags,
+                        nbytes))
+        except Exception as exc:
+            tracer._on_error(f"collective {token[0]}", exc)
+        finally:
+            tracer.busy = False
+
+    def end_step(self) -> None:
+        """Close async collectives of this step that were never waited on."""
+        for token in list(self.open_async.values()):
+            self.finish(token, unwaited=True)
+        self.open_async.clear()
+        self.awaiting.clear()
+
+
+_T_ASYNC = 9

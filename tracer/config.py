@@ -1,0 +1,84 @@
+"""TraceConfig: what `tensor-trace record` asks every traced process to do.
+
+It travels to child processes as environment variables (``tensor_trace.schema.ENV_*``), since
+spawned and exec'd children share nothing else with the launcher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import os
+import re
+
+from tensor_trace import schema
+
+
+@dataclasses.dataclass
+class TraceConfig:
+    """Options of one recording (see ``tensor-trace record --help``)."""
+
+    out_dir: str = "tensor-trace-out"
+    run_id: str = ""
+    modules: list[str] = dataclasses.field(default_factory=list)  # globs; empty = all
+    exclude: list[str] = dataclasses.field(default_factory=list)
+    steps: tuple[int, int | None] = (0, None)  # [first, stop) in steps of this process
+    fingerprint: bool = True
+    otlp_endpoint: str | None = None
+    flush_interval_s: float = 1.0
+    max_errors: int = 20  # after this many hook errors tracing turns itself off in the process
+    max_spans_per_step: int = 1_000_000
+
+    def to_env(self) -> dict[str, str]:
+        payload = dataclasses.asdict(self)
+        payload.pop("out_dir")
+        payload.pop("run_id")
+        return {
+            schema.ENV_DIR: os.path.abspath(self.out_dir),
+            schema.ENV_RUN_ID: self.run_id,
+            schema.ENV_CONFIG: json.dumps(payload),
+        }
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> "TraceConfig | None":
+        out_dir = environ.get(schema.ENV_DIR)
+        if not out_dir:
+            return None
+        payload = json.loads(environ.get(schema.ENV_CONFIG) or "{}")
+        payload["steps"] = tuple(payload.get("steps") or (0, None))
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(out_dir=out_dir, run_id=environ.get(schema.ENV_RUN_ID, ""),
+                   **{k: v for k, v in payload.items() if k in fields})
+
+    def in_window(self, step: int) -> bool:
+        first, stop = self.steps
+        return step >= first and (stop is None or step < stop)
+
+    def module_selector(self):
+        """A predicate on module paths from --module/--exclude, or None when all are selected."""
+        if not self.modules and not self.exclude:
+            return None
+        inc = [re.compile(fnmatch.translate(g)) for g in self.modules]
+        exc = [re.compile(fnmatch.translate(g)) for g in self.exclude]
+
+        def selected(path: str) -> bool:
+            if inc and not any(p.match(path) for p in inc):
+                return False
+            return not any(p.match(path) for p in exc)
+
+        return selected
+
+
+def parse_steps(text: str | None) -> tuple[int, int | None]:
+    """Parse ``A:B`` (either side may be empty) into a half-open step window."""
+    if not text:
+        return (0, None)
+    m = re.fullmatch(r"\s*(\d*)\s*:\s*(\d*)\s*", text)
+    if not m:
+        raise ValueError(f"--steps expects A:B (for example 2:10), got {text!r}")
+    first = int(m.group(1)) if m.group(1) else 0
+    stop = int(m.group(2)) if m.group(2) else None
+    if stop is not None and stop <= first:
+        raise ValueError(f"--steps {text}: the window is empty (B must be greater than A)")
+    return (first, stop)

@@ -1,0 +1,507 @@
+"""Tracer: the per-process recording state, its module hooks and its step logic.
+
+Steps. A *root* is a module called while no traced call is open; one call of a root is one step.
+Roots get their own forward pre/post hooks (two Python calls per step). Global module hooks
+(``register_module_forward_pre_hook`` / ``register_module_forward_hook(always_call=True)``) are
+installed only while a step inside the ``--steps`` window runs, so steps outside it cost nothing
+but the root's two hook calls. Before the first root is known a global hook is needed to find it.
+
+Names. A module's path is its ``named_modules()`` name under the first root that contains it,
+kept in a ``WeakKeyDictionary`` (as PyTorch's ModTracker does), so modules die normally.
+
+Safety. Every hook body runs under ``_guard``: an exception is counted, reported once on stderr,
+written into the trace, and after ``max_errors`` of them tracing turns itself off in the process.
+A busy flag stops re-entrance (the tracer's own tensor ops must not be traced).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+import weakref
+
+import torch
+from torch.nn.modules import module as _nn_module
+
+from tensor_trace import schema
+from tensor_trace.tracer import structures
+from tensor_trace.tracer.config import TraceConfig
+from tensor_trace.tracer.fingerprint import StepFingerprints
+from tensor_trace.tracer.writer import RankWriter
+
+_now = time.monotonic_ns
+_flatten_args = structures.flatten_args
+_flatten_kwargs = structures.flatten_kwargs
+_flatten_output = structures.flatten_output
+_get_ident = threading.get_ident
+
+# Frame layout (a list, for speed): the open calls of the current step.
+_F_MODULE, _F_INDEX, _F_PARENT, _F_PATH, _F_CALL, _F_T0, _F_SLOTS, _F_FP_PRE, _F_SELECTED = range(9)
+
+
+def _clock_offset() -> int:
+    try:
+        return int(os.environ.get(schema.ENV_CLOCK_OFFSET, "0"))
+    except ValueError:
+        return 0
+
+
+class Tracer:
+    """Records module spans, collectives and fingerprints of one process into its rank file."""
+
+    def __init__(self, config: TraceConfig):
+        self.config = config
+        self.selector = config.module_selector()
+        self.fingerprint = config.fingerprint
+        self.enabled = False
+        self.writer: RankWriter | None = None
+        self.clock_offset = _clock_offset()
+        # step state
+        self.step = -1
+        self.in_step = False  # a root call is open (traced or not)
+        self.tracing_step = False  # ... and it is inside the --steps window
+        self.capturing = False
+        self.step_thread = 0
+        self.step_t0 = 0
+        self.stack: list = []
+        self.span_count = 0
+        self.coll_count = 0
+        self.calls: dict = {}
+        self.fps = StepFingerprints()
+        self.busy = False
+        self.in_collective = False
+        # modules
+        self.names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.roots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.root_paths: dict[int, int] = {}
+        self.global_handles: list = []
+        # stats and errors
+        self.stats = dict(steps=0, steps_skipped=0, spans=0, collectives=0, errors=0,
+                          dropped_spans=0, foreign_thread_calls=0)
+        self.errors = 0
+        self.written_groups: set = set()
+        self._reported: set = set()
+        self.step_attrs: dict | None = None
+        self.step_root = None
+        self.identity: dict = {}
+        self.collectives = None
+        self.after_fork_callbacks: list = []
+        self._fork_registered = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "Tracer":
+        """Install hooks and collective interception. The rank file is created lazily, at the
+        first traced step, so processes that never run a model (launchers, HTTP front ends,
+        tokenizer workers) leave no empty files behind."""
+        if self.enabled:
+            return self
+        from tensor_trace.tracer.collectives import CollectiveInterceptor
+
+        self.collectives = CollectiveInterceptor(self)
+        self.collectives.install()
+        self._install_global_hooks()
+        self.enabled = True
+        if not self._fork_registered:
+            os.register_at_fork(before=self._before_fork, after_in_parent=self._after_fork_parent,
+                                after_in_child=self._after_fork_child)
+            self._fork_registered = True
+        return self
+
+    def ensure_writer(self) -> RankWriter:
+        if self.writer is None:
+            self._open_writer()
+        return self.writer
+
+    def _open_writer(self) -> None:
+        cfg = self.config
+        host = socket.gethostname()
+        pid = os.getpid()
+        path = os.path.join(cfg.out_dir, "ranks", f"{host}-{pid}{schema.RANK_FILE_SUFFIX}")
+        header = dict(format=schema.FORMAT_VERSION, run_id=cfg.run_id, pid=pid, ppid=os.getppid(),
+                      host=host, argv=list(sys.argv), mono_ns=self.now(), wall_ns=time.time_ns(),
+                      clock_offset_ns=self.clock_offset, torch=torch.__version__,
+                      config=dict(modules=cfg.modules, exclude=cfg.exclude, steps=list(cfg.steps),
+                                  fingerprint=cfg.fingerprint))
+        self.writer = RankWriter(path, header, flush_interval_s=cfg.flush_interval_s)
+        self.written_groups = set()  # GROUP records are per file
+        if self.identity:
+            self.writer.add((schema.IDENTITY, dict(self.identity)))
+        self.update_identity()
+
+    def now(self) -> int:
+        return _now() + self.clock_offset
+
+    def stop(self, reason: str = "stop") -> None:
+        """Remove every hook and patch, write the end record and close the rank file."""
+        if not self.enabled and self.writer is None:
+            return
+        self.enabled = False
+        self._remove_global_hooks()
+        for root, handles in list(self.roots.items()):
+            for h in handles:
+                h.remove()
+        self.roots = weakref.WeakKeyDictionary()
+        if self.collectives is not None:
+            self.collectives.uninstall()
+        if self.in_step and self.tracing_step and self.writer is not None:
+            self._end_step(error=True)
+        writer = self.writer
+        if writer is None:
+            return
+        for rec in self.fps.collect(wait=True):
+            writer.add(rec)
+        self.stats["bytes"] = writer.bytes_written
+        writer.add((schema.END, dict(reason=reason, stats=dict(self.stats))))
+        writer.close()
+        self.writer = None
+
+    def hook_count(self) -> int:
+        """How many hooks this tracer holds now (a stopped tracer holds none)."""
+        return len(self.global_handles) + sum(len(h) for h in self.roots.values())
+
+    # ------------------------------------------------------------------ identity
+    def update_identity(self, **extra) -> None:
+        """Write who this process is: ranks from the environment and torch.distributed."""
+        ident = dict(self.identity)
+        env = os.environ
+        for key, name in (("rank", "RANK"), ("world_size", "WORLD_SIZE"), ("local_rank", "LOCAL_RANK")):
+            if env.get(name, "").isdigit() and key not in ident:
+                ident[key] = int(env[name])
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                ident["rank"] = dist.get_rank()
+                ident["world_size"] = dist.get_world_size()
+                ident["backend"] = str(dist.get_backend())
+        except Exception:
+            pass
+        ident.update({k: v for k, v in extra.items() if v is not None})
+        if ident != self.identity:
+            self.identity = ident
+            if self.writer is not None:
+                self.writer.add((schema.IDENTITY, dict(ident)))
+
+    def set_tp_group(self, group=None, ranks=None, name: str = "tp") -> None:
+        """Declare the tensor-parallel group of this process (frameworks know it; we may not)."""
+        import torch.distributed as dist
+
+        if ranks is None:
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(
+                range(dist.get_world_size()))
+        rank = dist.get_rank() if dist.is_initialized() else self.identity.get("rank", 0)
+        tp_rank = ranks.index(rank) if rank in ranks else None
+        self.update_identity(tp_rank=tp_rank, tp_size=len(ranks), tp_ranks=list(ranks), tp_group=name)
+
+    # ------------------------------------------------------------------ errors
+    def _on_error(self, where: str, exc: BaseException) -> None:
+        self.errors += 1
+        self.stats["errors"] = self.errors
+        msg = f"{type(exc).__name__}: {exc}"
+        if where not in self._reported:
+            self._reported.add(where)
+            try:
+                sys.stderr.write(f"tensor-trace: error in {where} (tracing goes on): {msg}\n")
+            except Exception:
+                pass
+        try:
+            if self.writer is not None:
+                self.writer.add((schema.ERROR, self.now(), where, msg[:500], self.errors))
+        except Exception:
+            pass
+        if self.errors >= self.config.max_errors:
+            try:
+                sys.stderr.write(f"tensor-trace: {self.errors} errors in pid {os.getpid()}: "
+                                 "tracing is now off in this process\n")
+                self.stack.clear()
+                self.tracing_step = False
+                self.in_step = False
+                self.stop(reason="too many errors")
+            except Exception:
+                pass
+
+    # ------------------------------------------------------------------ hooks management
+    def _install_global_hooks(self) -> None:
+        if self.global_handles:
+            return
+        self.global_handles = [
+            _nn_module.register_module_forward_pre_hook(self._global_pre),
+            _nn_module.register_module_forward_hook(self._global_post, with_kwargs=True, always_call=True),
+        ]
+
+    def _remove_global_hooks(self) -> None:
+        for h in self.global_handles:
+            h.remove()
+        self.global_handles = []
+
+    def _adopt_root(self, module) -> None:
+        """Give a newly seen outermost module its own step hooks and name its submodules."""
+        handles = [
+            module.register_forward_pre_hook(self._root_pre, with_kwargs=True),
+            module.register_forward_hook(self._root_post, with_kwargs=True, always_call=True),
+        ]
+        self.roots[module] = handles
+        names = self.names
+        for name, sub in module.named_modules(remove_duplicate=False):
+            if sub not in names:
+                names[sub] = self._module_entry(name, sub)
+
+    def _module_entry(self, path: str, module):
+        # (path, class name, selected); the root ("") is always recorded: it delimits the step.
+        selected = self.selector is None or not path or self.selector(path)
+        return (path, type(module).__qualname__, selected)
+
+    # ------------------------------------------------------------------ step logic
+    def _root_pre(self, module, args, kwargs):
+        if self.in_step or self.busy or not self.enabled:
+            return None
+        try:
+            self._begin_step(module, args)
+        except Exception as exc:
+            self._on_error("step begin", exc)
+        return None
+
+    def _root_post(self, module, args, *rest):
+        if not self.in_step or self.busy:
+            return None
+        stack = self.stack
+        if self.tracing_step:
+            if len(stack) != 1 or stack[0][_F_MODULE] is not module:
+                return None
+        elif self.step_root is not module:
+            return None
+        try:
+            self._end_step(error=len(rest) == 1 and sys.exc_info()[0] is not None, result=rest[-1],
+                           kwargs=rest[0] if len(rest) == 2 else None)
+        except Exception as exc:
+            self._on_error("step end", exc)
+            self.stack.clear()
+            self.in_step = False
+            self.tracing_step = False
+        return None
+
+    def _begin_step(self, root, args) -> None:
+        self.step += 1
+        self.in_step = True
+        self.step_root = root
+        if not self.config.in_window(self.step):
+            self.tracing_step = False
+            self.stats["steps_skipped"] += 1
+            if self.global_handles:
+                self._remove_global_hooks()
+            return
+        if not self.global_handles:
+            self._install_global_hooks()
+        self.ensure_writer()
+        self.tracing_step = True
+        self.stats["steps"] += 1
+        self.capturing = _is_capturing()
+        self.step_thread = _get_ident()
+        self.span_count = 0
+        self.coll_count = 0
+        self.calls = {}
+        t0 = self.now()
+        self.step_t0 = t0
+        entry = self.names.get(root)
+        if entry is None:
+            self.names[root] = entry = self._module_entry("", root)
+        path_id = self.writer.module(entry[0], entry[1])
+        attrs = self.step_attrs or {}
+        if self.capturing:
+            attrs = dict(attrs, captured=True)
+        if not self.identity.get("device"):
+            dev = _first_device(args)
+            if dev is not None:
+                self.update_identity(device=dev)
+        self.writer.add((schema.STEP_BEGIN, self.step, path_id, t0, attrs))
+        self._push(root, args, entry, t0)
+
+    def _end_step(self, error: bool = False, result=None, kwargs=None) -> None:
+        step = self.step
+        if self.tracing_step:
+            while len(self.stack) > 1:  # calls left open by an exception
+                self._pop_record(self.stack[-1][_F_MODULE], None, None, True)
+            if self.stack:
+                self._pop_record(self.stack[0][_F_MODULE], kwargs, result, error)
+            if self.collectives is not None:
+                self.collectives.end_step()
+            t1 = self.now()
+            self.writer.add((schema.STEP_END, step, t1, self.span_count, self.coll_count))
+            if self.fingerprint and not self.capturing:
+                self.fps.finish_step(step)
+                for rec in self.fps.collect():
+                    self.writer.add(rec)
+            else:
+                self.fps.reset()
+            self.stats["spans"] += self.span_count
+            self.stats["collectives"] += self.coll_count
+        self.stack.clear()
+        self.in_step = False
+        self.tracing_step = False
+        self.capturing = False
+        if not self.config.in_window(step + 1) and self.global_handles:
+            self._remove_global_hooks()
+
+    # ------------------------------------------------------------------ global hooks
+    def _global_pre(self, module, args):
+        if self.busy:
+            return None
+        if not self.tracing_step:
+            if not self.in_step and self.enabled and module not in self.roots:
+                self.busy = True
+                try:
+                    self._adopt_root(module)
+                    self._begin_step(module, args)
+                except Exception as exc:
+                    self._on_error("root discovery", exc)
+                finally:
+                    self.busy = False
+            return None
+        if _get_ident() != self.step_thread:
+            self.stats["foreign_thread_calls"] += 1
+            return None
+        self.busy = True
+        try:
+            entry = self.names.get(module)
+            if entry is None:
+                self.names[module] = entry = self._child_entry(module)
+            self._push(module, args, entry, self.now())
+        except Exception as exc:
+            self._on_error("forward pre-hook", exc)
+        finally:
+            self.busy = False
+        return None
+
+    def _child_entry(self, module):
+        # A module that is not under any root's named_modules (created or attached later):
+        # named after the innermost open call, the way ModTracker names such modules.
+        parent = ""
+        for frame in reversed(self.stack):
+            entry = self.names.get(frame[_F_MODULE])
+            if entry is not None:
+                parent = entry[0]
+                break
+        name = type(module).__name__
+        return self._module_entry(f"{parent}.{name}" if parent else name, module)
+
+    def _push(self, module, args, entry, t0) -> None:
+        stack = self.stack
+        if stack:
+            top = stack[-1]
+            parent = top[_F_INDEX] if top[_F_SELECTED] else top[_F_PARENT]
+        else:
+            parent = -1
+        path, cls, selected = entry
+        path_id = self.writer.module(path, cls)
+        if not selected or self.span_count >= self.config.max_spans_per_step:
+            if selected:
+                self.stats["dropped_spans"] += 1
+            stack.append([module, -1, parent, path_id, 0, t0, None, -1, False])
+            return
+        calls = self.calls
+        call = calls.get(path_id, -1) + 1
+        calls[path_id] = call
+        index = self.span_count
+        self.span_count = index + 1
+        slots: list = []
+        _flatten_args(args, slots)
+        fp_pre = -1
+        if slots and self.fingerprint and not self.capturing:
+            fp_pre = self.fps.add([t for _, t in slots], store=False)
+        stack.append([module, index, parent, path_id, call, t0, slots, fp_pre, True])
+
+    def _global_post(self, module, args, *rest):
+        if self.busy or not self.tracing_step:
+            return None
+        stack = self.stack
+        if len(stack) <= 1 or _get_ident() != self.step_thread:
+            return None  # the root's own post-hook ends the step
+        self.busy = True
+        try:
+            if len(rest) == 2:
+                self._pop_record(module, rest[0], rest[1], False)
+            else:  # the always_call path after an exception passes no kwargs
+                self._pop_record(module, None, rest[0], sys.exc_info()[0] is not None)
+        except Exception as exc:
+            self._on_error("forward hook", exc)
+        finally:
+            self.busy = False
+        return None
+
+    def _pop_record(self, module, kwargs, result, error) -> None:
+        stack = self.stack
+        # Unwind frames that never got their post-hook (an exception in a module without hooks).
+        while len(stack) > 1 and stack[-1][_F_MODULE] is not module:
+            stack.pop()
+        if not stack or stack[-1][_F_MODULE] is not module:
+            return
+        frame = stack.pop()
+        if not frame[_F_SELECTED]:
+            return
+        t1 = self.now()
+        slots = frame[_F_SLOTS]
+        n_pre = len(slots)
+        if kwargs:
+            _flatten_kwargs(kwargs, slots)
+        _flatten_output(result, slots)
+        writer = self.writer
+        fp_post = -1
+        if len(slots) > n_pre and self.fingerprint and not self.capturing:
+            fp_post = self.fps.add([t for _, t in slots[n_pre:]])
+        layout = writer.layout(tuple([(s, t.shape, t.dtype, t.device) for s, t in slots]))
+        flags = (schema.FLAG_CAPTURED if self.capturing else 0) | (schema.FLAG_ERROR if error else 0)
+        t0 = frame[_F_T0]
+        writer.add((schema.SPAN, self.step, frame[_F_INDEX], frame[_F_PARENT], frame[_F_PATH],
+                    frame[_F_CALL], t0 - self.step_t0, t1 - t0, layout, frame[_F_FP_PRE], fp_post,
+                    n_pre, flags))
+
+    def innermost_span(self) -> int:
+        """Index of the innermost recorded module call, or -1."""
+        for frame in reversed(self.stack):
+            if frame[_F_SELECTED]:
+                return frame[_F_INDEX]
+        return -1
+
+    # ------------------------------------------------------------------ fork
+    def _before_fork(self) -> None:
+        if self.writer is not None:
+            self.writer.before_fork()
+
+    def _after_fork_parent(self) -> None:
+        if self.writer is not None:
+            self.writer.after_fork_in_parent()
+
+    def _after_fork_child(self) -> None:
+        # A forked child is a new process with its own rank file; the parent's open step,
+        # buffer and flush thread stay with the parent.
+        try:
+            if self.writer is not None:
+                self.writer.abandon_after_fork()
+                self.writer = None
+            self.stack = []
+            self.in_step = self.tracing_step = False
+            self.fps = StepFingerprints()
+            self.identity = {}
+            self.stats = {k: 0 for k in self.stats}
+            for hook in self.after_fork_callbacks:
+                hook()
+        except Exception as exc:
+            self.enabled = False
+            sys.stderr.write(f"tensor-trace: could not re-open the trace after fork: {exc}\n")
+
+
+def _is_capturing() -> bool:
+    try:
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    except Exception:
+        return False
+
+
+def _first_device(args):
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return str(a.device)
+    return None

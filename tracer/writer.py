@@ -1,0 +1,166 @@
+"""RankWriter: the per-process, append-only, crash-safe rank file.
+
+Records are appended to an in-memory list by the hooks (a list append: the cheapest thing a
+hook can do) and written by a background thread at least once a second as one framed chunk
+(see ``tensor_trace.schema``). So a process killed with SIGKILL loses at most its last second;
+exit, SIGTERM and SIGINT flush what is left.
+
+Memory bound: at most ``max_buffered`` records wait in memory; past that the hook that adds the
+record writes the chunk itself (disk, not drops: the trace is the point). Intern tables hold at
+most ``max_interned`` entries; past that they are cleared and entries are re-emitted on next use
+(a reader keeps the latest definition of an id).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import msgpack
+
+from tensor_trace import schema
+
+
+class RankWriter:
+    """Append-only writer of one process's rank file."""
+
+    def __init__(self, path: str, header: dict, *, flush_interval_s: float = 1.0,
+                 max_buffered: int = 200_000, max_interned: int = 500_000):
+        self.path = path
+        self.flush_interval_s = flush_interval_s
+        self.max_buffered = max_buffered
+        self.max_interned = max_interned
+        self.bytes_written = 0
+        self.chunks_written = 0
+        self.write_errors = 0
+        self._buf: list = []
+        self._lock = threading.Lock()  # one chunk written at a time, in order
+        self._packer = msgpack.Packer(use_bin_type=True)
+        self._strings: dict[str, int] = {}
+        self._metas: dict[tuple, int] = {}
+        self._layouts: dict[tuple, int] = {}
+        self._modules: dict[str, int] = {}
+        self._closed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
+        os.write(self._fd, schema.FILE_PREFIX)
+        self.bytes_written += len(schema.FILE_PREFIX)
+        self._buf.append((schema.HEADER, header))
+        self.flush()
+        self._start_thread()
+
+    # -- interning: ids are per file; each definition is written before its first use --------
+    def string(self, text: str) -> int:
+        sid = self._strings.get(text)
+        if sid is None:
+            self._check_intern_bound()
+            sid = len(self._strings)
+            self._strings[text] = sid
+            self._buf.append((schema.STRING, sid, text))
+        return sid
+
+    def module(self, path: str, class_name: str) -> int:
+        """Intern a module path; its class is written with it the first time."""
+        sid = self._modules.get(path)
+        if sid is None:
+            sid = self.string(path)
+            self._modules[path] = sid
+            self._buf.append((schema.MODULE, sid, self.string(class_name)))
+        return sid
+
+    def meta(self, shape, dtype, device) -> int:
+        """Intern tensor metadata; ``dtype`` and ``device`` may be torch objects or strings."""
+        key = (shape, dtype, device)
+        mid = self._metas.get(key)
+        if mid is None:
+            self._check_intern_bound()
+            mid = len(self._metas)
+            self._metas[key] = mid
+            dt = str(dtype).removeprefix("torch.")
+            self._buf.append((schema.META, mid, list(shape), self.string(dt), self.string(str(device))))
+        return mid
+
+    def layout(self, slots: tuple) -> int:
+        """Intern a span's tensor layout: a tuple of (slot name, shape, dtype, device)."""
+        lid = self._layouts.get(slots)
+        if lid is None:
+            self._check_intern_bound()
+            lid = len(self._layouts)
+            self._layouts[slots] = lid
+            entries = [[self.string(s), self.meta(shape, dt, dev)] for s, shape, dt, dev in slots]
+            self._buf.append((schema.LAYOUT, lid, entries))
+        return lid
+
+    def _check_intern_bound(self) -> None:
+        if len(self._strings) + len(self._metas) + len(self._layouts) >= self.max_interned:
+            self._strings.clear()
+            self._metas.clear()
+            self._layouts.clear()
+            self._modules.clear()
+
+    # -- records ------------------------------------------------------------------------------
+    def add(self, record: tuple) -> None:
+        """Queue one record (a tuple whose first item is its type)."""
+        buf = self._buf
+        buf.append(record)
+        if len(buf) >= self.max_buffered:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write every queued record as one chunk. Safe from any thread; never raises."""
+        with self._lock:
+            if self._closed or not self._buf:
+                return
+            buf, self._buf = self._buf, []
+            try:
+                payload = self._packer.pack(buf)
+                data = schema.chunk(payload)
+                os.write(self._fd, data)
+                self.bytes_written += len(data)
+                self.chunks_written += 1
+            except Exception:  # a full disk must not take the traced program down
+                self.write_errors += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self.flush()
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                try:
+                    os.close(self._fd)
+                except OSError:
+                    pass
+
+    # -- background flushing ------------------------------------------------------------------
+    def _start_thread(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="tensor-trace-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.flush_interval_s):
+            self.flush()
+
+    def before_fork(self) -> None:
+        self._lock.acquire()
+
+    def after_fork_in_parent(self) -> None:
+        self._lock.release()
+
+    def abandon_after_fork(self) -> None:
+        """In a forked child: the parent's file and thread are not ours; drop them unwritten."""
+        self._lock = threading.Lock()
+        self._buf = []
+        self._closed = True
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+
+
+def now_ns() -> int:
+    return time.monotonic_ns()
