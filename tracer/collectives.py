@@ -54,10 +54,14 @@ _C10D_SPECS = {
     "all_reduce": (("tensor", "op", "group", "async_op"), "tensor", "tensor", True),
     "reduce_scatter": (("output", "input_list", "op", "group", "async_op"), "input_list", "output", True),
     "reduce_scatter_tensor": (("output", "input", "op", "group", "async_op"), "input", "output", True),
+    "reduce_scatter_single": (("output", "input", "op", "group", "async_op"), "input", "output", True),
     "_reduce_scatter_base": (("output", "input", "op", "group", "async_op"), "input", "output", True),
     "all_gather": (("tensor_list", "tensor", "group", "async_op"), "tensor", "tensor_list", False),
     "all_gather_into_tensor": (("output_tensor", "input_tensor", "group", "async_op"), "input_tensor",
                                "output_tensor", False),
+    "all_gather_single": (("output_tensor", "input_tensor", "group", "async_op"), "input_tensor",
+                          "output_tensor", False),
+    "all_reduce_coalesced": (("tensors", "op", "group", "async_op"), "tensors", "tensors", True),
     "_all_gather_base": (("output_tensor", "input_tensor", "group", "async_op"), "input_tensor",
                          "output_tensor", False),
     "all_gather_object": (("object_list", "obj", "group"), None, None, False),
@@ -76,6 +80,7 @@ _C10D_SPECS = {
     "irecv": (("tensor", "src", "group", "tag"), None, "tensor", False),
 }
 _ALWAYS_ASYNC = {"isend", "irecv"}
+_REDUCING = {name for name, spec in _C10D_SPECS.items() if spec[3]}
 
 # functional op -> (parameter names, input argument, output is the result (True) or an argument)
 _FUNCTIONAL_SPECS = {
@@ -102,6 +107,22 @@ def _reduce_op_name(op) -> str:
     if name is None:
         name = str(op).rsplit(".", 1)[-1]
     return str(name).lower()
+
+
+class _OpPacketWrapper:
+    """Stands in for a ``torch.ops`` packet: calls go through ``call``; attributes such as
+    ``.default`` (used by the dispatcher and AsyncCollectiveTensor) reach the real packet."""
+
+    def __init__(self, packet, call):
+        self._packet = packet
+        self._call = call
+        self.__tensor_trace_original__ = packet
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._packet, name)
 
 
 class TracedWork:
@@ -313,8 +334,7 @@ class CollectiveInterceptor:
                     tracer._on_error(f"collective {name}", exc)
             return result
 
-        wrapper.__tensor_trace_original__ = orig
-        return wrapper
+        return _OpPacketWrapper(orig, wrapper)
 
     def _wait_wrapper(self, orig):
         interceptor = self
@@ -328,8 +348,7 @@ class CollectiveInterceptor:
                     interceptor.finish(token)
             return result
 
-        wrapper.__tensor_trace_original__ = orig
-        return wrapper
+        return _OpPacketWrapper(orig, wrapper)
 
     # ------------------------------------------------------------------ groups
     def _group_seq(self, group) -> tuple:
@@ -417,9 +436,8 @@ class CollectiveInterceptor:
             flags = ((schema.FLAG_ASYNC if is_async else 0) | (schema.FLAG_ERROR if error else 0)
                      | (schema.FLAG_CAPTURED if tracer.capturing else 0)
                      | (schema.FLAG_UNWAITED if unwaited else 0))
-            redop = writer.string(_reduce_op_name(reduce_op)) if reduce_op is not None or op in (
-                "all_reduce", "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base",
-                "reduce") else -1
+            redop = (writer.string(_reduce_op_name(reduce_op))
+                     if reduce_op is not None or op in _REDUCING else -1)
             writer.add((schema.COLLECTIVE, step, index, parent, writer.string(op), redop, gid, seq,
                         t0 - tracer.step_t0, t1 - t0, layout, fp_pre, fp_post, len(inputs), flags,
                         nbytes))

@@ -25,6 +25,8 @@ from tensor_trace import schema
 _F32 = torch.float32
 _sum = torch.sum
 _norm = torch.linalg.vector_norm
+_grad_enabled = torch.is_grad_enabled
+_set_grad = torch._C._set_grad_enabled
 
 
 class StepFingerprints:
@@ -49,6 +51,16 @@ class StepFingerprints:
         Tensors created under ``inference_mode`` have no version counter, so their cached
         value is reused at most once (an output reused as the next module's input).
         """
+        grad = _grad_enabled()
+        if grad:  # never build autograd graphs (they would keep activations alive)
+            _set_grad(False)
+        try:
+            return self._add(tensors, store)
+        finally:
+            if grad:
+                _set_grad(True)
+
+    def _add(self, tensors, store: bool) -> int:
         base = self.count
         values = self._values
         seen = self._seen

@@ -1,0 +1,29 @@
+# Two commands for a newcomer: `make demo` (a traced 2-rank run and what it shows) and
+# `make test`. Each sets up its own virtual environment on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TT := $(VENV)/bin/tensor-trace
+DEMO_OUT ?= tensor-trace-out
+
+.PHONY: demo test venv clean
+
+venv: $(VENV)/.installed
+
+# torch is installed first and pinned to the CPU build, so that pip never pulls a CUDA build.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: venv
+	OMP_NUM_THREADS=1 $(TT) record --replace -o $(DEMO_OUT) -- \
+		$(VENV)/bin/torchrun --nproc-per-node 2 examples/tp_llama.py --steps 4
+	$(PY) examples/show_trace.py $(DEMO_OUT)
+
+test: venv
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -q -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info tensor-trace-out

@@ -1,0 +1,35 @@
+import pytest
+
+from tensor_trace.tracer.config import TraceConfig, parse_steps
+
+
+def test_parse_steps():
+    assert parse_steps("2:10") == (2, 10)
+    assert parse_steps(":5") == (0, 5)
+    assert parse_steps("3:") == (3, None)
+    assert parse_steps(None) == (0, None)
+    for bad in ("x", "5:2", "1:1", "1-2"):
+        with pytest.raises(ValueError):
+            parse_steps(bad)
+
+
+def test_env_round_trip(tmp_path):
+    cfg = TraceConfig(out_dir=str(tmp_path), run_id="abc", modules=["model.*"], exclude=["*.act_fn"],
+                      steps=(1, 4), fingerprint=False)
+    back = TraceConfig.from_env(cfg.to_env())
+    assert back.run_id == "abc" and back.steps == (1, 4) and not back.fingerprint
+    assert back.modules == ["model.*"] and back.exclude == ["*.act_fn"]
+    assert [back.in_window(s) for s in range(6)] == [False, True, True, True, False, False]
+    sel = back.module_selector()
+    assert sel("model.layers.0") and not sel("model.layers.0.mlp.act_fn") and not sel("lm_head")
+
+
+def test_tracer_never_imports_exporters():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "tracer"
+    files = list(root.rglob("*.py"))
+    assert len(files) > 5
+    for f in files:
+        assert not re.search(r"^\s*(from|import)\s+\S*exporters", f.read_text(), re.M), f

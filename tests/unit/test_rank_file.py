@@ -1,0 +1,120 @@
+"""Rank files: what the writer writes the reader reads, and damage costs only the damaged part."""
+
+import os
+import random
+
+import pytest
+
+from tensor_trace import schema
+from tensor_trace.errors import BadInput
+from tensor_trace.exporters.reader import ReadReport, iter_records, load_rank_file
+from tensor_trace.tracer.writer import RankWriter
+
+
+def _write(path, n_chunks=10, per_chunk=50, **kw):
+    w = RankWriter(str(path), dict(run_id="r1", pid=1, host="h"), flush_interval_s=3600, **kw)
+    for c in range(n_chunks):
+        w.add((schema.STEP_BEGIN, c, w.string(""), c * 1000, {}))
+        for i in range(per_chunk):
+            w.add((schema.SPAN, c, i, -1, w.module(f"m{i}", "Linear"), 0, i, 1, w.layout(
+                ((f"output", (2, i), "float32", "cpu"),)), -1, -1, 0, 0))
+        w.add((schema.STEP_END, c, c * 1000 + 999, per_chunk, 0))
+        w.flush()
+    w.close()
+    return w
+
+
+def test_round_trip(tmp_path):
+    p = tmp_path / "a.ttr"
+    _write(p)
+    rt = load_rank_file(str(p))
+    assert rt.header["run_id"] == "r1"
+    assert sorted(rt.steps) == list(range(10))
+    assert [s.path for s in rt.steps[3].spans][:3] == ["m0", "m1", "m2"]
+    assert rt.steps[3].spans[7].tensors[0].shape == [2, 7]
+    assert rt.steps[3].spans[7].cls == "Linear"
+    assert rt.report.problems() == []
+
+
+def test_truncated_tail_returns_prefix(tmp_path):
+    p = tmp_path / "a.ttr"
+    _write(p)
+    data = p.read_bytes()
+    cut = tmp_path / "cut.ttr"
+    cut.write_bytes(data[: len(data) - 37])
+    rt = load_rank_file(str(cut))
+    assert rt.report.truncated_tail
+    assert sorted(rt.steps) == list(range(9)) and rt.steps[8].t_end is not None
+
+
+def test_corrupt_middle_chunk_is_skipped(tmp_path):
+    p = tmp_path / "a.ttr"
+    _write(p)
+    data = bytearray(p.read_bytes())
+    mid = len(data) // 2
+    for i in range(mid, mid + 20):
+        data[i] ^= 0xFF
+    bad = tmp_path / "bad.ttr"
+    bad.write_bytes(bytes(data))
+    rt = load_rank_file(str(bad))
+    assert rt.report.corrupt_chunks >= 1 and rt.report.skipped_bytes > 0
+    # Steps before and after the damage survive.
+    assert 0 in rt.steps and 9 in rt.steps
+    assert len(rt.steps) >= 8
+
+
+def test_not_a_trace(tmp_path):
+    p = tmp_path / "x.ttr"
+    p.write_bytes(b"hello world, not a trace")
+    with pytest.raises(BadInput, match="not a tensor-trace rank file"):
+        load_rank_file(str(p))
+
+
+def test_random_corruption_never_crashes_or_hangs(tmp_path):
+    p = tmp_path / "a.ttr"
+    _write(p, n_chunks=6, per_chunk=20)
+    data = p.read_bytes()
+    rng = random.Random(1234)
+    for trial in range(300):
+        buf = bytearray(data)
+        for _ in range(rng.randint(1, 12)):
+            i = rng.randrange(len(schema.FILE_PREFIX), len(buf))
+            buf[i] = rng.randrange(256)
+        if rng.random() < 0.3:
+            buf = buf[: rng.randrange(len(schema.FILE_PREFIX), len(buf))]
+        f = tmp_path / f"c{trial % 3}.ttr"
+        f.write_bytes(bytes(buf))
+        try:
+            rt = load_rank_file(str(f))
+        except BadInput:
+            continue  # the header chunk itself was destroyed: a clear error is the right answer
+        for st in rt.steps.values():
+            for s in st.spans:
+                assert isinstance(s.path, str)
+
+
+def test_writer_buffer_is_bounded(tmp_path):
+    w = RankWriter(str(tmp_path / "b.ttr"), dict(run_id="r"), flush_interval_s=3600, max_buffered=100)
+    peak = 0
+    for i in range(5000):
+        w.add((schema.ERROR, i, "x", "y", i))
+        peak = max(peak, len(w._buf))
+    w.close()
+    assert peak <= 100
+    report = ReadReport(str(tmp_path / "b.ttr"))
+    n = sum(1 for r in iter_records(str(tmp_path / "b.ttr"), report) if r[0] == schema.ERROR)
+    assert n == 5000
+
+
+def test_intern_tables_are_bounded(tmp_path):
+    w = RankWriter(str(tmp_path / "i.ttr"), dict(run_id="r"), flush_interval_s=3600, max_interned=1000)
+    for i in range(20000):
+        w.meta((i,), "float32", "cpu")
+        assert len(w._strings) + len(w._metas) + len(w._layouts) <= 1000
+    w.close()
+    # Re-emitted definitions still resolve: the last META of id 0 is the newest shape.
+    metas = {}
+    for r in iter_records(str(tmp_path / "i.ttr")):
+        if r[0] == schema.META:
+            metas[r[1]] = r[2]
+    assert [19999] in metas.values()

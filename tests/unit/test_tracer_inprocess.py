@@ -1,0 +1,158 @@
+"""The tracer inside one process: spans, hook hygiene, error containment, fingerprints."""
+
+import torch
+import torch.nn as nn
+from torch.nn.modules import module as nn_module
+
+from tensor_trace import tracer
+from tensor_trace.exporters.reader import load_rank_file, rank_files
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.act = nn.ReLU()
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x, *, scale=None):
+        y = self.down(self.act(self.up(x)))
+        return (y * (scale if scale is not None else 1.0), {"skip": x})
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x, scale=torch.tensor(2.0))[0]
+        x = self.blocks[0].act(x)  # the same module twice in a step: call 0 and call 1
+        return self.head(x)
+
+
+def _hooks_left():
+    return (len(nn_module._global_forward_hooks) + len(nn_module._global_forward_pre_hooks))
+
+
+def _run(tmp_path, steps=3, **opts):
+    torch.manual_seed(0)
+    net = Net()
+    xs = [torch.randn(2, 8) for _ in range(steps)]
+    plain = [net(x) for x in xs]
+    tr = tracer.start(out_dir=str(tmp_path), **opts)
+    traced = [net(x) for x in xs]
+    tracer.stop()
+    assert tr.hook_count() == 0
+    return net, plain, traced
+
+
+def test_spans_paths_calls_and_slots(tmp_path):
+    net, plain, traced = _run(tmp_path)
+    for a, b in zip(plain, traced):
+        assert torch.equal(a, b)
+    (f,) = rank_files(str(tmp_path))
+    rt = load_rank_file(f)
+    assert sorted(rt.steps) == [0, 1, 2]
+    spans = rt.steps[1].spans
+    by = {(s.path, s.call): s for s in spans}
+    assert ("blocks.0.act", 1) in by and ("blocks.0.act", 0) in by
+    up = by[("blocks.1.up", 0)]
+    assert up.cls == "Linear"
+    assert [(t.slot, t.shape) for t in up.tensors] == [("input.0", [2, 8]), ("output", [2, 16])]
+    blk = by[("blocks.0", 0)]
+    assert [t.slot for t in blk.tensors] == ["input.0", "input.scale", "output.0", "output.1.skip"]
+    root = by[("", 0)]
+    assert root.parent == -1 and root.cls == "Net"
+    assert by[("blocks.0.up", 0)].parent == blk.index
+    # Fingerprints are the fp32 sum and sum of squares of the values.
+    head_out = by[("head", 0)].tensors[-1]
+    s, q = head_out.fp
+    assert abs(s - traced[1].sum().item()) < 1e-4
+    assert abs(q - traced[1].pow(2).sum().item()) < 1e-4
+    # A tensor seen twice (output of up, input of act) has the same fingerprint.
+    assert by[("blocks.0.up", 0)].tensors[-1].fp == by[("blocks.0.act", 0)].tensors[0].fp
+
+
+def test_stop_leaves_no_hooks_and_no_patches(tmp_path):
+    import torch.distributed as dist
+
+    before_ar = dist.all_reduce
+    before_ns = torch.ops._c10d_functional.all_reduce
+    assert _hooks_left() == 0
+    net = Net()
+    tr = tracer.start(out_dir=str(tmp_path))
+    net(torch.randn(2, 8))
+    assert _hooks_left() == 2 and len(net._forward_pre_hooks) == 1
+    assert dist.all_reduce is not before_ar
+    tracer.stop()
+    assert _hooks_left() == 0
+    assert len(net._forward_pre_hooks) == 0 and len(net._forward_hooks) == 0
+    assert dist.all_reduce is before_ar
+    assert torch.ops._c10d_functional.all_reduce is before_ns
+    assert tr.hook_count() == 0
+
+
+def test_failing_hook_body_does_not_break_the_model(tmp_path, monkeypatch, capsys):
+    from tensor_trace.tracer import core
+
+    def boom(*a, **k):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(core, "_flatten_output", boom)
+    net, plain, traced = _run(tmp_path, steps=12)
+    for a, b in zip(plain, traced):
+        assert torch.equal(a, b)
+    err = capsys.readouterr().err
+    assert err.count("tensor-trace: error in forward hook") == 1
+    assert "tracing is now off" in err
+    rt = load_rank_file(rank_files(str(tmp_path))[0])
+    assert len(rt.errors) >= 20 and "injected" in rt.errors[0]["message"]
+    assert rt.end["reason"] == "too many errors"
+
+
+def test_step_window_installs_no_global_hooks_outside(tmp_path):
+    net = Net()
+    tracer.start(out_dir=str(tmp_path), steps=(2, 4))
+    seen = []
+    for i in range(6):
+        net(torch.randn(2, 8))
+        seen.append(_hooks_left())
+    tracer.stop()
+    # Global hooks exist only from the first windowed step's start until the last one ends
+    # (kept between steps 2 and 3, gone after step 0, 1, 4, 5).
+    assert seen == [0, 0, 2, 0, 0, 0]
+    rt = load_rank_file(rank_files(str(tmp_path))[0])
+    assert sorted(rt.steps) == [2, 3]
+
+
+def test_inference_mode_and_in_place_updates(tmp_path):
+    class InPlace(nn.Module):
+        def forward(self, x):
+            x.mul_(3)
+            return x
+
+    class Net2(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = InPlace()
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    net = Net2()
+    tracer.start(out_dir=str(tmp_path))
+    with torch.inference_mode():
+        out = net(torch.randn(3, 4))
+    tracer.stop()
+    rt = load_rank_file(rank_files(str(tmp_path))[0])
+    by = {s.path: s for s in rt.steps[0].spans}
+    a_out = by["a"].tensors[-1].fp
+    b_in, b_out = by["b"].tensors[0].fp, by["b"].tensors[1].fp
+    assert a_out == b_in
+    # The in-place update is visible: b's output is 3x its input, not a stale cached value.
+    assert abs(b_out[0] - 3 * b_in[0]) < 1e-4
+    assert abs(b_out[0] - out.sum().item()) < 1e-4
