@@ -479,10 +479,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                           ("head-dim", 16), ("ffn", 192), ("vocab", 384), ("batch", 2),
                           ("seq", 8), ("steps", 4), ("seed", 0)]:
         p.add_argument(f"--{name}", type=int, default=default, help=f"(default {default})")
-    p.add_argument("--aux-layer-ids", default="0,2,4",
+    p.add_argument("--aux-layer-ids", default=None,
                    help="comma list of layers whose output feeds the EAGLE-3 draft (-1 = embedding "
-                        "output); default 0,2,4 mirrors SGLang's [2, n//2, n-3] scaled down to 6 layers "
-                        "(write --aux-layer-ids=-1,... when the list starts with -1)")
+                        "output); the default, 0,n//2-1,n-2 (0,2,4 for 6 layers), mirrors SGLang's "
+                        "[2, n//2, n-3] scaled down (write --aux-layer-ids=-1,... when the list "
+                        "starts with -1)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--deferred-reduction", action="store_true",
@@ -496,6 +497,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.cuda_graph and args.device != "cuda":
         p.error("--cuda-graph requires --device cuda")
     try:
+        if args.aux_layer_ids is None:
+            n = args.layers
+            args.aux_layer_ids = ",".join(str(i) for i in sorted({0, max(0, n // 2 - 1), max(0, n - 2)}))
         args.aux_layer_ids = [int(i) for i in args.aux_layer_ids.split(",")]
         world = args.spawn or int(os.environ.get("WORLD_SIZE", "1"))
         TinyLlamaConfig.from_any(args).validate(world)   # fail once, before any rank starts

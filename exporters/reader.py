@@ -172,6 +172,7 @@ class RankTrace:
     errors: list
     end: dict | None
     report: ReadReport
+    params: dict = dataclasses.field(default_factory=dict)  # module path -> [TensorInfo(slot=name)]
 
     @property
     def rank(self):
@@ -201,6 +202,7 @@ def load_rank_file(path: str) -> RankTrace:
     header: dict = {}
     identity: dict = {}
     end = None
+    params: dict = {}
 
     def tensors_of(layout_id):
         out = []
@@ -249,6 +251,11 @@ def load_rank_file(path: str) -> RankTrace:
                 st = steps.setdefault(step, Step(step))
                 for i, (s, q) in zip(idx, schema.FP_PAIR.iter_unpack(data[:n * schema.FP_PAIR.size])):
                     st.fingerprints[i] = (s, None if math.isnan(q) else q)
+            elif kind == schema.PARAMS:
+                plist = params.setdefault(strings.get(rec[1], "?"), [])
+                for name_id, meta_id, ref in rec[2]:
+                    shape, dtype, device = metas.get(meta_id, ([], "?", "?"))
+                    plist.append((TensorInfo(strings.get(name_id, "?"), shape, dtype, device), ref))
             elif kind == schema.GROUP:
                 groups[rec[1]] = dict(name=rec[2], ranks=rec[3], backend=rec[4],
                                       pg_name=rec[5] if len(rec) > 5 else "")
@@ -265,12 +272,17 @@ def load_rank_file(path: str) -> RankTrace:
             report.records -= 1
     if not header:
         raise BadInput(f"{path}: no header record (the file was damaged at its start)")
+    static = steps.pop(schema.PARAMS_STEP, Step(schema.PARAMS_STEP)).fingerprints
+    for path_, plist in params.items():
+        for t, ref in plist:
+            t.fp = static.get(ref)
+        params[path_] = [t for t, _ in plist]
     for st in steps.values():
         for item in (*st.spans, *st.collectives):
             for t, ref in zip(item.tensors, item.fp_refs):
                 if ref >= 0:
                     t.fp = st.fingerprints.get(ref)
-    return RankTrace(path, header, identity, steps, modules, groups, errors, end, report)
+    return RankTrace(path, header, identity, steps, modules, groups, errors, end, report, params)
 
 
 def rank_files(trace_dir: str) -> list[str]:

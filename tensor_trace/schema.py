@@ -51,6 +51,9 @@ FINGERPRINTS = 11  # step, first index, packed little-endian float32 pairs (sum,
 ERROR = 12  # mono_ns, where, message, count so far
 END = 13  # dict: reason, stats (spans, collectives, steps, bytes, errors, dropped)
 SKIPPED_STEPS = 14  # first step, last step (steps seen but outside the --steps window)
+PARAMS = 15  # module path id, [[name string id, meta id, fingerprint index], ...]; the
+#              fingerprints are in FINGERPRINTS records of step PARAMS_STEP
+PARAMS_STEP = -1
 
 RECORD_NAMES = {
     HEADER: "header",
@@ -68,6 +71,7 @@ RECORD_NAMES = {
     ERROR: "error",
     END: "end",
     SKIPPED_STEPS: "skipped_steps",
+    PARAMS: "params",
 }
 
 # SPAN / COLLECTIVE flags.

@@ -248,6 +248,27 @@ class Tracer:
         for name, sub in module.named_modules(remove_duplicate=False):
             if sub not in names:
                 names[sub] = self._module_entry(name, sub)
+        if self.fingerprint and not _is_capturing():
+            self._record_parameters(module)
+
+    def _record_parameters(self, root) -> None:
+        """Fingerprint every module's own parameters once: weights that differ across ranks
+        with equal shapes are what tells a column-parallel output (a slice) from divergence."""
+        writer = self.ensure_writer()
+        fps = StepFingerprints()
+        for sub in root.modules():
+            entry = self.names.get(sub)
+            if entry is None or not entry[2]:
+                continue
+            params = [(n, p) for n, p in sub.named_parameters(recurse=False) if p is not None]
+            if not params:
+                continue
+            base = fps.add([p.detach() for _, p in params], store=False)
+            writer.add((schema.PARAMS, writer.module(entry[0], entry[1]), [
+                [writer.string(n), writer.meta(p.shape, p.dtype, p.device), base + i]
+                for i, (n, p) in enumerate(params)]))
+        fps.finish_step(schema.PARAMS_STEP)
+        self.fps._pending.extend(fps._pending)  # written with the next step's fingerprints
 
     def _module_entry(self, path: str, module):
         # (path, class name, selected); the root ("") is always recorded: it delimits the step.

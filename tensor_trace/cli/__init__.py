@@ -29,9 +29,11 @@ def main():
 
 
 def _register():
-    from tensor_trace.cli import record
+    from tensor_trace.cli import merge, query, record
 
     main.add_command(record.record)
+    main.add_command(merge.merge)
+    main.add_command(query.query)
 
 
 _register()

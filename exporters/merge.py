@@ -1,0 +1,475 @@
+"""merge_ranks: every rank file of a run into one indexed SQLite store (``DIR/merged.sqlite``).
+
+Streaming: each file is read record by record and inserted in batches; the merge holds only one
+file's intern tables and one batch in memory, whatever the size of the trace. The store is built
+in a temporary file and renamed, so a reader never sees half a store, and merging twice gives the
+same store (files are taken in sorted order; nothing depends on the time of the merge).
+
+After loading, the merge (1) matches collectives across ranks by (group, sequence number) and
+records ranks that skipped one or issued a different one, (2) estimates clock offsets between
+processes from matched blocking collectives, and (3) computes placement and reduction verdicts
+for every capture point (``tensor_trace.exporters.placement``). The schema is documented in
+``docs/store-schema.md``; ``tensor-trace query sql`` exposes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import statistics
+import sys
+
+from tensor_trace import schema
+from tensor_trace.errors import BadInput
+from tensor_trace.exporters.reader import ReadReport, iter_records, rank_files
+
+STORE_NAME = "merged.sqlite"
+STORE_VERSION = 1
+BATCH = 20_000
+
+SCHEMA_SQL = """
+CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE processes(
+    proc INTEGER PRIMARY KEY, file TEXT, run_id TEXT, host TEXT, pid INTEGER, rank INTEGER,
+    world_size INTEGER, local_rank INTEGER, tp_rank INTEGER, tp_size INTEGER, tp_ranks TEXT,
+    device TEXT, mono_anchor_ns INTEGER, wall_anchor_ns INTEGER, clock_offset_ns INTEGER,
+    clock_residual_ns INTEGER, clock_matches INTEGER, records INTEGER, corrupt_chunks INTEGER,
+    skipped_bytes INTEGER, truncated INTEGER, end_reason TEXT, identity TEXT);
+CREATE TABLE modules(module_id INTEGER PRIMARY KEY, path TEXT UNIQUE, class TEXT);
+CREATE TABLE layouts(layout_id INTEGER PRIMARY KEY, slots TEXT UNIQUE);
+CREATE TABLE groups(group_id INTEGER PRIMARY KEY, name TEXT, ranks TEXT, backend TEXT, pg_name TEXT,
+    UNIQUE(pg_name, ranks));
+CREATE TABLE steps(proc INTEGER, step INTEGER, root TEXT, t_begin INTEGER, t_end INTEGER,
+    n_spans INTEGER, n_collectives INTEGER, attrs TEXT, PRIMARY KEY(proc, step));
+CREATE TABLE spans(proc INTEGER, step INTEGER, idx INTEGER, parent INTEGER, module_id INTEGER,
+    call INTEGER, t0 INTEGER, dur INTEGER, layout_id INTEGER, fp_pre INTEGER, fp_post INTEGER,
+    n_pre INTEGER, flags INTEGER);
+CREATE TABLE collectives(proc INTEGER, step INTEGER, idx INTEGER, parent INTEGER, op TEXT,
+    reduce_op TEXT, group_id INTEGER, seq INTEGER, t0 INTEGER, dur INTEGER, layout_id INTEGER,
+    fp_pre INTEGER, fp_post INTEGER, n_pre INTEGER, flags INTEGER, bytes INTEGER);
+CREATE TABLE fingerprints(proc INTEGER, step INTEGER, first INTEGER, data BLOB, indices BLOB);
+CREATE TABLE params(proc INTEGER, module_id INTEGER, name TEXT, shape TEXT, dtype TEXT, fp_index INTEGER);
+CREATE TABLE errors(proc INTEGER, t INTEGER, location TEXT, message TEXT);
+CREATE TABLE collective_issues(group_id INTEGER, seq INTEGER, kind TEXT, ranks TEXT, detail TEXT);
+CREATE TABLE points(point TEXT PRIMARY KEY, module TEXT, call INTEGER, slot TEXT, placement TEXT,
+    reduction TEXT, shapes TEXT, dtype TEXT, dtypes TEXT, steps INTEGER, evidence TEXT,
+    collective TEXT, sort_key INTEGER);
+"""
+
+INDEX_SQL = """
+CREATE INDEX spans_by_step ON spans(step, proc, idx);
+CREATE INDEX spans_by_module ON spans(module_id, call);
+CREATE INDEX collectives_by_step ON collectives(step, proc, idx);
+CREATE INDEX collectives_by_seq ON collectives(group_id, seq);
+CREATE INDEX fingerprints_by_step ON fingerprints(step, proc);
+CREATE INDEX points_by_module ON points(module, call);
+CREATE VIEW span_view AS
+    SELECT s.proc, p.rank, s.step, s.idx, s.parent, m.path AS module, m.class, s.call,
+           st.t_begin + s.t0 + COALESCE(p.clock_offset_ns, 0) AS start_ns, s.dur AS dur_ns,
+           l.slots AS tensors, s.flags
+    FROM spans s JOIN modules m USING(module_id) JOIN processes p USING(proc)
+    JOIN steps st ON st.proc = s.proc AND st.step = s.step
+    LEFT JOIN layouts l USING(layout_id);
+CREATE VIEW collective_view AS
+    SELECT c.proc, p.rank, c.step, c.idx, m.path AS module, c.op, c.reduce_op, g.name AS grp,
+           g.ranks AS group_ranks, c.seq, st.t_begin + c.t0 + COALESCE(p.clock_offset_ns, 0) AS start_ns,
+           c.dur AS dur_ns, c.bytes, l.slots AS tensors, c.flags
+    FROM collectives c JOIN processes p USING(proc) JOIN groups g USING(group_id)
+    JOIN steps st ON st.proc = c.proc AND st.step = c.step
+    LEFT JOIN spans s ON s.proc = c.proc AND s.step = c.step AND s.idx = c.parent
+    LEFT JOIN modules m ON m.module_id = s.module_id
+    LEFT JOIN layouts l ON l.layout_id = c.layout_id;
+"""
+
+
+def store_path(trace_dir: str) -> str:
+    return os.path.join(trace_dir, STORE_NAME)
+
+
+def is_stale(trace_dir: str) -> bool:
+    """True when the store is missing, of another version, or older than a rank file."""
+    path = store_path(trace_dir)
+    if not os.path.exists(path):
+        return True
+    mtime = os.path.getmtime(path)
+    if any(os.path.getmtime(f) > mtime for f in rank_files(trace_dir)):
+        return True
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        row = con.execute("SELECT value FROM meta WHERE key='store_version'").fetchone()
+        con.close()
+        return row is None or int(row[0]) != STORE_VERSION
+    except sqlite3.Error:
+        return True
+
+
+def open_store(trace_dir: str, warn=None) -> sqlite3.Connection:
+    """Open a trace folder's store, merging first when it is missing or stale."""
+    if not os.path.isdir(trace_dir):
+        raise BadInput(f"{trace_dir}: no such trace folder")
+    if is_stale(trace_dir):
+        merge_ranks(trace_dir, warn=warn)
+    con = sqlite3.connect(f"file:{store_path(trace_dir)}?mode=ro", uri=True)
+    return con
+
+
+class _FileLoader:
+    """Streams one rank file into the store."""
+
+    def __init__(self, con, proc, path, globals_):
+        self.con = con
+        self.proc = proc
+        self.path = path
+        self.g = globals_
+        self.strings: dict = {}
+        self.metas: dict = {}
+        self.layouts: dict = {}  # file layout id -> global layout id
+        self.groups: dict = {}  # file group id -> global group id
+        self.modules: dict = {}  # file string id -> module id
+        self.spans: list = []
+        self.colls: list = []
+        self.fps: list = []
+        self.steps: dict = {}
+        self.header: dict = {}
+        self.identity: dict = {}
+        self.end = None
+        self.errors: list = []
+        self.params: list = []
+        self.report = ReadReport(path)
+
+    def module_id(self, sid):
+        mid = self.modules.get(sid)
+        if mid is None:
+            mid = self.g.module(self.strings.get(sid, "?"), None)
+            self.modules[sid] = mid
+        return mid
+
+    def flush(self):
+        con = self.con
+        if self.spans:
+            con.executemany("INSERT INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", self.spans)
+            self.spans = []
+        if self.colls:
+            con.executemany("INSERT INTO collectives VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", self.colls)
+            self.colls = []
+        if self.fps:
+            con.executemany("INSERT INTO fingerprints VALUES (?,?,?,?,?)", self.fps)
+            self.fps = []
+
+    def load(self):
+        proc = self.proc
+        strings = self.strings
+        spans = self.spans
+        colls = self.colls
+        layouts = self.layouts
+        module_id = self.module_id
+        S_SPAN, S_COLL, S_STR = schema.SPAN, schema.COLLECTIVE, schema.STRING
+        n = 0
+        for rec in iter_records(self.path, self.report):
+            kind = rec[0]
+            try:
+                if kind == S_SPAN:
+                    mid = self.modules.get(rec[4])
+                    if mid is None:
+                        mid = module_id(rec[4])
+                    spans.append((proc, rec[1], rec[2], rec[3], mid, rec[5], rec[6], rec[7],
+                                  layouts.get(rec[8]), rec[9], rec[10], rec[11], rec[12]))
+                    n += 1
+                    if n >= BATCH:
+                        self.flush()
+                        n = 0
+                elif kind == S_COLL:
+                    colls.append((proc, rec[1], rec[2], rec[3], strings.get(rec[4]),
+                                  strings.get(rec[5]) if rec[5] >= 0 else None,
+                                  self.groups.get(rec[6]), rec[7], rec[8], rec[9], layouts.get(rec[10]),
+                                  rec[11], rec[12], rec[13], rec[14], rec[15]))
+                    n += 1
+                elif kind == S_STR:
+                    strings[rec[1]] = rec[2]
+                    self.modules.pop(rec[1], None)
+                elif kind == schema.META:
+                    self.metas[rec[1]] = (rec[2], strings.get(rec[3], "?"), strings.get(rec[4], "?"))
+                elif kind == schema.LAYOUT:
+                    slots = [[strings.get(s, "?"), *self.metas.get(m, ([], "?", "?"))] for s, m in rec[2]]
+                    layouts[rec[1]] = self.g.layout(slots)
+                elif kind == schema.MODULE:
+                    self.modules[rec[1]] = self.g.module(strings.get(rec[1], "?"), strings.get(rec[2]))
+                elif kind == schema.PARAMS:
+                    mid = module_id(rec[1])
+                    for name_id, meta_id, ref in rec[2]:
+                        shape, dtype, _ = self.metas.get(meta_id, ([], "?", "?"))
+                        self.params.append((proc, mid, strings.get(name_id, "?"), json.dumps(shape), dtype, ref))
+                elif kind == schema.FINGERPRINTS:
+                    self.fps.append((proc, rec[1], rec[2], rec[3], rec[4]))
+                elif kind == schema.STEP_BEGIN:
+                    self.steps[rec[1]] = [strings.get(rec[2], ""), rec[3], None, 0, 0,
+                                          json.dumps(rec[4] or {}, sort_keys=True)]
+                elif kind == schema.STEP_END:
+                    st = self.steps.get(rec[1])
+                    if st is not None:
+                        st[2], st[3], st[4] = rec[2], rec[3], rec[4]
+                elif kind == schema.GROUP:
+                    self.groups[rec[1]] = self.g.group(rec[2], rec[3], rec[4], rec[5] if len(rec) > 5 else "")
+                elif kind == schema.IDENTITY:
+                    self.identity = dict(rec[1])
+                elif kind == schema.HEADER:
+                    self.header = dict(rec[1])
+                elif kind == schema.ERROR:
+                    self.errors.append((proc, rec[1], rec[2], rec[3]))
+                elif kind == schema.END:
+                    self.end = dict(rec[1])
+            except (IndexError, TypeError, ValueError, AttributeError):
+                self.report.corrupt_chunks += 0
+        self.flush()
+        if not self.header:
+            raise BadInput(f"{self.path}: no header (damaged at its start)")
+        self.con.executemany("INSERT INTO steps VALUES (?,?,?,?,?,?,?,?)",
+                             [(proc, k, *v) for k, v in sorted(self.steps.items())])
+        if self.errors:
+            self.con.executemany("INSERT INTO errors VALUES (?,?,?,?)", self.errors)
+        if self.params:
+            self.con.executemany("INSERT INTO params VALUES (?,?,?,?,?,?)", self.params)
+
+
+class _Globals:
+    """Ids shared by all files of the store: modules, layouts, groups."""
+
+    def __init__(self, con):
+        self.con = con
+        self.modules: dict = {}
+        self.layouts: dict = {}
+        self.groups: dict = {}
+
+    def module(self, path, cls):
+        entry = self.modules.get(path)
+        if entry is None:
+            mid = len(self.modules)
+            self.modules[path] = [mid, cls]
+            return mid
+        if cls and not entry[1]:
+            entry[1] = cls
+        return entry[0]
+
+    def layout(self, slots):
+        key = json.dumps(slots, separators=(",", ":"))
+        lid = self.layouts.get(key)
+        if lid is None:
+            lid = len(self.layouts)
+            self.layouts[key] = lid
+        return lid
+
+    def group(self, name, ranks, backend, pg_name):
+        key = (pg_name, json.dumps(ranks))
+        entry = self.groups.get(key)
+        if entry is None:
+            entry = (len(self.groups), name, json.dumps(ranks), backend, pg_name)
+            self.groups[key] = entry
+        return entry[0]
+
+    def write(self):
+        con = self.con
+        con.executemany("INSERT INTO modules VALUES (?,?,?)",
+                        [(mid, path, cls) for path, (mid, cls) in self.modules.items()])
+        con.executemany("INSERT INTO layouts VALUES (?,?)", [(lid, k) for k, lid in self.layouts.items()])
+        con.executemany("INSERT INTO groups VALUES (?,?,?,?,?)", list(self.groups.values()))
+
+
+def merge_ranks(trace_dir: str, warn=None) -> dict:
+    """Merge every rank file of ``trace_dir`` into ``trace_dir/merged.sqlite``; return a report."""
+    warn = warn or (lambda msg: sys.stderr.write(f"tensor-trace: warning: {msg}\n"))
+    if not os.path.isdir(trace_dir):
+        raise BadInput(f"{trace_dir}: no such trace folder")
+    files = rank_files(trace_dir)
+    if not files:
+        raise BadInput(f"{trace_dir}: no rank files (expected {trace_dir}/ranks/*.ttr from tensor-trace record)")
+    run_id = None
+    run_file = os.path.join(trace_dir, "run.json")
+    if os.path.exists(run_file):
+        try:
+            with open(run_file) as f:
+                run_id = json.load(f).get("run_id")
+        except (OSError, ValueError):
+            warn(f"{run_file} is unreadable; taking the run id from the rank files")
+    final = store_path(trace_dir)
+    tmp = final + ".tmp"
+    if os.path.exists(tmp):
+        os.remove(tmp)
+    con = sqlite3.connect(tmp)
+    con.execute("PRAGMA journal_mode=OFF")
+    con.execute("PRAGMA synchronous=OFF")
+    con.executescript(SCHEMA_SQL)
+    g = _Globals(con)
+    report = dict(files=len(files), processes=0, problems=[])
+    loaders = []
+    try:
+        for proc, path in enumerate(files):
+            loader = _FileLoader(con, proc, path, g)
+            loader.load()
+            file_run = loader.header.get("run_id")
+            if run_id is None:
+                run_id = file_run
+            elif file_run != run_id:
+                raise BadInput(f"{os.path.basename(path)} belongs to run {file_run}, not to this folder's "
+                               f"run {run_id}: move it out, or record again with --replace")
+            ident = loader.identity
+            hdr = loader.header
+            rep = loader.report
+            for p in rep.problems():
+                warn(f"{os.path.basename(path)}: {p}; read what came before")
+                report["problems"].append(f"{os.path.basename(path)}: {p}")
+            con.execute("INSERT INTO processes VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", (
+                proc, os.path.relpath(path, trace_dir), file_run, hdr.get("host"), hdr.get("pid"),
+                ident.get("rank"), ident.get("world_size"), ident.get("local_rank"), ident.get("tp_rank"),
+                ident.get("tp_size"), json.dumps(ident.get("tp_ranks")) if ident.get("tp_ranks") else None,
+                ident.get("device"), hdr.get("mono_ns"), hdr.get("wall_ns"), hdr.get("clock_offset_ns", 0),
+                None, 0, rep.records,
+                rep.corrupt_chunks, rep.skipped_bytes, int(rep.truncated_tail),
+                (loader.end or {}).get("reason"), json.dumps(ident, sort_keys=True)))
+            loaders.append(loader)
+            report["processes"] += 1
+        g.write()
+        con.executemany("INSERT INTO meta VALUES (?,?)", [
+            ("store_version", str(STORE_VERSION)), ("run_id", run_id or ""),
+            ("format_version", str(schema.FORMAT_VERSION))])
+        con.executescript(INDEX_SQL)
+        _check_missing_ranks(con, warn, report)
+        report["collective_issues"] = align_collectives(con)
+        report["clocks"] = estimate_clock_offsets(con)
+        from tensor_trace.exporters.placement import compute_verdicts
+
+        report["points"] = compute_verdicts(con)
+        con.commit()
+        con.execute("ANALYZE")
+        con.commit()
+    except BaseException:
+        con.close()
+        os.remove(tmp)
+        raise
+    con.close()
+    os.replace(tmp, final)
+    return report
+
+
+def _check_missing_ranks(con, warn, report) -> None:
+    rows = con.execute("SELECT rank, world_size FROM processes WHERE rank IS NOT NULL").fetchall()
+    if not rows:
+        return
+    world = max((w or 0) for _, w in rows)
+    present = {r for r, _ in rows}
+    missing = sorted(set(range(world)) - present)
+    if missing:
+        msg = f"rank(s) {', '.join(map(str, missing))} of world size {world} left no rank file; answers use the others"
+        warn(msg)
+        report["problems"].append(msg)
+
+
+def align_collectives(con) -> list:
+    """Match collectives by (group, seq) across the group's ranks, as PyTorch's Flight Recorder
+    analyser does; record the first disagreement per group (later ones follow from it)."""
+    issues = []
+    groups = {gid: json.loads(ranks) for gid, ranks in con.execute("SELECT group_id, ranks FROM groups")}
+    rank_of = dict(con.execute("SELECT proc, rank FROM processes"))
+    for gid, ranks in groups.items():
+        procs = [p for p, r in rank_of.items() if r in ranks]
+        if len(procs) < 2:
+            continue
+        # Compare only the range every present rank covered (a killed rank stops early).
+        lasts = dict(con.execute("SELECT proc, MAX(seq) FROM collectives WHERE group_id=? GROUP BY proc", (gid,)))
+        if len(lasts) < len(procs):
+            continue
+        upto = min(lasts.values())
+        cur = con.execute(
+            "SELECT seq, proc, op, reduce_op, layout_id FROM collectives WHERE group_id=? AND seq<=? "
+            "ORDER BY seq, proc", (gid, upto))
+        prev_seq, rows = None, []
+        first_seq = dict(con.execute("SELECT proc, MIN(seq) FROM collectives WHERE group_id=? GROUP BY proc", (gid,)))
+        start = max(first_seq.values())
+        for seq, proc, op, redop, lay in cur:
+            if seq < start:
+                continue
+            if seq != prev_seq and rows:
+                issue = _compare(gid, prev_seq, rows, procs, rank_of, con)
+                if issue:
+                    issues.append(issue)
+                    break
+                rows = []
+            prev_seq = seq
+            rows.append((proc, op, redop, lay))
+        else:
+            if rows:
+                issue = _compare(gid, prev_seq, rows, procs, rank_of, con)
+                if issue:
+                    issues.append(issue)
+    con.executemany("INSERT INTO collective_issues VALUES (?,?,?,?,?)", issues)
+    return issues
+
+
+def _compare(gid, seq, rows, procs, rank_of, con):
+    have = {p for p, *_ in rows}
+    missing = [rank_of[p] for p in procs if p not in have]
+    if missing:
+        return (gid, seq, "skipped", json.dumps(missing),
+                f"rank(s) {missing} did not issue collective #{seq} of group {gid} "
+                f"({rows[0][1]}) that rank(s) {sorted(rank_of[p] for p in have)} issued")
+    sigs = {}
+    for proc, op, redop, lay in rows:
+        sigs.setdefault((op, redop, lay), []).append(rank_of[proc])
+    if len(sigs) > 1:
+        parts = []
+        for (op, redop, lay), ranks in sigs.items():
+            slots = con.execute("SELECT slots FROM layouts WHERE layout_id=?", (lay,)).fetchone()
+            shapes = [f"{s[1]} {s[2]}" for s in json.loads(slots[0])] if slots else []
+            parts.append(f"ranks {ranks}: {op}{'(' + redop + ')' if redop else ''} {', '.join(shapes)}")
+        odd = min(sigs.values(), key=len)
+        return (gid, seq, "mismatch", json.dumps(odd), f"collective #{seq} of group {gid} differs: "
+                + "; ".join(parts))
+    return None
+
+
+def estimate_clock_offsets(con) -> list:
+    """Offset of every process's monotonic clock from the reference process (lowest rank).
+
+    Processes of one clock domain (one host, unless a test shifted a process's clock) share a
+    monotonic clock: offset 0. For another domain, every rank leaves a blocking collective at
+    nearly the same moment, so the offset is the median over matched blocking collectives of
+    (end on reference - end on p). The residual skew reported is the median absolute difference
+    of those ends after correction. With no matched collective, other hosts fall back to the
+    wall-clock anchors written when each process started.
+    """
+    procs = con.execute("SELECT proc, rank, host, mono_anchor_ns, wall_anchor_ns, file FROM processes "
+                        "ORDER BY rank IS NULL, rank, proc").fetchall()
+    if not procs:
+        return []
+    # Before estimation the column holds the shift a test injected into a process's clock
+    # (TENSOR_TRACE_CLOCK_OFFSET_NS): such a process is its own clock domain.
+    injected = {proc: off or 0 for proc, off in con.execute("SELECT proc, clock_offset_ns FROM processes")}
+    domains = {}
+    ref = procs[0]
+    for proc, rank, host, *_ in procs:
+        domains[proc] = (host, injected.get(proc, 0))
+    ends: dict = {}
+    cur = con.execute(
+        "SELECT c.proc, c.group_id, c.seq, st.t_begin + c.t0 + c.dur FROM collectives c "
+        "JOIN steps st ON st.proc = c.proc AND st.step = c.step WHERE (c.flags & ?) = 0 "
+        "AND c.op NOT IN ('send','recv','isend','irecv')", (schema.FLAG_ASYNC | schema.FLAG_CAPTURED,))
+    for proc, gid, seq, end in cur:
+        ends.setdefault(proc, {})[(gid, seq)] = end
+    out = []
+    ref_ends = ends.get(ref[0], {})
+    for proc, rank, host, mono, wall, _file in procs:
+        mine = ends.get(proc, {})
+        diffs = [ref_ends[k] - v for k, v in mine.items() if k in ref_ends]
+        same_domain = domains[proc] == domains[ref[0]]
+        if same_domain:
+            off = 0
+        elif diffs:
+            off = int(statistics.median(diffs))
+        else:
+            # t_ref = t_p + (wall_p - mono_p) - (wall_ref - mono_ref)
+            off = (wall - mono) - (ref[4] - ref[3]) if None not in (wall, mono, ref[3], ref[4]) else 0
+        resid = int(statistics.median(abs(d - off) for d in diffs)) if diffs else None
+        out.append((proc, off, resid, len(diffs)))
+    con.executemany("UPDATE processes SET clock_offset_ns=?, clock_residual_ns=?, clock_matches=? WHERE proc=?",
+                    [(off, res, n, proc) for proc, off, res, n in out])
+    return out

@@ -1,0 +1,231 @@
+"""Answers over a merged store: placement, reduction, collectives, shapes, diff, sql.
+
+Each function takes an open store (``merge.open_store``) and returns plain JSON-able data with
+the keys of the contract (shared/design.md); the CLI formats it. ``NoAnswer`` (exit 1) carries
+the nearest point names when a point is unknown.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import json
+import re
+import sqlite3
+
+from tensor_trace.errors import BadInput, NoAnswer
+
+_POINT_COLS = "point, module, call, slot, placement, reduction, shapes, dtype, dtypes, steps, evidence, collective"
+
+
+def _point_row(row) -> dict:
+    (point, module, call, slot, placement, reduction, shapes, dtype, dtypes, steps, evidence,
+     collective) = row
+    out = dict(point=point, module=module, call=call, slot=slot, placement=placement, reduction=reduction,
+               shapes={int(k): v for k, v in json.loads(shapes).items()}, dtype=dtype, steps=steps,
+               evidence=json.loads(evidence), collective=json.loads(collective) if collective else None)
+    if dtypes:
+        out["dtypes"] = {int(k): v for k, v in json.loads(dtypes).items()}
+    return out
+
+
+def all_points(con) -> list[str]:
+    return [r[0] for r in con.execute("SELECT point FROM points ORDER BY sort_key")]
+
+
+def _nearest(con, name: str) -> str:
+    names = all_points(con)
+    modules = sorted({n.split(":")[0] for n in names})
+    near = difflib.get_close_matches(name, names + modules, n=5, cutoff=0.5)
+    if not near:
+        near = [n for n in names if name.split(":")[0].split(".")[-1] in n][:5]
+    return ", ".join(near) if near else "(no similar names)"
+
+
+def match_points(con, pattern: str | None) -> list[dict]:
+    """Points matching a glob. Without ':' the glob is over module paths (with #K for a call)
+    and selects their outputs; with ':' it is over whole point names."""
+    rows = con.execute(f"SELECT {_POINT_COLS} FROM points ORDER BY sort_key").fetchall()
+    if not pattern:
+        return [_point_row(r) for r in rows if r[3].startswith("output")]
+    if ":" in pattern:
+        rx = re.compile(fnmatch.translate(pattern))
+        alt = pattern.split(":", 1)
+        rx2 = re.compile(fnmatch.translate(f"{alt[0]}#*:{alt[1]}")) if "#" not in alt[0] else None
+        return [_point_row(r) for r in rows if rx.match(r[0]) or (rx2 and rx2.match(r[0]))]
+    rx = re.compile(fnmatch.translate(pattern))
+    out = []
+    for r in rows:
+        if not r[3].startswith("output"):
+            continue
+        mod_call = f"{r[1]}#{r[2]}"
+        if rx.match(r[1]) or rx.match(mod_call):
+            out.append(_point_row(r))
+    return out
+
+
+def find_point(con, point: str) -> list[dict]:
+    """The point(s) a name designates: an exact point, ``MODULE`` (its outputs), ``MODULE#K``,
+    or ``capture:NAME``; raises NoAnswer with the nearest names."""
+    rows = con.execute(f"SELECT {_POINT_COLS} FROM points WHERE point=?", (point,)).fetchall()
+    if not rows and ":" in point:
+        mod, slot = point.split(":", 1)
+        m = re.fullmatch(r"(.*)#(\d+)", mod)
+        if m:
+            rows = con.execute(f"SELECT {_POINT_COLS} FROM points WHERE module=? AND call=? AND slot=?",
+                               (m.group(1), int(m.group(2)), slot)).fetchall()
+        else:
+            rows = con.execute(f"SELECT {_POINT_COLS} FROM points WHERE module=? AND slot=? ORDER BY call",
+                               (mod, slot)).fetchall()
+    if not rows and ":" not in point:
+        m = re.fullmatch(r"(.*)#(\d+)", point)
+        mod, call = (m.group(1), int(m.group(2))) if m else (point, None)
+        q = f"SELECT {_POINT_COLS} FROM points WHERE module=? AND slot LIKE 'output%'"
+        args = [mod]
+        if call is not None:
+            q += " AND call=?"
+            args.append(call)
+        rows = con.execute(q + " ORDER BY call, sort_key", args).fetchall()
+    if not rows:
+        raise NoAnswer(f"no point {point!r} in this trace; nearest: {_nearest(con, point)}")
+    return [_point_row(r) for r in rows]
+
+
+def placement(con, pattern: str | None, step: int | None = None) -> list[dict]:
+    if step is not None:
+        return _placement_at_step(con, pattern, step)
+    pts = match_points(con, pattern)
+    if not pts:
+        raise NoAnswer(f"no point matches {pattern!r}; nearest: {_nearest(con, pattern or '')}")
+    return pts
+
+
+def _placement_at_step(con, pattern, step) -> list[dict]:
+    from tensor_trace.exporters import placement as pl
+
+    layouts = {lid: json.loads(s) for lid, s in con.execute("SELECT layout_id, slots FROM layouts")}
+    modules = dict(con.execute("SELECT module_id, path FROM modules"))
+    rank_of = {p: (r if r is not None else 0) for p, r in con.execute("SELECT proc, rank FROM processes")}
+    params = pl._load_params(con, None)
+    out = []
+    multi = {r[0] for r in con.execute("SELECT DISTINCT module FROM points WHERE call > 0")}
+    for procs in pl.tp_groups(con):
+        if not con.execute("SELECT 1 FROM steps WHERE step=? LIMIT 1", (step,)).fetchone():
+            raise NoAnswer(f"step {step} was not traced; traced steps: " + ", ".join(
+                str(s) for (s,) in con.execute("SELECT DISTINCT step FROM steps ORDER BY step LIMIT 20")))
+        view = pl.StepView(con, step, procs, layouts, modules, rank_of)
+        verdicts = pl.Judge(view, params, rank_of).judge_all()
+        for key in sorted(verdicts, key=lambda k: view.times.get(k, (1 << 62, 0, 0))):
+            module, call, slot = key
+            v = verdicts[key]
+            name = pl.point_name(module, call, slot, module in multi or view.max_call[module] > 0)
+            out.append(dict(point=name, module=module, call=call, slot=slot, placement=v["placement"],
+                            reduction=v["reduction"], shapes=v["shapes"],
+                            dtype=next(iter(set(v["dtypes"].values()))) if len(set(v["dtypes"].values())) == 1 else None,
+                            evidence=v["evidence"] + [f"step {step}"], collective=v["collective"], steps=1))
+    if pattern:
+        keep = {p["point"] for p in match_points(con, pattern)}
+        out = [p for p in out if p["point"] in keep]
+    if not out:
+        raise NoAnswer(f"no point matches {pattern!r} in step {step}")
+    return out
+
+
+def reduction(con, point: str) -> dict:
+    pts = find_point(con, point)
+    p = pts[0]
+    return dict(point=p["point"], verdict=p["reduction"], placement=p["placement"],
+                collective=p["collective"], evidence=p["evidence"])
+
+
+def shapes(con, point: str) -> list[dict]:
+    if any(ch in point for ch in "*?["):
+        pts = match_points(con, point)
+        if not pts:
+            raise NoAnswer(f"no point matches {point!r}; nearest: {_nearest(con, point)}")
+    else:
+        pts = find_point(con, point)
+    out = []
+    for p in pts:
+        d = dict(point=p["point"], module=p["module"], call=p["call"], shapes=p["shapes"], steps=p["steps"])
+        if "dtypes" in p:
+            d["dtypes"] = p["dtypes"]
+        else:
+            d["dtype"] = p["dtype"]
+        out.append(d)
+    return out
+
+
+def collectives(con, pattern: str | None) -> list[dict]:
+    """Per issuing module: op, reduce op, group, count, bytes and time per rank, per step.
+
+    Counts and bytes are those of one rank (the lowest that issued it); time is the mean over
+    the ranks of the host time spent in the call."""
+    order_of = {p: i for i, (p,) in enumerate(con.execute(
+        "SELECT proc FROM processes ORDER BY rank IS NULL, rank, proc"))}
+    rows = con.execute(
+        "SELECT COALESCE(m.path, '') AS module, c.op, c.reduce_op, g.name, g.ranks, c.step, c.proc, "
+        "COUNT(*), SUM(c.bytes), SUM(c.dur), MIN(c.step * 1000000 + c.idx) FROM collectives c "
+        "JOIN groups g USING(group_id) "
+        "LEFT JOIN spans s ON s.proc = c.proc AND s.step = c.step AND s.idx = c.parent "
+        "LEFT JOIN modules m ON m.module_id = s.module_id "
+        "GROUP BY module, c.op, c.reduce_op, c.group_id, c.step, c.proc").fetchall()
+    agg: dict = {}
+    for module, op, redop, gname, granks, step, proc, n, nbytes, dur, first in rows:
+        if pattern and not fnmatch.fnmatch(module, pattern):
+            continue
+        a = agg.setdefault((module, op, redop, gname, granks), dict(
+            per_proc={}, bytes={}, time={}, first=first))
+        a["per_proc"].setdefault(proc, {})[step] = n
+        a["bytes"][proc] = a["bytes"].get(proc, 0) + (nbytes or 0)
+        a["time"][proc] = a["time"].get(proc, 0) + (dur or 0)
+        a["first"] = min(a["first"], first)
+    out = []
+    for (module, op, redop, gname, granks), a in sorted(agg.items(), key=lambda kv: (kv[1]["first"], kv[0][1])):
+        ref = min(a["per_proc"], key=lambda p: order_of.get(p, 1 << 30))
+        per_step = dict(sorted(a["per_proc"][ref].items()))
+        out.append(dict(module=module, op=op, reduce_op=redop, group=gname, group_ranks=json.loads(granks),
+                        count=sum(per_step.values()), bytes=a["bytes"][ref],
+                        time_ms=round(sum(a["time"].values()) / len(a["time"]) / 1e6, 3),
+                        per_step=per_step, ranks=len(a["per_proc"])))
+    if not out and pattern:
+        raise NoAnswer(f"no collective issued by a module matching {pattern!r}")
+    return out
+
+
+def diff(con_a, con_b) -> dict:
+    """Points added, removed or changed (shape, dtype, placement, reduction, collectives)."""
+    def load(con):
+        return {p["point"]: p for p in match_points(con, "*:*")}
+
+    a, b = load(con_a), load(con_b)
+    added = [dict(point=n, shapes=b[n]["shapes"], placement=b[n]["placement"]) for n in b if n not in a]
+    removed = [dict(point=n, shapes=a[n]["shapes"], placement=a[n]["placement"]) for n in a if n not in b]
+    changed = []
+    for n in a:
+        if n not in b:
+            continue
+        fields = []
+        for f in ("shapes", "dtype", "placement", "reduction"):
+            if a[n].get(f) != b[n].get(f):
+                fields.append(dict(field=f, a=a[n].get(f), b=b[n].get(f)))
+        if fields:
+            changed.append(dict(point=n, fields=fields))
+    ca = {(c["module"], c["op"], c["reduce_op"], c["group"]): c for c in collectives(con_a, None)}
+    cb = {(c["module"], c["op"], c["reduce_op"], c["group"]): c for c in collectives(con_b, None)}
+    for key in sorted(set(ca) | set(cb), key=str):
+        x, y = ca.get(key), cb.get(key)
+        per = lambda c: (round(c["count"] / max(len(c["per_step"]), 1), 3) if c else 0)  # noqa: E731
+        if per(x) != per(y):
+            changed.append(dict(point=f"collectives:{key[0] or '<root>'}:{key[1]}", fields=[
+                dict(field="count_per_step", a=per(x), b=per(y))]))
+    return dict(added=added, removed=removed, changed=changed)
+
+
+def sql(con, text: str) -> dict:
+    try:
+        cur = con.execute(text)
+    except sqlite3.Error as exc:
+        raise BadInput(f"SQL error: {exc}")
+    cols = [d[0] for d in cur.description or []]
+    return dict(columns=cols, rows=[list(r) for r in cur.fetchall()])

@@ -1,0 +1,21 @@
+"""tensor-trace merge [DIR]"""
+
+import click
+
+
+@click.command()
+@click.argument("trace_dir", default="tensor-trace-out", required=False)
+def merge(trace_dir):
+    """Merge the rank files of DIR into one indexed store (DIR/merged.sqlite)."""
+    from tensor_trace.exporters.merge import merge_ranks, store_path
+
+    report = merge_ranks(trace_dir)
+    click.echo(f"merged {report['processes']} rank file(s), {report['points']} capture points -> "
+               f"{store_path(trace_dir)}")
+    for off in report["clocks"]:
+        proc, offset, resid, n = off
+        if offset or resid:
+            click.echo(f"  clock: process {proc} offset {offset / 1e6:+.3f} ms"
+                       + (f", residual skew {resid / 1e6:.3f} ms over {n} collectives" if resid is not None else ""))
+    for issue in report["collective_issues"]:
+        click.echo(f"  collective mismatch: {issue[4]}")

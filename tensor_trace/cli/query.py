@@ -1,0 +1,141 @@
+"""tensor-trace query placement|reduction|collectives|shapes|diff|sql"""
+
+from __future__ import annotations
+
+import click
+
+from tensor_trace.cli.table import echo_json, echo_table, fmt_shapes
+
+_trace = click.option("--trace", "trace_dir", default="tensor-trace-out", show_default=True,
+                      help="Trace folder (merged on demand).")
+_json = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+
+
+def _store(trace_dir):
+    from tensor_trace.exporters.merge import open_store
+
+    return open_store(trace_dir)
+
+
+@click.group()
+def query():
+    """Ask a recorded trace questions."""
+
+
+@query.command()
+@click.argument("pattern", required=False)
+@_trace
+@click.option("--step", type=int, default=None, help="Judge from this step only.")
+@_json
+def placement(pattern, trace_dir, step, as_json):
+    """Placement and reduction of the points matching PATTERN (a glob; default: all outputs)."""
+    from tensor_trace.exporters import query as q
+
+    pts = q.placement(_store(trace_dir), pattern, step)
+    if as_json:
+        return echo_json(pts)
+    echo_table(["point", "placement", "reduction", "shape", "dtype", "evidence"],
+               [[p["point"], p["placement"], p["reduction"], fmt_shapes(p["shapes"]), p.get("dtype") or "mixed",
+                 _key_evidence(p["evidence"])] for p in pts])
+
+
+def _key_evidence(ev: list) -> str:
+    for e in ev:
+        if e.startswith(("equals the output", "is the input", "is the output", "per-rank sums", "their concat",
+                         "derived", "the same values")) or "weight" in e or "disagree" in e:
+            return e
+    return ev[1] if len(ev) > 1 else (ev[0] if ev else "")
+
+
+@query.command()
+@click.argument("point")
+@_trace
+@_json
+def reduction(point, trace_dir, as_json):
+    """Is POINT pre- or post-reduction, and which collective completes or produced it?"""
+    from tensor_trace.exporters import query as q
+
+    r = q.reduction(_store(trace_dir), point)
+    if as_json:
+        return echo_json(r)
+    click.echo(f"{r['point']}: {r['verdict']} ({r['placement']})")
+    c = r["collective"]
+    if c:
+        click.echo(f"  collective: {c['op']}{'(' + c['reduce_op'] + ')' if c['reduce_op'] else ''} #{c['seq']} "
+                   f"group {c['group']} ranks {c['group_ranks']}, {c['shape']} {c['dtype']}, {c['bytes']} bytes, "
+                   f"issued by {c['module'] or '<root>'}")
+    for e in r["evidence"]:
+        click.echo(f"  - {e}")
+
+
+@query.command()
+@click.argument("pattern", required=False)
+@_trace
+@_json
+def collectives(pattern, trace_dir, as_json):
+    """Collectives per issuing module (PATTERN: a glob over module paths)."""
+    from tensor_trace.exporters import query as q
+
+    rows = q.collectives(_store(trace_dir), pattern)
+    if as_json:
+        return echo_json(rows)
+    echo_table(["module", "op", "group", "count", "per step", "bytes", "time ms"],
+               [[r["module"] or "<root>", r["op"] + (f"({r['reduce_op']})" if r["reduce_op"] else ""),
+                 f"{r['group']} {r['group_ranks']}", r["count"], _per_step(r["per_step"]), r["bytes"],
+                 r["time_ms"]] for r in rows])
+
+
+def _per_step(per_step: dict) -> str:
+    vals = set(per_step.values())
+    return f"{vals.pop()} x{len(per_step)} steps" if len(vals) == 1 else ",".join(map(str, per_step.values()))
+
+
+@query.command()
+@click.argument("point")
+@_trace
+@_json
+def shapes(point, trace_dir, as_json):
+    """Shapes and dtypes of POINT on every rank (a glob is allowed)."""
+    from tensor_trace.exporters import query as q
+
+    rows = q.shapes(_store(trace_dir), point)
+    if as_json:
+        return echo_json(rows)
+    echo_table(["point", "shapes", "dtype", "steps"],
+               [[r["point"], fmt_shapes(r["shapes"]), r.get("dtype") or r.get("dtypes"), r["steps"]] for r in rows])
+
+
+@query.command()
+@click.argument("dir_a")
+@click.argument("dir_b")
+@_json
+def diff(dir_a, dir_b, as_json):
+    """What changed between two traces: points added, removed, or changed."""
+    from tensor_trace.exporters import query as q
+
+    d = q.diff(_store(dir_a), _store(dir_b))
+    if as_json:
+        return echo_json(d)
+    for p in d["added"]:
+        click.echo(f"+ {p['point']}  {fmt_shapes(p['shapes'])} {p['placement']}")
+    for p in d["removed"]:
+        click.echo(f"- {p['point']}  {fmt_shapes(p['shapes'])} {p['placement']}")
+    for p in d["changed"]:
+        for f in p["fields"]:
+            click.echo(f"~ {p['point']}  {f['field']}: {f['a']} -> {f['b']}")
+    if not any(d.values()):
+        click.echo("no differences")
+
+
+@query.command()
+@click.argument("text")
+@_trace
+@_json
+def sql(text, trace_dir, as_json):
+    """Run SQL over the merged store (schema: docs/store-schema.md)."""
+    from tensor_trace.exporters import query as q
+
+    r = q.sql(_store(trace_dir), text)
+    if as_json:
+        return echo_json([dict(zip(r["columns"], row)) for row in r["rows"]])
+    echo_table(r["columns"], r["rows"])
