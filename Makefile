@@ -20,7 +20,14 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	OMP_NUM_THREADS=1 $(TT) record --replace -o $(DEMO_OUT) -- \
 		$(VENV)/bin/torchrun --nproc-per-node 2 examples/tp_llama.py --steps 4
-	$(PY) examples/show_trace.py $(DEMO_OUT)
+	@echo; echo "== Is the embedding output pre- or post-reduction?"
+	$(TT) query reduction model.embed_tokens --trace $(DEMO_OUT)
+	@echo; echo "== Placement of layer 0's points"
+	$(TT) query placement 'model.layers.0.*' --trace $(DEMO_OUT)
+	@echo; echo "== Collectives per module"
+	$(TT) query collectives --trace $(DEMO_OUT)
+	@echo; echo "== What feeds the EAGLE-3 draft head"
+	$(TT) query shapes 'draft.fc:input.*' --trace $(DEMO_OUT)
 
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -q -p no:cacheprovider

@@ -54,7 +54,7 @@ CREATE TABLE errors(proc INTEGER, t INTEGER, location TEXT, message TEXT);
 CREATE TABLE collective_issues(group_id INTEGER, seq INTEGER, kind TEXT, ranks TEXT, detail TEXT);
 CREATE TABLE points(point TEXT PRIMARY KEY, module TEXT, call INTEGER, slot TEXT, placement TEXT,
     reduction TEXT, shapes TEXT, dtype TEXT, dtypes TEXT, steps INTEGER, evidence TEXT,
-    collective TEXT, sort_key INTEGER);
+    collective TEXT, fingerprint TEXT, sort_key INTEGER);
 """
 
 INDEX_SQL = """

@@ -220,7 +220,9 @@ class Judge:
     def judge_all(self) -> dict:
         v = self.v
         for key in sorted(v.points, key=lambda k: v.times.get(k, (1 << 62, 0, 0))):
-            self.done[key] = self.judge(key, v.points[key])
+            self.done[key] = verdict = self.judge(key, v.points[key])
+            first = next((v.points[key][p] for p in v.procs if p in v.points[key]), None)
+            verdict["fp"] = list(first.fp) if first is not None and first.fp is not None else None
             t0 = v.points[key].get(v.procs[0])
             if t0 is not None and t0.fp is not None and key[2].startswith("output"):
                 self.by_fp0.setdefault((t0.fp, t0.numel), key)
@@ -499,8 +501,9 @@ def compute_verdicts(con) -> int:
                      json.dumps(chosen["dtypes"]) if len(set(chosen["dtypes"].values())) > 1 else None,
                      seen_steps.get((module, call), 0), json.dumps(evidence),
                      json.dumps(chosen["collective"]) if chosen["collective"] else None,
+                     json.dumps(verdicts[0]["fp"]) if verdicts[0]["fp"] else None,
                      min(v["order"][0] for v in verdicts)))
-    rows.sort(key=lambda r: (r[12], r[0]))
-    con.executemany("INSERT OR REPLACE INTO points VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                    [r[:12] + (i,) for i, r in enumerate(rows)])
+    rows.sort(key=lambda r: (r[13], r[0]))
+    con.executemany("INSERT OR REPLACE INTO points VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    [r[:13] + (i,) for i, r in enumerate(rows)])
     return len(rows)

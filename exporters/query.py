@@ -15,15 +15,17 @@ import sqlite3
 
 from tensor_trace.errors import BadInput, NoAnswer
 
-_POINT_COLS = "point, module, call, slot, placement, reduction, shapes, dtype, dtypes, steps, evidence, collective"
+_POINT_COLS = ("point, module, call, slot, placement, reduction, shapes, dtype, dtypes, steps, evidence, "
+               "collective, fingerprint")
 
 
 def _point_row(row) -> dict:
     (point, module, call, slot, placement, reduction, shapes, dtype, dtypes, steps, evidence,
-     collective) = row
+     collective, fingerprint) = row
     out = dict(point=point, module=module, call=call, slot=slot, placement=placement, reduction=reduction,
                shapes={int(k): v for k, v in json.loads(shapes).items()}, dtype=dtype, steps=steps,
-               evidence=json.loads(evidence), collective=json.loads(collective) if collective else None)
+               evidence=json.loads(evidence), collective=json.loads(collective) if collective else None,
+               fingerprint=json.loads(fingerprint) if fingerprint else None)
     if dtypes:
         out["dtypes"] = {int(k): v for k, v in json.loads(dtypes).items()}
     return out
@@ -209,6 +211,8 @@ def diff(con_a, con_b) -> dict:
         for f in ("shapes", "dtype", "placement", "reduction"):
             if a[n].get(f) != b[n].get(f):
                 fields.append(dict(field=f, a=a[n].get(f), b=b[n].get(f)))
+        if not fields and not _same_values(a[n], b[n]):
+            fields.append(dict(field="values", a=_fp_text(a[n]), b=_fp_text(b[n])))
         if fields:
             changed.append(dict(point=n, fields=fields))
     ca = {(c["module"], c["op"], c["reduce_op"], c["group"]): c for c in collectives(con_a, None)}
@@ -220,6 +224,23 @@ def diff(con_a, con_b) -> dict:
             changed.append(dict(point=f"collectives:{key[0] or '<root>'}:{key[1]}", fields=[
                 dict(field="count_per_step", a=per(x), b=per(y))]))
     return dict(added=added, removed=removed, changed=changed)
+
+
+def _same_values(x: dict, y: dict) -> bool:
+    """Same fingerprint on the lowest rank in the first sampled step (within the dtype's
+    tolerance); unknown counts as the same. Meaningful when both runs had the same inputs."""
+    from tensor_trace.exporters.placement import T, fp_equal
+
+    if not x.get("fingerprint") or not y.get("fingerprint"):
+        return True
+    shape = next(iter(x["shapes"].values()))
+    return fp_equal(T(shape, x.get("dtype") or "bfloat16", tuple(x["fingerprint"])),
+                    T(shape, y.get("dtype") or "bfloat16", tuple(y["fingerprint"])))
+
+
+def _fp_text(p: dict) -> str:
+    fp = p.get("fingerprint")
+    return f"sum {fp[0]:.6g}, sumsq {fp[1]:.6g}" if fp and fp[1] is not None else str(fp)
 
 
 def sql(con, text: str) -> dict:
