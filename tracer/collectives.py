@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 
 import torch
 
 from tensor_trace import schema
 
 _ACTIVE = None  # the Tracer whose wrappers are installed
+_now = time.monotonic_ns
 
 
 def _bind(names, args, kwargs) -> dict:
@@ -395,13 +397,16 @@ class CollectiveInterceptor:
     # ------------------------------------------------------------------ spans
     def begin(self, op, reduce_op, group_seq, inputs, is_async):
         tracer = self.tracer
-        t0 = tracer.now()
+        t0 = _now()
         index = tracer.coll_count
         tracer.coll_count = index + 1
         fp_pre = -1
         if inputs and tracer.fingerprint and not tracer.capturing:
             tracer.busy = True
             try:
+                # A deferred fingerprint of a tensor this collective may update in place must
+                # be taken now.
+                tracer.fps.materialize(inputs)
                 fp_pre = tracer.fps.add(inputs, store=False)
             finally:
                 tracer.busy = False
@@ -422,7 +427,7 @@ class CollectiveInterceptor:
         try:
             op, reduce_op, gid, seq, t0, index, parent, inputs, fp_pre, is_async, step = token[:11]
             outputs = _tensors(token[11]) if len(token) > 11 else []
-            t1 = tracer.now()
+            t1 = _now()
             writer = tracer.writer
             fps = tracer.fps
             fp_post = -1
@@ -439,7 +444,7 @@ class CollectiveInterceptor:
             redop = (writer.string(_reduce_op_name(reduce_op))
                      if reduce_op is not None or op in _REDUCING else -1)
             writer.add((schema.COLLECTIVE, step, index, parent, writer.string(op), redop, gid, seq,
-                        t0 - tracer.step_t0, t1 - t0, layout, fp_pre, fp_post, len(inputs), flags,
+                        t0 - tracer.step_t0_raw, t1 - t0, layout, fp_pre, fp_post, len(inputs), flags,
                         nbytes))
         except Exception as exc:
             tracer._on_error(f"collective {token[0]}", exc)

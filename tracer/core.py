@@ -37,6 +37,11 @@ _flatten_args = structures.flatten_args
 _flatten_kwargs = structures.flatten_kwargs
 _flatten_output = structures.flatten_output
 _get_ident = threading.get_ident
+_Tensor = torch.Tensor
+_SPAN = schema.SPAN
+_IN0 = "input.0"
+_FLAG_ERROR = schema.FLAG_ERROR
+_OUT = "output"
 
 # Frame layout (a list, for speed): the open calls of the current step.
 _F_MODULE, _F_INDEX, _F_PARENT, _F_PATH, _F_CALL, _F_T0, _F_SLOTS, _F_FP_PRE, _F_SELECTED = range(9)
@@ -66,6 +71,10 @@ class Tracer:
         self.capturing = False
         self.step_thread = 0
         self.step_t0 = 0
+        self.step_t0_raw = 0
+        self.fp_now = False
+        self.span_flags = 0
+        self.max_spans = config.max_spans_per_step
         self.stack: list = []
         self.span_count = 0
         self.coll_count = 0
@@ -75,6 +84,8 @@ class Tracer:
         self.in_collective = False
         # modules
         self.names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.ids: dict = {}  # id(module) -> entry with its path id in the current rank file
+        self._id_refs: dict = {}
         self.roots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.root_paths: dict[int, int] = {}
         self.global_handles: list = []
@@ -324,8 +335,11 @@ class Tracer:
         self.span_count = 0
         self.coll_count = 0
         self.calls = {}
-        t0 = self.now()
-        self.step_t0 = t0
+        t0 = _now()
+        self.step_t0_raw = t0  # span times are offsets from this, on the raw clock
+        self.step_t0 = t0 + self.clock_offset
+        self.fp_now = self.fingerprint and not self.capturing
+        self.span_flags = schema.FLAG_CAPTURED if self.capturing else 0
         entry = self.names.get(root)
         if entry is None:
             self.names[root] = entry = self._module_entry("", root)
@@ -337,7 +351,7 @@ class Tracer:
             dev = _first_device(args)
             if dev is not None:
                 self.update_identity(device=dev)
-        self.writer.add((schema.STEP_BEGIN, self.step, path_id, t0, attrs))
+        self.writer.add((schema.STEP_BEGIN, self.step, path_id, self.step_t0, attrs))
         self._push(root, args, entry, t0)
 
     def _end_step(self, error: bool = False, result=None, kwargs=None) -> None:
@@ -368,33 +382,73 @@ class Tracer:
 
     # ------------------------------------------------------------------ global hooks
     def _global_pre(self, module, args):
-        if self.busy:
-            return None
-        if not self.tracing_step:
-            if not self.in_step and self.enabled and module not in self.roots:
-                self.busy = True
-                try:
-                    self._adopt_root(module)
-                    self._begin_step(module, args)
-                except Exception as exc:
-                    self._on_error("root discovery", exc)
-                finally:
-                    self.busy = False
+        # Hot path: runs before every module call of a traced step. Keep it lean: no torch
+        # call unless fingerprints are on (inputs must be fingerprinted before the module runs).
+        if self.busy or not self.tracing_step:
+            if not self.in_step and not self.busy and self.enabled and module not in self.roots:
+                self._discover_root(module, args)
             return None
         if _get_ident() != self.step_thread:
             self.stats["foreign_thread_calls"] += 1
             return None
+        entry = self.ids.get(id(module))
+        if entry is None or entry[3] is not self.writer.generation:
+            entry = self._entry_slow(module)
+        stack = self.stack
+        top = stack[-1]
+        parent = top[1] if top[8] else top[2]
+        if not entry[2] or self.span_count >= self.max_spans:
+            if entry[2]:
+                self.stats["dropped_spans"] += 1
+            stack.append([module, -1, parent, 0, 0, 0, None, -1, False])
+            return None
+        path_id = entry[4]
+        calls = self.calls
+        call = calls.get(path_id, -1) + 1
+        calls[path_id] = call
+        index = self.span_count
+        self.span_count = index + 1
+        if self.fp_now:
+            self.busy = True
+            try:
+                slots = []
+                _flatten_args(args, slots)
+                fp_pre = self.fps.add([t for _, t in slots], store=False) if slots else -1
+            except Exception as exc:
+                self._on_error("forward pre-hook", exc)
+                slots, fp_pre = [], -1
+            finally:
+                self.busy = False
+            stack.append([module, index, parent, path_id, call, _now(), slots, fp_pre, True])
+        else:
+            stack.append([module, index, parent, path_id, call, _now(), args, -1, True])
+        return None
+
+    def _entry_slow(self, module):
+        """(path, class, selected, writer generation, path id) of a module, made on first use
+        in this rank file; kept by id with a weak reference that removes it when the module dies."""
+        entry = self.names.get(module)
+        if entry is None:
+            self.names[module] = entry = self._child_entry(module)
+        path, cls, selected = entry
+        full = (path, cls, selected, self.writer.generation, self.writer.module(path, cls))
+        key = id(module)
+        ids = self.ids
+        ids[key] = full
+        if key not in self._id_refs:
+            self._id_refs[key] = weakref.ref(module, lambda _r, k=key: (ids.pop(k, None),
+                                                                        self._id_refs.pop(k, None)))
+        return full
+
+    def _discover_root(self, module, args) -> None:
         self.busy = True
         try:
-            entry = self.names.get(module)
-            if entry is None:
-                self.names[module] = entry = self._child_entry(module)
-            self._push(module, args, entry, self.now())
+            self._adopt_root(module)
+            self._begin_step(module, args)
         except Exception as exc:
-            self._on_error("forward pre-hook", exc)
+            self._on_error("root discovery", exc)
         finally:
             self.busy = False
-        return None
 
     def _child_entry(self, module):
         # A module that is not under any root's named_modules (created or attached later):
@@ -409,30 +463,17 @@ class Tracer:
         return self._module_entry(f"{parent}.{name}" if parent else name, module)
 
     def _push(self, module, args, entry, t0) -> None:
-        stack = self.stack
-        if stack:
-            top = stack[-1]
-            parent = top[_F_INDEX] if top[_F_SELECTED] else top[_F_PARENT]
-        else:
-            parent = -1
+        """Open the root's frame (the step's first call)."""
         path, cls, selected = entry
         path_id = self.writer.module(path, cls)
-        if not selected or self.span_count >= self.config.max_spans_per_step:
-            if selected:
-                self.stats["dropped_spans"] += 1
-            stack.append([module, -1, parent, path_id, 0, t0, None, -1, False])
-            return
-        calls = self.calls
-        call = calls.get(path_id, -1) + 1
-        calls[path_id] = call
-        index = self.span_count
-        self.span_count = index + 1
+        self.calls[path_id] = 0
+        self.span_count = 1
         slots: list = []
         _flatten_args(args, slots)
         fp_pre = -1
-        if slots and self.fingerprint and not self.capturing:
+        if slots and self.fp_now:
             fp_pre = self.fps.add([t for _, t in slots], store=False)
-        stack.append([module, index, parent, path_id, call, t0, slots, fp_pre, True])
+        self.stack.append([module, 0, -1, path_id, 0, t0, slots, fp_pre, True])
 
     def _global_post(self, module, args, *rest):
         if self.busy or not self.tracing_step:
@@ -454,30 +495,52 @@ class Tracer:
 
     def _pop_record(self, module, kwargs, result, error) -> None:
         stack = self.stack
-        # Unwind frames that never got their post-hook (an exception in a module without hooks).
-        while len(stack) > 1 and stack[-1][_F_MODULE] is not module:
-            stack.pop()
-        if not stack or stack[-1][_F_MODULE] is not module:
-            return
-        frame = stack.pop()
+        frame = stack[-1]
+        if frame[_F_MODULE] is not module:
+            # Unwind frames that never got their post-hook (an exception in a module whose
+            # hooks did not run), then find ours.
+            while len(stack) > 1 and stack[-1][_F_MODULE] is not module:
+                stack.pop()
+            if stack[-1][_F_MODULE] is not module:
+                return
+        stack.pop()
         if not frame[_F_SELECTED]:
             return
-        t1 = self.now()
+        t1 = _now()
         slots = frame[_F_SLOTS]
-        n_pre = len(slots)
-        if kwargs:
-            _flatten_kwargs(kwargs, slots)
-        _flatten_output(result, slots)
         writer = self.writer
         fp_post = -1
-        if len(slots) > n_pre and self.fingerprint and not self.capturing:
-            fp_post = self.fps.add([t for _, t in slots[n_pre:]])
-        layout = writer.layout(tuple([(s, t.shape, t.dtype, t.device) for s, t in slots]))
-        flags = (schema.FLAG_CAPTURED if self.capturing else 0) | (schema.FLAG_ERROR if error else 0)
+        if (type(slots) is tuple and not kwargs and len(slots) == 1 and isinstance(slots[0], _Tensor)
+                and isinstance(result, _Tensor)):
+            # The common case, tensor in and tensor out, fingerprints off: no list walking.
+            a = slots[0]
+            n_pre = 1
+            key = ((_IN0, a.shape, a.dtype, a.device), (_OUT, result.shape, result.dtype, result.device))
+        else:
+            if type(slots) is tuple:  # positional args kept as they came (fingerprints off)
+                args = slots
+                slots = []
+                _flatten_args(args, slots)
+            n_pre = len(slots)
+            if kwargs:
+                _flatten_kwargs(kwargs, slots)
+            if isinstance(result, _Tensor):
+                slots.append((_OUT, result))
+            elif result is not None:
+                _flatten_output(result, slots)
+            if len(slots) > n_pre and self.fp_now:
+                fp_post = self.fps.add([t for _, t in slots[n_pre:]])
+            key = tuple([(s, t.shape, t.dtype, t.device) for s, t in slots])
+        layout = writer._layouts.get(key)
+        if layout is None:
+            layout = writer.layout(key)
+        flags = self.span_flags | _FLAG_ERROR if error else self.span_flags
         t0 = frame[_F_T0]
-        writer.add((schema.SPAN, self.step, frame[_F_INDEX], frame[_F_PARENT], frame[_F_PATH],
-                    frame[_F_CALL], t0 - self.step_t0, t1 - t0, layout, frame[_F_FP_PRE], fp_post,
-                    n_pre, flags))
+        buf = writer._buf
+        buf.append((_SPAN, self.step, frame[_F_INDEX], frame[_F_PARENT], frame[_F_PATH], frame[_F_CALL],
+                    t0 - self.step_t0_raw, t1 - t0, layout, frame[_F_FP_PRE], fp_post, n_pre, flags))
+        if len(buf) >= writer.max_buffered:
+            writer.flush()
 
     def innermost_span(self) -> int:
         """Index of the innermost recorded module call, or -1."""

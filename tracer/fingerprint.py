@@ -2,11 +2,25 @@
 
 Both are invariant under reshape and view, and sums are additive, so the merge can recognise the
 same values on another rank, behind a reshape, and partial sums that add up to a reduction's
-output. Each is computed on the tensor's own device, at the moment the hook sees the tensor (so a
-later in-place update cannot change it: the kernels are stream-ordered), and kept as 0-d device
-tensors. Nothing is copied to the host inside a step: at the end of a step the values are stacked
-once per device and copied with ``non_blocking=True`` into pinned memory; the copy is collected
-once its CUDA event has completed (at a later step or a flush), so no hook ever synchronises.
+output. Nothing is copied to the host inside a step: values stay on the tensor's device until
+the end of the step, are stacked there, and copied with ``non_blocking=True`` into pinned memory;
+the copy is collected once its CUDA event has completed (at a later step or at stop). So no hook
+synchronises the device.
+
+Two ways to compute them:
+
+- *Immediate* (CPU tensors, integer tensors, large CUDA tensors): one ``sum`` and one
+  ``vector_norm`` when the hook sees the tensor. Stream order makes the values those of that
+  moment, whatever happens to the tensor later, and no tensor is held.
+- *Deferred* (small floating CUDA tensors): the tensor is kept until the end of the step (or
+  until ``defer_bytes`` are held) and all of them are reduced together by multi-tensor kernels
+  (``torch._foreach_norm`` of orders 1 and 2, and order 1 of the negative part, since
+  sum = |x|_1 - 2 |min(x, 0)|_1), a few launches per step instead of two per tensor: a launch
+  from Python costs tens of microseconds on a busy host. The value is the tensor's value at the
+  end of the step. The tracer materialises a deferred tensor at once before a collective
+  updates it in place, and a tensor whose version counter moved is reported without a value;
+  a tensor created under ``inference_mode`` (no version counter) that a module updates in place
+  later in the same step is the one case where the deferred value is the later one.
 
 The same tensor seen twice in a step (a module's output that is the next module's input) is
 computed once: the cache key is the tensor object (through a weak reference, so a freed tensor
@@ -27,21 +41,33 @@ _sum = torch.sum
 _norm = torch.linalg.vector_norm
 _grad_enabled = torch.is_grad_enabled
 _set_grad = torch._C._set_grad_enabled
+_NAN = float("nan")
+
+DEFER_MAX_NUMEL = 1 << 20  # larger CUDA tensors are reduced at once: never held past their module
+DEFER_BYTES = 256 << 20  # held deferred tensors past this are reduced mid-step
 
 
 class StepFingerprints:
     """Fingerprints of one process's current step, indexed in recording order."""
 
-    def __init__(self):
-        self.count = 0
-        self._values: list = []  # per index: (sum, l2) 0-d tensors, or None when not computable
-        self._seen: dict[int, tuple] = {}
-        self._pending: list = []  # (step, device payloads) waiting for their copies to finish
+    def __init__(self, defer_cuda: bool = True, defer_cpu: bool = False):
+        self.defer_cuda = defer_cuda
+        self.defer_cpu = defer_cpu  # for tests: the deferred path without a GPU
+        self.stale = 0  # deferred tensors updated in place before they could be reduced
+        self._pending: list = []  # (step, blocks, dups) waiting for their copies to finish
+        self.reset()
 
     def reset(self) -> None:
         self.count = 0
-        self._values = []
-        self._seen = {}
+        self._imm_idx: list = []
+        self._imm_vals: list = []  # (sum, l2) 0-d tensors, or (sum, None)
+        self._def_idx: list = []
+        self._def_ts: list = []  # tensors (None once materialised)
+        self._def_pos: dict = {}  # id(tensor) -> position in _def_ts
+        self._def_bytes = 0
+        self._blocks: list = []  # (indices, [k, 2] device tensor of (sum, l2)) ready this step
+        self._dups: list = []  # (index, index it repeats)
+        self._seen: dict = {}
 
     def add(self, tensors, store: bool = True) -> int:
         """Fingerprint ``tensors``; return the index of the first.
@@ -62,34 +88,49 @@ class StepFingerprints:
 
     def _add(self, tensors, store: bool) -> int:
         base = self.count
-        values = self._values
+        idx = base
         seen = self._seen
         for t in tensors:
             key = id(t)
             tracked = not t.is_inference()
             hit = seen.get(key)
             if hit is not None and hit[0]() is t and (not tracked or hit[1] == t._version):
-                values.append(hit[2])
+                self._dups.append((idx, hit[2]))
                 if not tracked:
                     del seen[key]
+                idx += 1
                 continue
-            if t.is_floating_point() or t.is_complex():
-                pair = (_sum(t, dtype=_F32), _norm(t, dtype=_F32))
-            elif t.dtype is torch.bool:
-                pair = (_sum(t, dtype=_F32), None)
+            if (((self.defer_cuda and t.is_cuda) or self.defer_cpu) and t.is_floating_point()
+                    and t.numel() <= DEFER_MAX_NUMEL):
+                self._def_pos[key] = len(self._def_ts)
+                self._def_idx.append((idx, t._version if tracked else None))
+                self._def_ts.append(t)
+                self._def_bytes += t.numel() * t.element_size()
             else:
-                # Integer tensors (token ids, positions) sum exactly in fp32 only up to 2**24:
-                # good enough to tell ranks apart.
-                f = t.to(_F32)
-                pair = (f.sum(), _norm(f))
-            values.append(pair)
+                self._imm_idx.append(idx)
+                self._imm_vals.append(_pair(t))
             if store or tracked:
                 try:
-                    seen[key] = (weakref.ref(t), t._version if tracked else None, pair)
+                    seen[key] = (weakref.ref(t), t._version if tracked else None, idx)
                 except TypeError:
                     pass
-        self.count = len(values)
+            idx += 1
+        self.count = idx
+        if self._def_bytes > DEFER_BYTES:
+            self._flush_deferred()
         return base
+
+    def materialize(self, tensors) -> None:
+        """Reduce deferred tensors now: the caller is about to update them in place."""
+        pos = self._def_pos
+        if not pos:
+            return
+        for t in tensors:
+            k = pos.pop(id(t), None)
+            if k is not None and self._def_ts[k] is not None:
+                self._imm_idx.append(self._def_idx[k][0])
+                self._imm_vals.append(_pair(self._def_ts[k]))
+                self._def_ts[k] = None
 
     def forget(self, tensors) -> None:
         """Drop cached values of tensors that were just updated in place (e.g. by a collective)."""
@@ -97,54 +138,103 @@ class StepFingerprints:
         for t in tensors:
             seen.pop(id(t), None)
 
+    def _flush_deferred(self) -> None:
+        by_dtype: dict = {}
+        for (index, version), t in zip(self._def_idx, self._def_ts):
+            if t is None:
+                continue
+            if version is not None and t._version != version:
+                self.stale += 1  # updated in place since it was seen: no honest value left
+                continue
+            entry = by_dtype.setdefault((t.dtype, t.device), ([], []))
+            entry[0].append(index)
+            entry[1].append(t)
+        for (_dtype, _dev), (indices, ts) in by_dtype.items():
+            l1 = torch.stack(torch._foreach_norm(ts, 1, dtype=_F32))
+            l2 = torch.stack(torch._foreach_norm(ts, 2, dtype=_F32))
+            neg = torch.stack(torch._foreach_norm(torch._foreach_clamp_max(ts, 0.0), 1, dtype=_F32))
+            self._blocks.append((indices, torch.stack((l1 - 2 * neg, l2), dim=1)))
+        self._def_idx = []
+        self._def_ts = []
+        self._def_pos = {}
+        self._def_bytes = 0
+
     def finish_step(self, step: int) -> None:
         """Start the device-to-host copy of this step's values; no synchronisation."""
-        if not self._values:
-            self.reset()
-            return
-        by_device: dict = {}
-        for index, pair in enumerate(self._values):
-            s, q = pair
-            dev = s.device
-            by_device.setdefault(dev, ([], []))
-            idx, items = by_device[dev]
-            idx.append(index)
-            items.append(s)
-            items.append(q if q is not None else s.new_full((), float("nan")))
-        payloads = []
-        for dev, (idx, items) in by_device.items():
-            stacked = torch.stack(items).view(-1, 2)
-            if dev.type == "cuda":
-                host = torch.empty(stacked.shape, dtype=_F32, pin_memory=True)
-                host.copy_(stacked, non_blocking=True)
+        grad = _grad_enabled()
+        if grad:
+            _set_grad(False)
+        try:
+            self._finish_step(step)
+        finally:
+            if grad:
+                _set_grad(True)
+
+    def _finish_step(self, step: int) -> None:
+        if self._def_ts:
+            self._flush_deferred()
+        blocks = self._blocks
+        if self._imm_vals:
+            by_device: dict = {}
+            for index, (s, q) in zip(self._imm_idx, self._imm_vals):
+                idx, items = by_device.setdefault(s.device, ([], []))
+                idx.append(index)
+                items.append(s)
+                items.append(q if q is not None else s.new_full((), _NAN))
+            for idx, items in by_device.values():
+                blocks.append((idx, torch.stack(items).view(-1, 2)))
+        out = []
+        for idx, vals in blocks:
+            if vals.is_cuda:
+                host = torch.empty(vals.shape, dtype=_F32, pin_memory=True)
+                host.copy_(vals, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
-                payloads.append((idx, host, event))
+                out.append((idx, host, event))
             else:
-                payloads.append((idx, stacked, None))
-        self._pending.append((step, payloads))
+                out.append((idx, vals, None))
+        if out or self._dups:
+            self._pending.append((step, out, self._dups))
         self.reset()
 
     def collect(self, wait: bool = False) -> list:
         """Return FINGERPRINTS records whose copies have completed (all of them if ``wait``)."""
         records = []
         keep = []
-        for step, payloads in self._pending:
-            if not wait and any(ev is not None and not ev.query() for _, _, ev in payloads):
-                keep.append((step, payloads))
+        for step, blocks, dups in self._pending:
+            if not wait and any(ev is not None and not ev.query() for _, _, ev in blocks):
+                keep.append((step, blocks, dups))
                 continue
-            for idx, host, event in payloads:
+            known = {}
+            for idx, host, event in blocks:
                 if event is not None and wait:
                     event.synchronize()
                 values = host.clone()
                 values[:, 1].square_()  # the l2 norm becomes the sum of squares
-                data = values.numpy().astype("<f4", copy=False).tobytes()
-                contiguous = idx[-1] - idx[0] + 1 == len(idx)
-                indices = None if contiguous else _pack_indices(idx)
-                records.append((schema.FINGERPRINTS, step, idx[0], data, indices))
+                records.append(_record(step, idx, values.numpy().astype("<f4", copy=False).tobytes()))
+                if dups:
+                    known.update(zip(idx, values.tolist()))
+            if dups:
+                idx = [i for i, src in dups if src in known]
+                if idx:
+                    data = b"".join(schema.FP_PAIR.pack(*known[src]) for i, src in dups if src in known)
+                    records.append(_record(step, idx, data))
         self._pending = keep
         return records
 
 
-def _pack_indices(idx: list) -> bytes:
-    return struct.pack(f"<{len(idx)}I", *idx)
+def _pair(t):
+    if t.is_floating_point() or t.is_complex():
+        return (_sum(t, dtype=_F32), _norm(t, dtype=_F32))
+    if t.dtype is torch.bool:
+        return (_sum(t, dtype=_F32), None)
+    # Integer tensors (token ids, positions) sum exactly in fp32 only up to 2**24: good enough
+    # to tell ranks apart.
+    f = t.to(_F32)
+    return (f.sum(), _norm(f))
+
+
+def _record(step, idx, data) -> tuple:
+    contiguous = idx == list(range(idx[0], idx[0] + len(idx)))
+    indices = None if contiguous else struct.pack(f"<{len(idx)}I", *idx)
+    return (schema.FINGERPRINTS, step, idx[0], data, indices)

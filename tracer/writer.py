@@ -41,6 +41,7 @@ class RankWriter:
         self._metas: dict[tuple, int] = {}
         self._layouts: dict[tuple, int] = {}
         self._modules: dict[str, int] = {}
+        self.generation = object()  # replaced whenever interned ids are forgotten
         self._closed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -100,6 +101,7 @@ class RankWriter:
             self._metas.clear()
             self._layouts.clear()
             self._modules.clear()
+            self.generation = object()
 
     # -- records ------------------------------------------------------------------------------
     def add(self, record: tuple) -> None:
