@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device-tool call that runs every GPU measurement of bench/RESULTS.md:
+#   run: bash bench/gpu_session.sh   (OUT is the tool's output folder)
+# Makes the import name tensor_trace resolve without installing (the GPU machine has no
+# registry), then runs the hook-cost, CUDA-graph and overhead measurements.
+set -uo pipefail
+REPO=$PWD
+OUT=${OUT:-/tmp/tt-out}
+mkdir -p "$OUT" /tmp/ttpkg/tensor_trace
+cp -r tensor_trace/* /tmp/ttpkg/tensor_trace/
+ln -sfn "$REPO/tracer" /tmp/ttpkg/tensor_trace/tracer
+ln -sfn "$REPO/exporters" /tmp/ttpkg/tensor_trace/exporters
+export PYTHONPATH=/tmp/ttpkg PYTHONUNBUFFERED=1
+cd /tmp
+python3 -c "import tensor_trace.tracer.core, torch; print(torch.__version__, torch.cuda.get_device_name())"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
+nproc; date -u
+echo "== hook cost (cuda)"; python3 "$REPO/bench/hook_cost.py" --device cuda --json "$OUT/hook-cuda.json" | tee "$OUT/hook-cuda.txt"
+echo "== CUDA graph capture under tracing"
+python3 "$REPO/examples/tp_llama.py" --device cuda --cuda-graph --steps 6 --out "$OUT/graph-plain.json" > /dev/null
+python3 -m tensor_trace record -o /tmp/tt-graph -- python3 "$REPO/examples/tp_llama.py" --device cuda --cuda-graph --steps 6 --out "$OUT/graph-traced.json" > /dev/null
+python3 "$REPO/bench/cuda_graph_check.py" /tmp/tt-graph "$OUT/graph-plain.json" "$OUT/graph-traced.json" | tee "$OUT/graph-check.txt"
+echo "== overhead, Llama-8B-shaped decode"
+python3 "$REPO/bench/overhead.py" --workload llama8b-decode --rounds ${ROUNDS:-5} --json "$OUT/bench-gpu.json" 2>&1 | grep -v '^USDT' | tee "$OUT/bench-gpu.txt"
