@@ -305,7 +305,14 @@ def merge_ranks(trace_dir: str, warn=None) -> dict:
     try:
         for proc, path in enumerate(files):
             loader = _FileLoader(con, proc, path, g)
-            loader.load()
+            try:
+                loader.load()
+            except BadInput as exc:
+                warn(f"skipping {exc}")
+                report["problems"].append(str(exc))
+                for table in ("spans", "collectives", "fingerprints", "steps", "errors", "params"):
+                    con.execute(f"DELETE FROM {table} WHERE proc=?", (proc,))
+                continue
             file_run = loader.header.get("run_id")
             if run_id is None:
                 run_id = file_run
@@ -328,6 +335,8 @@ def merge_ranks(trace_dir: str, warn=None) -> dict:
                 (loader.end or {}).get("reason"), json.dumps(ident, sort_keys=True)))
             loaders.append(loader)
             report["processes"] += 1
+        if not report["processes"]:
+            raise BadInput(f"{trace_dir}: none of its {len(files)} rank file(s) could be read")
         g.write()
         con.executemany("INSERT INTO meta VALUES (?,?)", [
             ("store_version", str(STORE_VERSION)), ("run_id", run_id or ""),

@@ -21,6 +21,8 @@ import msgpack
 
 from tensor_trace import schema
 
+CHUNK_RECORDS = 256
+
 
 class RankWriter:
     """Append-only writer of one process's rank file."""
@@ -118,11 +120,12 @@ class RankWriter:
                 return
             buf, self._buf = self._buf, []
             try:
-                payload = self._packer.pack(buf)
-                data = schema.chunk(payload)
+                # Chunks of bounded size: damage to one costs at most CHUNK_RECORDS records.
+                data = b"".join(schema.chunk(self._packer.pack(buf[i:i + CHUNK_RECORDS]))
+                                for i in range(0, len(buf), CHUNK_RECORDS))
                 os.write(self._fd, data)
                 self.bytes_written += len(data)
-                self.chunks_written += 1
+                self.chunks_written += (len(buf) + CHUNK_RECORDS - 1) // CHUNK_RECORDS
             except Exception:  # a full disk must not take the traced program down
                 self.write_errors += 1
 
