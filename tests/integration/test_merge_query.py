@@ -162,3 +162,21 @@ def test_diff_names_the_aux_capture_difference(tmp_path):
     fc = {x["point"]: x for x in d2["changed"]}["draft.fc:input.0"]["fields"][0]
     assert fc["field"] == "shapes"
     assert "draft.fc:input.0" in q("diff", a, c)
+
+
+def test_step_option_and_staleness(trace):
+    d, tp = trace
+    rows = by_point(qj("placement", "model.layers.0.*", "--trace", d, "--step", 1))
+    p = rows["model.layers.0.self_attn.qkv_proj:output"]
+    assert p["placement"] == "shard(2)" and "step 1" in p["evidence"]
+    out = CliRunner().invoke(main, ["query", "placement", "--trace", str(d), "--step", "99"])
+    assert out.exit_code == 1 and "not traced" in out.output
+    # A rank file newer than the store makes it stale: the next query merges again.
+    from tensor_trace.exporters.merge import is_stale, store_path
+
+    assert not is_stale(str(d))
+    t = os.path.getmtime(store_path(str(d))) - 60
+    os.utime(store_path(str(d)), (t, t))
+    assert is_stale(str(d))
+    qj("shapes", "model.embed_tokens", "--trace", d)
+    assert not is_stale(str(d))
