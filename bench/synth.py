@@ -16,8 +16,11 @@ then per step STEP_BEGIN, SPAN records at each module's exit, COLLECTIVE records
 collective's end, GROUP before the first collective, STEP_END, FINGERPRINTS; END at close), the
 same interning (``writer.module``/``string``/``layout`` at the moments the tracer calls them),
 the same fingerprint index order (a call's inputs when it begins, its outputs when it ends; a
-collective's inputs when it begins, outputs when it ends) and one chunk per second of (simulated)
-time, as the writer's flush thread would write them.
+collective's inputs when it begins, outputs when it ends), the fingerprint records of
+``tracer/fingerprint.py`` (small CUDA tensors deferred and written per (shape, dtype) block with
+their u32 indices, immediate values in one block, cache hits in a block of their own), and a flush
+per second of (simulated) time, as the writer's flush thread would do it (the writer cuts each
+flush into chunks of its own size).
 
 Fingerprints (fp32 sum, sum of squares) are drawn per step so that the placements hold:
 replicated tensors have the same fingerprint on every rank; an all_reduce's per-rank inputs
@@ -43,6 +46,7 @@ import os
 import random
 import shutil
 import socket
+import struct
 import time
 
 import numpy as np
@@ -314,6 +318,55 @@ def param_fingerprints(params, tp: int, seed: int) -> np.ndarray:
 
 # ---------------------------------------------------------------------------- one rank
 
+DEFER_MAX_NUMEL = 1 << 20  # tracer/fingerprint.py: larger CUDA tensors are reduced at once
+
+
+class _FpModel:
+    """Index bookkeeping of the tracer's ``StepFingerprints`` for CUDA tensors under
+    ``inference_mode``: a value stored by an output (``store=True``) is reused once by the next
+    call that sees the same tensor (a *dup*); floating tensors of at most ``DEFER_MAX_NUMEL``
+    elements are deferred and reduced per (shape, dtype) at the end of the step; integer tensors,
+    large ones, and a collective's inputs (``materialize``: it updates them in place) are
+    immediate. ``plan`` lists the FINGERPRINTS records of the step: (first index, logical ids of
+    the values, packed u32 indices or None), deferred groups first, then the immediate block,
+    then the dups."""
+
+    def __init__(self):
+        self.count = 0
+        self.seen: dict = {}  # logical id -> index of the stored value
+        self.groups: dict = {}  # (shape, dtype) -> [(index, logical id)]
+        self.imm: list = []
+        self.dups: list = []
+
+    def add(self, entries, store, materialize=False) -> int:
+        base = idx = self.count
+        for shape, dtype, lid in entries:
+            src = self.seen.pop(lid, None)
+            if src is not None:
+                self.dups.append((idx, lid))
+            else:
+                if dtype != I64 and not materialize and math.prod(shape) <= DEFER_MAX_NUMEL:
+                    self.groups.setdefault((shape, dtype), []).append((idx, lid))
+                else:
+                    self.imm.append((idx, lid))
+                if store:
+                    self.seen[lid] = idx
+            idx += 1
+        self.count = idx
+        return base
+
+    def plan(self) -> list:
+        out = []
+        for block in [*self.groups.values(), self.imm, self.dups]:
+            if not block:
+                continue
+            idx = [i for i, _ in block]
+            contiguous = idx == list(range(idx[0], idx[0] + len(idx)))
+            packed = None if contiguous else struct.pack(f"<{len(idx)}I", *idx)
+            out.append((idx[0], [lid for _, lid in block], packed))
+        return out
+
+
 
 class _Rank:
     """The tracer of one rank: its writer, clock, step counters and fingerprint indices."""
@@ -338,6 +391,7 @@ class _Rank:
         self.gid = None
         self.seq = 0
         self.step_meta: dict = {}  # per step: arrays built once for this rank
+        self.fp_records = 0
 
     def params(self, params, pfp: np.ndarray) -> None:
         w = self.w
@@ -348,7 +402,15 @@ class _Rank:
                 entries.append([w.string(name), w.meta(shp, BF16, self.dev), i])
                 i += 1
             w.add((schema.PARAMS, w.module(path, cls), entries))
-        self.pending_params = pfp[:, self.rank, :].tobytes()
+        # StepFingerprints of the parameters: small CUDA tensors (the norm weights) deferred and
+        # reduced per shape, the large ones at once; blocks: deferred groups, then the immediate.
+        fp = _FpModel()
+        for _path, _cls, plist in params:
+            for _name, shp, _sharded in plist:
+                fp.add([(shp, BF16, fp.count)], store=False)
+        self.pending_params = [(first, np.asarray(lids, dtype=np.intp), packed)
+                               for first, lids, packed in fp.plan()]
+        self.pfp = pfp
 
     def maybe_flush(self, t):
         if t >= self.next_flush:
@@ -363,7 +425,8 @@ class _Rank:
         dev = self.dev
         self._t = iter(times)
         nxt = self._t.__next__
-        lids: list = []  # fingerprint index -> logical id
+        fp = _FpModel()  # the tracer's StepFingerprints: indices, cache hits, blocks
+        fp_add = fp.add
         calls: dict = {}
         count = [0, 0]  # spans, collectives
         first = step == 0 and "device" not in self.identity
@@ -388,11 +451,9 @@ class _Rank:
             self.seq += 1
             index = count[1]
             count[1] += 1
-            fp_pre = len(lids)
-            lids.extend(x[3] for x in c.inputs)
+            fp_pre = fp_add([(shp, dt, lid) for _, shp, dt, lid in c.inputs], False, materialize=True)
             t1 = nxt()
-            fp_post = len(lids)
-            lids.extend(x[3] for x in c.outputs)
+            fp_post = fp_add([(shp, dt, lid) for _, shp, dt, lid in c.outputs], True)
             slots = [(s, shp, dt, dev) for s, shp, dt, _ in c.inputs] + [
                 (s, shp, dt, dev) for s, shp, dt, _ in c.outputs]
             lay = layout(tuple(slots))
@@ -412,8 +473,7 @@ class _Rank:
             ins = node.inputs
             fp_pre = -1
             if ins:
-                fp_pre = len(lids)
-                lids.extend(x[3] for x in ins)
+                fp_pre = fp_add([(shp, dt, lid) for _, shp, dt, lid in ins], False)
             for item in node.body:
                 if item.__class__ is Node:
                     span(item, index)
@@ -421,8 +481,7 @@ class _Rank:
                     coll(item, index)
             t1 = nxt()
             outs = node.outputs
-            fp_post = len(lids)
-            lids.extend(x[3] for x in outs)
+            fp_post = fp_add([(shp, dt, lid) for _, shp, dt, lid in outs], True)
             lay = layout(tuple([(s, shp, dt, dev) for s, shp, dt, _ in ins]
                                + [(s, shp, dt, dev) for s, shp, dt, _ in outs]))
             add((S_SPAN, step, index, parent, pid, call, t0 - t_step, t1 - t0, lay, fp_pre, fp_post,
@@ -433,14 +492,20 @@ class _Rank:
         span(root, -1, t_step)  # the root's call begins with the step (same clock reading)
         t_end = nxt()
         add((schema.STEP_END, step, t_end, count[0], count[1]))
-        # fingerprints: one record per device, indices contiguous (None)
-        if first and getattr(self, "pending_params", None) is not None:
-            add((schema.FINGERPRINTS, schema.PARAMS_STEP, 0, self.pending_params, None))
+        # FINGERPRINTS records as StepFingerprints.collect writes them: one per deferred
+        # (shape, dtype) group, one for the immediate values, one for the cache hits.
+        if first and self.pending_params is not None:
+            for first_i, idx, packed in self.pending_params:
+                add((schema.FINGERPRINTS, schema.PARAMS_STEP, first_i, self.pfp[idx, rank, :].tobytes(), packed))
+                self.fp_records += 1
             self.pending_params = None
-        idx = self.step_meta.get("lids")
-        if idx is None or len(idx) != len(lids):
-            idx = self.step_meta["lids"] = np.asarray(lids, dtype=np.intp)
-        add((schema.FINGERPRINTS, step, 0, V32[idx, rank, :].tobytes(), None))
+        plan = self.step_meta.get("plan")
+        if plan is None:
+            plan = self.step_meta["plan"] = [(first_i, np.asarray(lids, dtype=np.intp), packed)
+                                             for first_i, lids, packed in fp.plan()]
+        for first_i, lids, packed in plan:
+            add((schema.FINGERPRINTS, step, first_i, V32[lids, rank, :].tobytes(), packed))
+        self.fp_records += len(plan)
         self.stats["steps"] += 1
         self.stats["spans"] += count[0]
         self.stats["collectives"] += count[1]
@@ -448,7 +513,9 @@ class _Rank:
         return count
 
     def close(self):
+        self.w.flush()  # Tracer.stop: the END record in a chunk of its own
         self.stats["bytes"] = self.w.bytes_written
+        self.stats["stale_fingerprints"] = 0
         self.w.add((schema.END, dict(reason="exit", stats=dict(self.stats))))
         self.w.close()
 
@@ -540,7 +607,8 @@ def generate(out_dir: str, steps: int, ranks: int = 8, seed: int = 0, spread: st
         sim.close()
     files = [s.path for s in sims]
     return dict(dir=out_dir, run_id=run_id, steps=steps, ranks=ranks, spans=n_spans, collectives=n_colls,
-                span_records=n_spans + n_colls, files=len(files),
+                span_records=n_spans + n_colls, fingerprint_records=sum(s.fp_records for s in sims),
+                files=len(files),
                 bytes=sum(os.path.getsize(p) for p in files), seconds=time.perf_counter() - t_start,
                 spread=spread)
 
@@ -552,10 +620,15 @@ def main(argv=None) -> None:
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fp-spread", choices=["realistic", "wide"], default="realistic")
+    p.add_argument("--info-json", metavar="PATH", help="write the summary here (else print it)")
     a = p.parse_args(argv)
     steps = a.steps or steps_for(2_000_000, a.ranks)
-    info = generate(a.out, steps, a.ranks, a.seed, a.fp_spread, log=print)
-    print(json.dumps(info, indent=1))
+    info = generate(a.out, steps, a.ranks, a.seed, a.fp_spread, log=lambda m: print(m, flush=True))
+    if a.info_json:
+        with open(a.info_json, "w") as f:
+            json.dump(info, f)
+    else:
+        print(json.dumps(info, indent=1))
 
 
 if __name__ == "__main__":

@@ -147,15 +147,16 @@ class _FileLoader:
 
     def flush(self):
         con = self.con
+        # Cleared in place: load() holds these lists in local variables.
         if self.spans:
             con.executemany("INSERT INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", self.spans)
-            self.spans = []
+            self.spans.clear()
         if self.colls:
             con.executemany("INSERT INTO collectives VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", self.colls)
-            self.colls = []
+            self.colls.clear()
         if self.fps:
             con.executemany("INSERT INTO fingerprints VALUES (?,?,?,?,?)", self.fps)
-            self.fps = []
+            self.fps.clear()
 
     def load(self):
         proc = self.proc

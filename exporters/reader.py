@@ -48,44 +48,67 @@ def _check_prefix(path: str, data: bytes) -> None:
         raise BadInput(f"{path}: format version {version}, this tensor-trace reads {schema.FORMAT_VERSION}")
 
 
+READ_BLOCK = 4 << 20
+
+
 def iter_chunks(path: str, report: ReadReport):
-    """Yield the payload of every intact chunk; resynchronise on the sync marker after damage."""
-    with open(path, "rb") as f:
-        data = f.read()
-    _check_prefix(path, data)
-    pos = len(schema.FILE_PREFIX)
-    end = len(data)
+    """Yield the payload of every intact chunk; resynchronise on the sync marker after damage.
+
+    Streams: memory holds one read block plus the chunk being decoded (chunks are at most
+    ``schema.MAX_CHUNK_BYTES``), whatever the size of the file."""
     head = schema.CHUNK_HEAD
-    while pos < end:
-        if end - pos < head.size:
-            report.truncated_tail = True
-            report.skipped_bytes += end - pos
-            return
-        sync, length, crc = head.unpack_from(data, pos)
-        if sync == schema.SYNC and length <= schema.MAX_CHUNK_BYTES:
-            start = pos + head.size
-            if start + length > end:
-                # Either a torn last chunk or a corrupt length: look for a later chunk first.
-                nxt = data.find(schema.SYNC, pos + 1)
-                if nxt == -1:
+    with open(path, "rb") as f:
+        buf = f.read(max(READ_BLOCK, len(schema.FILE_PREFIX)))
+        _check_prefix(path, buf)
+        pos = len(schema.FILE_PREFIX)
+        eof = len(buf) < READ_BLOCK
+
+        def need(n):
+            """Make buf[pos:pos+n] available if the file has it; False at end of file."""
+            nonlocal buf, pos, eof
+            while len(buf) - pos < n and not eof:
+                more = f.read(max(READ_BLOCK, n))
+                if not more:
+                    eof = True
+                    break
+                buf = buf[pos:] + more
+                pos = 0
+            return len(buf) - pos >= n
+
+        while need(1):
+            if not need(head.size):
+                report.truncated_tail = True
+                report.skipped_bytes += len(buf) - pos
+                return
+            sync, length, crc = head.unpack_from(buf, pos)
+            if sync == schema.SYNC and length <= schema.MAX_CHUNK_BYTES:
+                if need(head.size + length):
+                    start = pos + head.size
+                    payload = buf[start:start + length]
+                    if zlib.crc32(payload) == crc:
+                        report.chunks += 1
+                        pos = start + length
+                        yield payload
+                        continue
+                elif buf.find(schema.SYNC, pos + 1) == -1:
+                    # The last chunk was cut short: the process died while writing it.
                     report.truncated_tail = True
-                    report.skipped_bytes += end - pos
+                    report.skipped_bytes += len(buf) - pos
                     return
-            else:
-                payload = data[start:start + length]
-                if zlib.crc32(payload) == crc:
-                    report.chunks += 1
-                    yield payload
-                    pos = start + length
-                    continue
-        # Damage: skip to the next sync marker.
-        nxt = data.find(schema.SYNC, pos + 1)
-        report.corrupt_chunks += 1
-        if nxt == -1:
-            report.skipped_bytes += end - pos
-            return
-        report.skipped_bytes += nxt - pos
-        pos = nxt
+            # Damage: skip to the next sync marker.
+            report.corrupt_chunks += 1
+            while True:
+                nxt = buf.find(schema.SYNC, pos + 1)
+                if nxt != -1:
+                    report.skipped_bytes += nxt - pos
+                    pos = nxt
+                    break
+                keep = len(schema.SYNC) - 1  # a marker may straddle two blocks
+                report.skipped_bytes += max(0, len(buf) - pos - keep)
+                pos = max(pos, len(buf) - keep)
+                if not need(len(buf) - pos + 1):
+                    report.skipped_bytes += len(buf) - pos
+                    return
 
 
 def iter_records(path: str, report: ReadReport | None = None):

@@ -24,7 +24,15 @@ def start_from_env() -> None:
     tr = tracer.start(config)
     atexit.register(tracer.stop, "exit")
     _register_mp_finalizer(tr)
-    tr.after_fork_callbacks.append(lambda: _register_mp_finalizer(tr))
+    try:
+        # A multiprocessing child (fork, forkserver) leaves through os._exit, skipping atexit;
+        # multiprocessing runs its own finalizers, but clears the parent's list after the fork:
+        # register again from its after-fork hook, which runs after that clearing.
+        from multiprocessing import util
+
+        util.register_after_fork(tr, _register_mp_finalizer)
+    except Exception:
+        pass
     _install_sigterm(tr)
 
 
@@ -38,7 +46,14 @@ def _register_mp_finalizer(tr) -> None:
 
 
 def _install_sigterm(tr) -> None:
-    # Only where nobody else handles SIGTERM: complete the trace, then die as SIGTERM would.
+    """Complete the rank file on SIGTERM, then die as SIGTERM would.
+
+    Only where nobody else handles SIGTERM. A Python handler runs only when the main thread
+    executes Python again, and a rank blocked in a collective or a store wait may not for a
+    long time: untraced, it would die at once. So, where the process has no wakeup fd yet, the
+    signal also wakes a watcher thread (``signal.set_wakeup_fd``); if the handler has not run
+    within ``SIGTERM_GRACE_S``, the watcher completes the file and restores the default action
+    itself."""
     if threading.current_thread() is not threading.main_thread():
         return
     try:
@@ -46,15 +61,64 @@ def _install_sigterm(tr) -> None:
             return
     except Exception:
         return
+    handled = threading.Event()
+
+    def die():
+        _default_action_and_kill()
 
     def on_sigterm(signum, frame):
+        handled.set()
         try:
             tr.stop("SIGTERM")
         finally:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+            die()
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        return
+    if old != -1:  # someone (an event loop) owns the wakeup fd: leave it to them
+        signal.set_wakeup_fd(old)
+        os.close(r)
+        os.close(w)
+        return
+
+    def watch():
+        while True:
+            try:
+                data = os.read(r, 512)
+            except OSError:
+                return
+            if not data:
+                return
+            if signal.SIGTERM in data and not handled.wait(SIGTERM_GRACE_S):
+                try:
+                    tr.stop("SIGTERM (main thread blocked)")
+                finally:
+                    die()
+
+    threading.Thread(target=watch, name="tensor-trace-sigterm", daemon=True).start()
+
+
+SIGTERM_GRACE_S = 0.5
+
+
+def _default_action_and_kill() -> None:
+    # signal.signal() works only in the main thread; libc's signal() works in any.
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).signal(signal.SIGTERM, 0)  # 0 = SIG_DFL
+    except Exception:
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except Exception:
+            pass
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def report_failure(exc: BaseException) -> None:

@@ -163,11 +163,10 @@ class CollectiveInterceptor:
         self.wrappers: dict[str, object] = {}
         self.functional_originals: dict[str, object] = {}
         self.rebound: list = []  # (module dict, name, original)
-        self.groups: dict[int, tuple] = {}  # id(pg) -> (gid, pg)
+        self.groups: dict[str, tuple] = {}  # c10d group name -> (gid, None, name, ranks, ...)
         self.seq: dict[int, int] = {}
         self.awaiting: dict[int, tuple] = {}  # id(functional result) -> token
         self.open_async: dict[int, tuple] = {}  # token id -> token (for unwaited at step end)
-        self._default_group = None
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
@@ -359,14 +358,14 @@ class CollectiveInterceptor:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
+        # Keyed by c10d's group name: holding the group object itself would keep a destroyed
+        # process group alive (and gloo aborts at exit when one outlives its store).
         if group is None:
-            if self._default_group is None:
-                self._default_group = c10d._get_default_group()
-            group = self._default_group
+            group = c10d._get_default_group()
         elif isinstance(group, str):
             group = c10d._resolve_process_group(group)
-        key = id(group)
-        entry = self.groups.get(key)
+        pg_name = getattr(group, "group_name", "") or str(id(group))
+        entry = self.groups.get(pg_name)
         if entry is None:
             gid = len(self.groups)
             try:
@@ -377,12 +376,11 @@ class CollectiveInterceptor:
                 backend = str(dist.get_backend(group))
             except Exception:
                 backend = ""
-            pg_name = getattr(group, "group_name", "") or ""
             desc = getattr(group, "group_desc", "") or ""
-            is_default = group is self._default_group or group is c10d._get_default_group()
+            is_default = group is c10d._get_default_group()
             name = "world" if is_default else (desc if desc and desc != "undefined" else pg_name)
-            entry = (gid, group, name, list(ranks), backend, pg_name)
-            self.groups[key] = entry
+            entry = (gid, None, name, list(ranks), backend, pg_name)
+            self.groups[pg_name] = entry
             self.seq[gid] = 0
         gid = entry[0]
         written = self.tracer.written_groups

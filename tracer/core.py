@@ -381,6 +381,7 @@ class Tracer:
             self.stats["spans"] += self.span_count
             self.stats["collectives"] += self.coll_count
         self.stack.clear()
+        self.step_root = None  # never keep the model alive past its step
         self.in_step = False
         self.tracing_step = False
         self.capturing = False
@@ -573,6 +574,7 @@ class Tracer:
                 self.writer.abandon_after_fork()
                 self.writer = None
             self.stack = []
+            self.step = -1  # a forked child counts its own steps (and --steps windows)
             self.in_step = self.tracing_step = False
             self.fps = StepFingerprints()
             self.identity = {}

@@ -51,14 +51,14 @@ def run_traced(cmd: list[str], config: TraceConfig) -> int:
     run_file = os.path.join(config.out_dir, "run.json")
     run = dict(run_id=config.run_id, argv=cmd, started_wall_ns=time.time_ns(), config=json.loads(
         config.to_env()[schema.ENV_CONFIG]))
-    with open(run_file, "w") as f:
-        json.dump(run, f, indent=1)
     try:
         proc = subprocess.Popen(cmd, env=child_env(config), process_group=0)
     except FileNotFoundError:
         raise BadInput(f"command not found: {cmd[0]}")
     except PermissionError:
         raise BadInput(f"command not executable: {cmd[0]}")
+    with open(run_file, "w") as f:  # only once something runs: a failed start leaves no run
+        json.dump(run, f, indent=1)
     received: list[int] = []
 
     def forward(signum, frame):

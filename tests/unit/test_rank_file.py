@@ -118,3 +118,22 @@ def test_intern_tables_are_bounded(tmp_path):
         if r[0] == schema.META:
             metas[r[1]] = r[2]
     assert [19999] in metas.values()
+
+
+@pytest.mark.parametrize("block", [64, 1000, 1 << 22])
+def test_streaming_reader_across_block_boundaries(tmp_path, monkeypatch, block):
+    from tensor_trace.exporters import reader
+
+    monkeypatch.setattr(reader, "READ_BLOCK", block)
+    p = tmp_path / "a.ttr"
+    _write(p)
+    rt = load_rank_file(str(p))
+    assert sorted(rt.steps) == list(range(10)) and rt.report.problems() == []
+    data = bytearray(p.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 30] = bytes(30)
+    bad = tmp_path / "bad.ttr"
+    bad.write_bytes(bytes(data[:-11]))
+    rt = load_rank_file(str(bad))
+    assert rt.report.corrupt_chunks >= 1 and rt.report.truncated_tail
+    assert 0 in rt.steps and 8 in rt.steps and len(rt.steps) >= 7

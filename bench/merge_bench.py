@@ -1,0 +1,687 @@
+"""Merge and query benchmark: a synthetic 2-million-span TP=8 trace, merged and queried.
+
+1. ``bench/synth.py`` writes a trace of realistic shape with the real ``RankWriter``, record for
+   record as the tracer writes it: 8 ranks (``--ranks``), a 61-layer DeepSeek/Llama-sized decoder
+   with the module tree of ``examples/tp_llama.py``, 676 module spans + 124 collectives = 800 span
+   records per step and rank, ``--steps`` steps (default: about 2 million span records in all).
+   A trace 4 times smaller (``steps // 4``) is written too.
+2. ``merge_ranks(DIR)`` runs in a fresh child process per trace (``python bench/merge_bench.py
+   --merge-child DIR OUT``): wall and CPU time (``time.process_time``) of the call, span records
+   merged per second (module spans + collectives of all ranks / wall time), time per phase (loading
+   the rank files, collective alignment, clock offsets, verdicts, the rest = indexes, ANALYZE,
+   commit), rows in the store against what was generated, and peak RSS for both sizes (a streaming
+   merge needs about the same memory for both). Peak RSS: the child's ``ru_maxrss`` from
+   ``os.wait4`` (what ``getrusage(RUSAGE_CHILDREN)`` reports for it) and its ``VmHWM``. Linux carries
+   a process's pre-exec high-water mark into ``ru_maxrss``, so a child's ``ru_maxrss`` is at least
+   its parent's RSS at the fork: this process stays small until the merges are done (generation
+   and queries run in child processes too), and the growth test uses ``VmHWM`` - ``VmRSS`` after
+   imports, which only the merge's own memory moves. ``RUSAGE_CHILDREN`` is shown as well; it is
+   the maximum over every child waited for, the generator's included.
+   Each merge runs twice: ``as-is`` (the library), and ``flush-fixed``, a what-if with
+   ``_FileLoader.flush`` replaced in the child process only (``install_flush_fix``: empty the batch
+   lists in place), because as-is the merge drops every span and collective of a rank file after
+   its first 20,000 (``BATCH``): ``load`` keeps local aliases of ``self.spans``/``self.colls`` that
+   ``flush`` rebinds. The library is not modified.
+3. Every query of the contract through the CLI code path, in-process in a child process (click's
+   ``CliRunner`` on ``tensor_trace.cli.main``, ``--json``; a child, so that this process stays
+   small), against the store of the large trace of each variant, each ``--reps`` times (median).
+4. A table with PASS/FAIL against the targets (store complete; merge >= 300,000 span records/s on
+   one core; the merge's memory flat in trace size; each query < 2 s); ``--json PATH`` writes
+   every figure. When the merge misses its rate, ``cProfile`` of ``merge_ranks`` (flush-fixed) on a
+   smaller trace (``--profile-steps``) prints the top functions by cumulative and by own time.
+5. Verdict check: every point's placement/reduction against what the synthetic model implies,
+   on the large trace and on two 3-step traces (fingerprints drawn with iid statistics, and
+   widely separated per rank), and the ``query placement 'model.layers.0.*'`` table.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/merge_bench.py --json /tmp/merge-bench.json
+    OMP_NUM_THREADS=1 .venv/bin/python bench/merge_bench.py --steps 40 --reps 1   # a quick look
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import datetime
+import io
+import json
+import os
+import platform
+import pstats
+import resource
+import shlex
+import shutil
+import socket
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+TARGET_RATE = 300_000  # span records merged per second, one core
+TARGET_QUERY_S = 2.0
+TARGET_RSS_GROWTH = 1.5  # merge RSS increment, full trace / 4x smaller trace (4.0 = not streaming)
+
+
+# ---------------------------------------------------------------------------- header
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def _load() -> str:
+    try:
+        out = subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+        if out:
+            return out
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _version(dist: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _git() -> str:
+    """HEAD of the library's repository, and whether the library folders differ from it."""
+    root = os.path.dirname(HERE)
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "exporters", "tracer",
+                                "tensor_trace"], capture_output=True, text=True, timeout=10).stdout.strip()
+        return f"{head}{' (library modified)' if dirty else ''}" if head else "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def header(argv) -> dict:
+    # Versions from the package metadata: this process stays small (no torch, no numpy), because
+    # an exec'd child's ru_maxrss starts from its parent's RSS at the fork (Linux keeps the
+    # pre-exec high-water mark), which would otherwise inflate the merge children's figures.
+    return dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                hostname=socket.gethostname(), cpu=_cpu_model(), cpus=os.cpu_count(),
+                python=platform.python_version(), torch=_version("torch"),
+                sqlite=sqlite3.sqlite_version, msgpack=_version("msgpack"),
+                omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+                command=" ".join(shlex.quote(a) for a in [sys.executable, *argv]), git=_git(),
+                uptime_before=_load())
+
+
+# ---------------------------------------------------------------------------- merge (child)
+
+
+_SQL = {  # the INSERTs of exporters/merge.py _FileLoader.flush, verbatim
+    "spans": "INSERT INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+    "colls": "INSERT INTO collectives VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+    "fps": "INSERT INTO fingerprints VALUES (?,?,?,?,?)",
+}
+
+
+def install_flush_fix(mg):
+    """What-if, in this process only (the library is not touched): ``_FileLoader.flush`` that
+    empties its batch lists in place instead of rebinding them, so that the aliases ``spans`` /
+    ``colls`` that ``_FileLoader.load`` took before its loop stay the lists that get inserted.
+    Returns a function that undoes it."""
+    orig = mg._FileLoader.flush
+
+    def flush(self):
+        for attr in ("spans", "colls", "fps"):
+            batch = getattr(self, attr)
+            if batch:
+                self.con.executemany(_SQL[attr], batch)
+                batch.clear()
+
+    mg._FileLoader.flush = flush
+    return lambda: setattr(mg._FileLoader, "flush", orig)
+
+
+def store_counts(trace_dir: str) -> dict:
+    con = sqlite3.connect(f"file:{os.path.join(trace_dir, 'merged.sqlite')}?mode=ro", uri=True)
+    out = {t: con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
+           for t in ("spans", "collectives", "fingerprints", "steps", "params", "points")}
+    out["max_span_step"] = con.execute("SELECT MAX(step) FROM spans").fetchone()[0]
+    con.close()
+    return out
+
+
+def merge_child(trace_dir: str, out_path: str, flush_fix: bool) -> None:
+    """Run in a fresh process: merge once, with light timers around the phases."""
+    from tensor_trace.exporters import merge as mg
+    from tensor_trace.exporters import placement as pl
+
+    if flush_fix:
+        install_flush_fix(mg)
+    phases = collections.defaultdict(float)
+    hwm = {}  # VmHWM when each phase last ended: the phase that raises it holds the memory
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                phases[name] += time.perf_counter() - t
+                hwm[name] = _vm("VmHWM")
+        return wrapper
+
+    mg._FileLoader.load = timed("load rank files", mg._FileLoader.load)
+    mg.align_collectives = timed("align collectives", mg.align_collectives)
+    mg.estimate_clock_offsets = timed("clock offsets", mg.estimate_clock_offsets)
+    pl.compute_verdicts = timed("verdicts", pl.compute_verdicts)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    vm0 = _vm("VmRSS")
+    warnings = []
+    w0, c0 = time.perf_counter(), time.process_time()
+    report = mg.merge_ranks(trace_dir, warn=warnings.append)
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    phases["other (inserts of processes/globals, indexes, ANALYZE, commit)"] = wall - sum(phases.values())
+    res = dict(wall_s=wall, cpu_s=cpu, rss_after_import_kb=rss0, vmrss_after_import_kb=vm0,
+               vmhwm_kb=_vm("VmHWM"), rss_peak_self_kb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+               phases=dict(phases), vmhwm_after_phase_kb=hwm, points=report["points"], warnings=warnings,
+               collective_issues=[list(i) for i in report["collective_issues"]],
+               counts=store_counts(trace_dir))
+    with open(out_path, "w") as f:
+        json.dump(res, f)
+
+
+def _vm(key: str) -> int | None:
+    """A /proc/self/status figure in kB (VmHWM: this image's peak RSS, VmRSS: now)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def generate_in_child(d: str, steps: int, ranks: int, seed: int, spread: str) -> dict:
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    subprocess.run([sys.executable, os.path.join(HERE, "synth.py"), "--out", d, "--steps", str(steps),
+                    "--ranks", str(ranks), "--seed", str(seed), "--fp-spread", spread, "--info-json", out],
+                   check=True)
+    with open(out) as f:
+        info = json.load(f)
+    os.remove(out)
+    return info
+
+
+def merge_in_child(trace_dir: str, flush_fix: bool = False) -> dict:
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--merge-child", trace_dir, out]
+                         + (["--flush-fix"] if flush_fix else []), env=env)
+    _, status, ru = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        raise SystemExit(f"merge child failed with status {p.returncode}")
+    with open(out) as f:
+        res = json.load(f)
+    os.remove(out)
+    res["rss_peak_kb"] = ru.ru_maxrss
+    res["rss_children_kb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    res["rss_children_before_kb"] = children_before  # the generator children count in it too
+    res["store_bytes"] = os.path.getsize(os.path.join(trace_dir, "merged.sqlite"))
+    return res
+
+
+# ---------------------------------------------------------------------------- queries
+
+
+def query_commands(d: str) -> list:
+    t = ["--trace", d, "--json"]
+    return [
+        ("placement", ["query", "placement", *t]),
+        ("placement 'model.layers.30.*'", ["query", "placement", "model.layers.30.*", *t]),
+        ("reduction model.embed_tokens", ["query", "reduction", "model.embed_tokens", *t]),
+        ("collectives", ["query", "collectives", *t]),
+        ("shapes 'model.layers.*.self_attn.qkv_proj'", ["query", "shapes", "model.layers.*.self_attn.qkv_proj", *t]),
+        ('sql "SELECT COUNT(*) FROM spans"', ["query", "sql", "SELECT COUNT(*) FROM spans", *t]),
+        ("placement --step 5 'model.layers.0.*'", ["query", "placement", "--step", "5", "model.layers.0.*", *t]),
+        ("diff DIR DIR", ["query", "diff", d, d, "--json"]),
+    ]
+
+
+def run_queries(d: str, reps: int, log) -> list:
+    from click.testing import CliRunner
+
+    from tensor_trace.cli import main as cli
+
+    runner = CliRunner()
+    out = []
+    for name, args in query_commands(d):
+        times = []
+        size = 0
+        for _ in range(reps):
+            t = time.perf_counter()
+            r = runner.invoke(cli, args, catch_exceptions=False)
+            times.append(time.perf_counter() - t)
+            if r.exit_code != 0:
+                raise SystemExit(f"query {name} exited {r.exit_code}: {r.output[-2000:]}")
+            size = len(r.output)
+        summary = _summary(name, json.loads(r.output))
+        out.append(dict(query=name, argv=args, times_s=times, median_s=statistics.median(times),
+                        output_bytes=size, summary=summary))
+        log(f"  query {name}: median {statistics.median(times):.3f} s ({', '.join(f'{x:.3f}' for x in times)}), "
+            f"{size} bytes: {summary}")
+    return out
+
+
+def query_child(d: str, out_path: str, reps: int) -> None:
+    res = run_queries(d, reps, lambda m: print(m, flush=True))
+    with open(out_path, "w") as f:
+        json.dump(dict(queries=res, vmhwm_kb=_vm("VmHWM")), f)
+
+
+def queries_in_child(d: str, reps: int) -> list:
+    """The queries run in a child process (in-process CliRunner there), so this process stays
+    small and the next merge child's ru_maxrss is not inflated by it."""
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--query-child", d, out, "--reps", str(reps)],
+                   check=True)
+    with open(out) as f:
+        res = json.load(f)
+    os.remove(out)
+    return res["queries"]
+
+
+def _summary(name: str, data) -> str:
+    if isinstance(data, list):
+        return f"{len(data)} rows"
+    if isinstance(data, dict):
+        if "verdict" in data:
+            return f"{data['verdict']} ({data['placement']})"
+        return ", ".join(f"{k}: {len(v)}" for k, v in data.items() if isinstance(v, list))
+    return str(data)[:60]
+
+
+# ---------------------------------------------------------------------------- verdict check
+
+_SHARD = {"qkv_proj", "attn", "gate_up_proj", "act_fn", "lm_head"}
+
+
+def expected_verdict(module: str, slot: str):
+    """(placement, reduction) the synthetic model implies for a point."""
+    last = module.rsplit(".", 1)[-1] if module else ""
+    if module in ("", "model", "model.embed_tokens") and slot == "input.0":
+        return "replicate", "no-reduction"
+    if slot.startswith("output"):
+        return ("shard(2)", "no-reduction") if last in _SHARD else ("replicate", "post-reduction")
+    if last in ("attn", "o_proj", "act_fn", "down_proj"):
+        return "shard(2)", "no-reduction"
+    return "replicate", "post-reduction"
+
+
+def verdict_check(d: str) -> dict:
+    con = sqlite3.connect(f"file:{os.path.join(d, 'merged.sqlite')}?mode=ro", uri=True)
+    rows = con.execute("SELECT point, module, slot, placement, reduction FROM points ORDER BY sort_key").fetchall()
+    issues = [list(r) for r in con.execute("SELECT * FROM collective_issues")]
+    con.close()
+    wrong = collections.Counter()
+    examples = {}
+    for point, module, slot, placement, reduction in rows:
+        exp = expected_verdict(module, slot)
+        if (placement, reduction) != exp:
+            last = module.rsplit(".", 1)[-1] if module.startswith("model.layers.") else module or "<root>"
+            key = (last, slot.split(".")[0], f"{exp[0]}/{exp[1]}", f"{placement}/{reduction}")
+            wrong[key] += 1
+            examples.setdefault(key, point)
+    return dict(points=len(rows), wrong=sum(wrong.values()),
+                by_kind=[dict(module=k[0], slot=k[1], expected=k[2], got=k[3], count=n, example=examples[k])
+                         for k, n in wrong.most_common()],
+                collective_issues=issues)
+
+
+def placement_table(d: str, pattern: str) -> str:
+    from click.testing import CliRunner
+
+    from tensor_trace.cli import main as cli
+
+    r = CliRunner().invoke(cli, ["query", "placement", pattern, "--trace", d], catch_exceptions=False)
+    return r.output
+
+
+# ---------------------------------------------------------------------------- profile
+
+
+def profile_merge(d: str, top: int = 15) -> dict:
+    """cProfile of one merge_ranks call; a second profiler takes over inside compute_verdicts, so
+    besides the whole merge the rest of it (loading, inserts, indexes) is shown on its own."""
+    from tensor_trace.exporters import merge as mg
+    from tensor_trace.exporters import placement as pl
+
+    rest, verdicts = cProfile.Profile(), cProfile.Profile()
+    orig = pl.compute_verdicts
+
+    def split(con):
+        rest.disable()
+        verdicts.enable()
+        try:
+            return orig(con)
+        finally:
+            verdicts.disable()
+            rest.enable()
+
+    pl.compute_verdicts = split
+    t = time.perf_counter()
+    try:
+        rest.enable()
+        mg.merge_ranks(d, warn=lambda m: None)
+        rest.disable()
+    finally:
+        pl.compute_verdicts = orig
+    out = {"wall_s_under_cprofile": time.perf_counter() - t}
+
+    def table(stats, key):
+        s = io.StringIO()
+        stats.stream = s
+        stats.sort_stats(key).print_stats(top)
+        text = s.getvalue()
+        return text[text.find("   ncalls"):].rstrip()
+
+    whole = pstats.Stats(rest).add(verdicts).strip_dirs()
+    out["whole_total_s"] = whole.total_tt
+    out["cumulative"] = table(whole, "cumulative")
+    out["tottime"] = table(whole, "tottime")
+    outside = pstats.Stats(rest).strip_dirs()
+    out["outside_verdicts_total_s"] = outside.total_tt
+    out["outside_verdicts_tottime"] = table(outside, "tottime")
+    out["outside_verdicts_cumulative"] = table(outside, "cumulative")
+    return out
+
+
+# ---------------------------------------------------------------------------- report
+
+VARIANTS = (("as-is", False), ("flush-fixed", True))
+VARIANT_NOTE = {"as-is": "the library as it is",
+                "flush-fixed": "what-if: _FileLoader.flush patched in the benchmark process only (see install_flush_fix)"}
+
+
+def _mb(n):
+    return f"{n / 2**20:.1f} MiB"
+
+
+def expected_counts(g: dict) -> dict:
+    return dict(spans=g["spans"], collectives=g["collectives"], steps=g["steps"] * g["ranks"],
+                fingerprints=g["fingerprint_records"])
+
+
+def _complete(m: dict, g: dict) -> tuple:
+    exp = expected_counts(g)
+    got = m["counts"]
+    bad = [f"{k} {got[k]:,} of {v:,}" for k, v in exp.items() if got[k] != v]
+    return (not bad), ("all rows" if not bad else "; ".join(bad))
+
+
+def print_table(res: dict) -> None:
+    h = res["header"]
+    print()
+    print(f"# tensor-trace merge/query benchmark | {h['date']} | host {h['hostname']} | cpu {h['cpu']} x{h['cpus']}"
+          f" | python {h['python']} | torch {h['torch']} | sqlite {h['sqlite']} | msgpack {h['msgpack']}"
+          f" | OMP_NUM_THREADS={h['omp_num_threads']} | git {h['git']}")
+    print(f"# command: {h['command']}")
+    print(f"# before: {h['uptime_before']}")
+    print(f"# after:  {h.get('uptime_after', '?')}")
+    for v, note in VARIANT_NOTE.items():
+        print(f"# merge variant {v}: {note}")
+    info = []
+    for label, g in res["traces"].items():
+        info.append((f"trace {label}: steps x ranks", f"{g['steps']} x {g['ranks']}"))
+        info.append((f"trace {label}: span records (module spans + collectives)",
+                     f"{g['span_records']:,} ({g['spans']:,} + {g['collectives']:,})"))
+        info.append((f"trace {label}: rank files / generation", f"{_mb(g['bytes'])} / {g['seconds']:.1f} s"))
+    for variant, _ in VARIANTS:
+        for label, g in res["traces"].items():
+            m = res["merge"].get(variant, {}).get(label)
+            if not m:
+                continue
+            pre = f"merge {variant} {label}:"
+            info.append((f"{pre} wall / cpu", f"{m['wall_s']:.2f} s / {m['cpu_s']:.2f} s"))
+            info.append((f"{pre} span records/s (module spans/s)", f"{m['rate']:,.0f} ({m['module_rate']:,.0f})"))
+            for ph, sec in m["phases"].items():
+                peak = m["vmhwm_after_phase_kb"].get(ph)
+                info.append((f"{pre}   {ph}", f"{sec:.2f} s ({100 * sec / m['wall_s']:.0f}%)"
+                             + (f", VmHWM after it {_mb(peak * 1024)}" if peak else "")))
+            info.append((f"{pre} peak RSS: child ru_maxrss (wait4) / VmHWM",
+                         f"{_mb(m['rss_peak_kb'] * 1024)} / {_mb(m['vmhwm_kb'] * 1024)}"))
+            info.append((f"{pre} RSS after imports (VmRSS)", _mb(m["vmrss_after_import_kb"] * 1024)))
+            info.append((f"{pre} RUSAGE_CHILDREN ru_maxrss before / after",
+                         f"{_mb(m['rss_children_before_kb'] * 1024)} / {_mb(m['rss_children_kb'] * 1024)}"))
+            info.append((f"{pre} store size", f"{_mb(m['store_bytes'])} ({m['store_bytes'] / g['bytes']:.2f}x the rank files)"))
+            c = m["counts"]
+            info.append((f"{pre} rows in store", f"spans {c['spans']:,}, collectives {c['collectives']:,}, "
+                         f"fingerprints {c['fingerprints']:,}, steps {c['steps']:,}, last span step {c['max_span_step']}"))
+    for variant, qs in res["queries"].items():
+        for q in qs:
+            info.append((f"query [{variant} store] {q['query']}", f"{q['median_s']:.3f} s (" + ", ".join(
+                f"{x:.3f}" for x in q["times_s"]) + f"; {q['summary']})"))
+    rows = [(n, v, "", "") for n, v in info] + [("", "", "", "")] + [
+        (t["name"], t["value"], t["target"], t["result"]) for t in res["targets"]]
+    allrows = [("figure", "value", "target", "result")] + rows
+    w = [max(len(str(r[i])) for r in allrows) for i in range(4)]
+    for n, r in enumerate(allrows):
+        print("  ".join(str(c).ljust(w[i]) for i, c in enumerate(r)).rstrip())
+        if n == 0:
+            print("  ".join("-" * x for x in w))
+
+
+def targets(res: dict) -> list:
+    out = []
+    for variant, _ in VARIANTS:
+        ms = res["merge"].get(variant)
+        if not ms:
+            continue
+        big, small = ms["large"], ms.get("small")
+        g = res["traces"]["large"]
+        ok, text = _complete(big, g)
+        out.append(dict(name=f"[{variant}] store holds every record of the large trace", value=text,
+                        target="all rows", result="PASS" if ok else "FAIL"))
+        out.append(dict(name=f"[{variant}] merge rate, large trace (span records/s)", value=f"{big['rate']:,.0f}",
+                        target=f">= {TARGET_RATE:,}", result="PASS" if big["rate"] >= TARGET_RATE else "FAIL"))
+        if small:
+            inc_b = max(big["vmhwm_kb"] - big["vmrss_after_import_kb"], 1)
+            inc_s = max(small["vmhwm_kb"] - small["vmrss_after_import_kb"], 1)
+            ratio = inc_b / inc_s
+            out.append(dict(name=f"[{variant}] merge peak-RSS increment, large / 4x smaller trace",
+                            value=f"{ratio:.2f} ({_mb(inc_b * 1024)} / {_mb(inc_s * 1024)})",
+                            target=f"<= {TARGET_RSS_GROWTH} (streams)",
+                            result="PASS" if ratio <= TARGET_RSS_GROWTH else "FAIL"))
+    for variant, qs in res["queries"].items():
+        for q in qs:
+            out.append(dict(name=f"[{variant} store] query {q['query']} (median)", value=f"{q['median_s']:.3f} s",
+                            target=f"< {TARGET_QUERY_S} s", result="PASS" if q["median_s"] < TARGET_QUERY_S else "FAIL"))
+    return out
+
+
+def write_json(path, res) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps of the large trace (default: ~2,000,000 span records over all ranks)")
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--reps", type=int, default=3, help="runs of each query (the median is reported)")
+    p.add_argument("--fp-spread", choices=["realistic", "wide"], default="realistic",
+                   help="per-rank fingerprint statistics of the large trace (see bench/synth.py)")
+    p.add_argument("--dir", default=None, help="work folder (default: a temporary folder, removed at the end)")
+    p.add_argument("--keep", action="store_true", help="keep the traces and stores")
+    p.add_argument("--profile", choices=["auto", "always", "never"], default="auto",
+                   help="cProfile merge_ranks on a smaller trace (auto: when the rate misses its target)")
+    p.add_argument("--profile-steps", type=int, default=None,
+                   help="steps of the profiled trace (default: the 4x smaller trace, steps // 4)")
+    p.add_argument("--no-verdicts", action="store_true", help="skip the verdict check")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="write every figure here")
+    p.add_argument("--merge-child", nargs=2, metavar=("DIR", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--flush-fix", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--query-child", nargs=2, metavar=("DIR", "OUT"), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv if argv is None else argv)
+    args = parse_args(argv[1:])
+    if args.merge_child:
+        merge_child(*args.merge_child, args.flush_fix)
+        return 0
+    if args.query_child:
+        query_child(*args.query_child, args.reps)
+        return 0
+
+    def log(msg):
+        print(msg, flush=True)
+
+    res = dict(header=header(argv), args=vars(args), traces={}, merge={}, queries={})
+    h = res["header"]
+    log(f"# {h['date']} {h['hostname']} | {h['cpu']} x{h['cpus']} | python {h['python']} torch {h['torch']}"
+        f" | git {h['git']}")
+    log(f"# {h['command']}")
+    log(f"# {h['uptime_before']}")
+    # synth.steps_for without importing synth (numpy) here: 676 module spans + 124 collectives
+    # per step and rank for the 61-layer model.
+    steps = args.steps or max(1, round(2_000_000 / (args.ranks * (11 * 61 + 5 + 2 * 61 + 2))))
+    root = args.dir or tempfile.mkdtemp(prefix="tt-merge-bench-")
+    os.makedirs(root, exist_ok=True)
+
+    def save():
+        if args.json:
+            write_json(args.json, res)
+
+    try:
+        res["parent_rss_before_merges_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        sizes = [("small", max(6, steps // 4)), ("large", steps)]
+        for label, n in sizes:
+            d = os.path.join(root, label)
+            log(f"generating {label} trace: {n} steps x {args.ranks} ranks -> {d}")
+            res["traces"][label] = generate_in_child(d, n, args.ranks, args.seed, args.fp_spread)
+            g = res["traces"][label]
+            log(f"  {g['span_records']:,} span records, {_mb(g['bytes'])}, {g['seconds']:.1f} s")
+        large = os.path.join(root, "large")
+        for variant, fix in VARIANTS:
+            res["merge"][variant] = {}
+            for label, _ in sizes:  # small first: RUSAGE_CHILDREN then holds the small merge's peak
+                d = os.path.join(root, label)
+                log(f"merging {label} trace in a child process, {variant} ...")
+                m = merge_in_child(d, fix)
+                g = res["traces"][label]
+                m["rate"] = g["span_records"] / m["wall_s"]
+                m["module_rate"] = g["spans"] / m["wall_s"]
+                res["merge"][variant][label] = m
+                log(f"  wall {m['wall_s']:.2f} s, cpu {m['cpu_s']:.2f} s, {m['rate']:,.0f} span records/s, "
+                    f"peak RSS {_mb(m['rss_peak_kb'] * 1024)} (VmHWM {_mb(m['vmhwm_kb'] * 1024)}, after imports "
+                    f"{_mb(m['vmrss_after_import_kb'] * 1024)}), RUSAGE_CHILDREN {_mb(m['rss_children_kb'] * 1024)}, "
+                    f"store {_mb(m['store_bytes'])}")
+                log("  phases: " + "; ".join(f"{k} {v:.2f} s" for k, v in m["phases"].items()))
+                log("  VmHWM after phase: " + "; ".join(f"{k} {_mb(v * 1024)}" for k, v in m["vmhwm_after_phase_kb"].items()))
+                log(f"  rows: {m['counts']} (expected {expected_counts(g)}): {_complete(m, g)[1]}")
+                save()
+            # the store now in place is this variant's merge of the large trace
+            log(f"queries against the {variant} store of {large} ({args.reps} runs each, CliRunner in a "
+                "child process):")
+            res["queries"][variant] = queries_in_child(large, args.reps)
+            save()
+        if not args.no_verdicts:
+            log("verdict check ...")
+            res["verdicts"] = {"large (flush-fixed store)": verdict_check(large)}
+            res["placement_layer0"] = placement_table(large, "model.layers.0.*")
+            from tensor_trace.exporters import merge as mg
+
+            for spread in ("realistic", "wide"):
+                d = os.path.join(root, f"verdicts-{spread}")
+                generate_in_child(d, 3, args.ranks, args.seed + 1, spread)
+                mg.merge_ranks(d, warn=lambda m: None)  # 3 steps: 19,200 records, no batch is flushed early
+                res["verdicts"][f"3 steps, {spread}"] = verdict_check(d)
+                if spread == "wide":
+                    res["placement_layer0_wide"] = placement_table(d, "model.layers.0.*")
+            save()
+        rates = [res["merge"][v]["large"]["rate"] for v, _ in VARIANTS]
+        if args.profile == "always" or (args.profile == "auto" and min(rates) < TARGET_RATE):
+            if args.profile_steps:
+                n = args.profile_steps
+                d = os.path.join(root, "profile")
+                generate_in_child(d, n, args.ranks, args.seed, args.fp_spread)
+            else:
+                n, d = sizes[0][1], os.path.join(root, "small")
+            log(f"cProfile of merge_ranks (flush-fixed) on a {n}-step trace ...")
+            from tensor_trace.exporters import merge as mg
+
+            undo = install_flush_fix(mg)
+            try:
+                res["profile"] = dict(steps=n, span_records=n * args.ranks * 800, **profile_merge(d))
+            finally:
+                undo()
+    finally:
+        if not args.keep and not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+        elif not args.keep:
+            for sub in ("small", "large", "profile", "verdicts-realistic", "verdicts-wide"):
+                shutil.rmtree(os.path.join(root, sub), ignore_errors=True)
+    h["uptime_after"] = _load()
+    res["targets"] = targets(res)
+    print_table(res)
+    if "verdicts" in res:
+        print("\n## verdict check (placement/reduction of every point against the synthetic model)")
+        for label, v in res["verdicts"].items():
+            print(f"{label}: {v['wrong']} of {v['points']} points differ from the expected verdict")
+            for k in v["by_kind"][:12]:
+                print(f"    {k['count']:4d} x {k['module']}:{k['slot']}  expected {k['expected']}, got {k['got']}"
+                      f"  (e.g. {k['example']})")
+            for issue in v["collective_issues"]:
+                print(f"    collective_issues: {issue[2]} group {issue[0]} #{issue[1]}: {issue[4][:200]}"
+                      + ("..." if len(issue[4]) > 200 else ""))
+        print("\n## query placement 'model.layers.0.*' (large trace, flush-fixed store)")
+        print(res["placement_layer0"].rstrip())
+        print("\n## query placement 'model.layers.0.*' (3-step trace, --fp-spread wide)")
+        print(res["placement_layer0_wide"].rstrip())
+    if "profile" in res:
+        p = res["profile"]
+        print(f"\n## cProfile of merge_ranks (flush-fixed), {p['steps']}-step trace, {p['span_records']:,} span "
+              f"records ({p['wall_s_under_cprofile']:.1f} s under the profiler)\n-- whole merge, by cumulative time\n"
+              + p["cumulative"] + "\n-- whole merge, by own time\n" + p["tottime"]
+              + f"\n-- outside compute_verdicts ({p['outside_verdicts_total_s']:.1f} s of {p['whole_total_s']:.1f} s), "
+              "by own time\n" + p["outside_verdicts_tottime"]
+              + "\n-- outside compute_verdicts, by cumulative time\n" + p["outside_verdicts_cumulative"])
+    failed = [t["name"] for t in res["targets"] if t["result"] == "FAIL"]
+    print(f"\ntargets: {len(res['targets']) - len(failed)} PASS, {len(failed)} FAIL"
+          + (": " + "; ".join(failed) if failed else ""))
+    if args.json:
+        write_json(args.json, res)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

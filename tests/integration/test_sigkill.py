@@ -1,0 +1,150 @@
+"""A traced process killed with SIGKILL keeps what was flushed (every second) before it died, and
+a rank file cut anywhere reads as a prefix with the damage reported."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from tt_helpers import (PYTHON, TINY_MODEL, LineReader, load_traces, start_record, stop_tree,
+                        write_script)
+
+FOREVER = TINY_MODEL + """
+    print(f"pid {os.getpid()}", flush=True)
+    m = make_model()
+    step = 0
+    with torch.no_grad():
+        while True:
+            m(torch.randn(4, 16))
+            print(f"step {step} {time.time():.6f}", flush=True)
+            step += 1
+            time.sleep(0.2)
+"""
+
+SPANS_PER_STEP = 10  # root, 2 x (block, fc1, act, fc2), head
+FLUSH_MARGIN_S = 1.2  # rank files are flushed every second
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sigkill")
+    script = write_script(tmp, "forever.py", FOREVER)
+    proc = start_record(tmp / "trace", [PYTHON, script])
+    out = LineReader(proc.stdout)
+    try:
+        line = out.wait_for(lambda s: s.startswith("pid "), 60)
+        assert line, f"no pid line; stderr:\n{proc.stderr.read()}"
+        child = int(line.split()[1])
+        assert child != proc.pid
+        assert out.wait_for(lambda s: s.startswith("step 0 "), 60), out.text()
+        time.sleep(3)
+        killed_at = time.time()
+        os.kill(child, signal.SIGKILL)
+        rc = proc.wait(30)
+    finally:
+        stop_tree(proc)
+    out.join()
+    stderr = proc.stderr.read()
+    steps = {}
+    for t, line in out.lines:
+        if line.startswith("step "):
+            _, n, when = line.split()
+            steps[int(n)] = float(when)
+    traces = load_traces(tmp / "trace")
+    return dict(rc=rc, child=child, killed_at=killed_at, printed=steps, traces=traces, stderr=stderr)
+
+
+def test_record_reports_the_kill(killed_run):
+    assert killed_run["rc"] == 128 + signal.SIGKILL
+    assert len(killed_run["traces"]) == 1
+    assert killed_run["traces"][0].header["pid"] == killed_run["child"]
+    assert "files:" in killed_run["stderr"]
+
+
+def test_flushed_steps_survive_sigkill(killed_run):
+    t = killed_run["traces"][0]
+    printed = killed_run["printed"]
+    assert len(printed) >= 8, printed  # ~3 s at ~0.2 s per step
+    assert t.end is None  # SIGKILL: no end record
+    old = [n for n, when in printed.items() if when < killed_run["killed_at"] - FLUSH_MARGIN_S]
+    assert len(old) >= 3, (printed, killed_run["killed_at"])
+    for n in old:
+        assert n in t.steps, (n, sorted(t.steps))
+        step = t.steps[n]
+        assert step.t_end is not None
+        assert len(step.spans) == SPANS_PER_STEP
+        assert all(x.fp is not None for s in step.spans for x in s.tensors)
+    # nothing from the future, and the steps recorded form a prefix
+    assert sorted(t.steps) == list(range(len(t.steps)))
+    assert len(t.steps) <= len(printed) + 1
+    assert not t.report.corrupt_chunks
+
+
+def _chunk_bounds(data: bytes):
+    from tensor_trace import schema
+
+    pos, bounds = len(schema.FILE_PREFIX), []
+    while pos < len(data):
+        _, length, _ = schema.CHUNK_HEAD.unpack_from(data, pos)
+        bounds.append((pos, pos + schema.CHUNK_HEAD.size + length))
+        pos += schema.CHUNK_HEAD.size + length
+    return bounds
+
+
+def _same_prefix(part, full):
+    assert set(part.steps) <= set(full.steps)
+    for n, step in part.steps.items():
+        ref = full.steps[n]
+        assert [s.path for s in step.spans] == [s.path for s in ref.spans][:len(step.spans)]
+        assert [s.index for s in step.spans] == [s.index for s in ref.spans][:len(step.spans)]
+
+
+def test_truncated_copy_reads_as_prefix(killed_run, tmp_path):
+    from tensor_trace.exporters.reader import load_rank_file
+
+    full = killed_run["traces"][0]
+    data = open(full.path, "rb").read()
+    bounds = _chunk_bounds(data)
+    assert len(bounds) >= 3, bounds
+    rng = random.Random(1234)
+    cuts = [rng.randrange(len(data) // 4, 3 * len(data) // 4) for _ in range(6)]
+    # and cuts inside a chunk's payload, inside a chunk's header, right on a boundary
+    start, end = bounds[len(bounds) // 2]
+    cuts += [(start + end) // 2, start + 5, start]
+    for i, cut in enumerate(cuts):
+        path = tmp_path / f"cut{i}.ttr"
+        path.write_bytes(data[:cut])
+        part = load_rank_file(str(path))  # must not raise
+        assert part.header == full.header
+        _same_prefix(part, full)
+        on_boundary = any(cut == e for _, e in bounds)
+        if on_boundary:
+            assert not part.report.problems()
+        else:
+            assert part.report.truncated_tail or part.report.corrupt_chunks, (cut, part.report)
+            assert part.report.skipped_bytes > 0
+        assert len(part.steps) <= len(full.steps)
+    # the middle chunk cut in half loses that chunk only
+    part = load_rank_file(str(tmp_path / "cut6.ttr"))
+    assert part.report.truncated_tail and part.report.chunks == len(bounds) // 2
+
+
+def test_corrupt_middle_chunk_is_skipped(killed_run, tmp_path):
+    """A flipped byte in a middle chunk: that chunk is reported corrupt, the rest still reads."""
+    from tensor_trace.exporters.reader import load_rank_file
+
+    full = killed_run["traces"][0]
+    data = bytearray(open(full.path, "rb").read())
+    bounds = _chunk_bounds(bytes(data))
+    start, end = bounds[len(bounds) // 2]
+    data[(start + end) // 2] ^= 0xFF
+    path = tmp_path / "flipped.ttr"
+    path.write_bytes(bytes(data))
+    part = load_rank_file(str(path))
+    assert part.report.corrupt_chunks == 1 and not part.report.truncated_tail
+    assert part.report.chunks == len(bounds) - 1
+    assert max(part.steps) == max(full.steps)

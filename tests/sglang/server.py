@@ -1,0 +1,391 @@
+"""Start, query and stop a real SGLang 0.5.23 server on CPU, for tests. Standard library only.
+
+The test process (the main venv, /work/main/.venv) drives a server that runs in the SGLang venv
+built by tests/sglang/setup.sh (`${SGLANG_VENV:-.venv-sglang}`), over HTTP (urllib).
+
+    from tests.sglang.server import SGLangServer          # or: import server (same folder)
+    with SGLangServer(tp=2, prefix=[TT, "record", "-o", out, "--"]) as srv:
+        out = srv.generate([1, 2, 3, 4], max_new_tokens=8)
+    srv.exit_code
+
+As a script (prints start time, RSS, the generated tokens, the exit code):
+
+    python tests/sglang/server.py --tp 2 [--aux] [--prefix "tensor-trace record -o OUT --"]
+
+The server: tests/data/tiny-llama (2-layer Llama, dummy weights, which are seeded, so TP=1 and
+TP=2 give the same tokens), `--device cpu --attention-backend torch_native`, KV cache capped by
+`--max-total-tokens 4096`. Environment: SGLANG_USE_CPU_ENGINE=1, SGLANG_CPU_OMP_THREADS_BIND
+("0|1" at TP=2, one core per rank; unset at TP=1: rank 0 then binds to the cores of NUMA node 0),
+and tests/sglang/shims first on PYTHONPATH for the `sgl_kernel` stand-in (never installed into
+the venv, so it cannot shadow a real sgl_kernel).
+
+Stopping: SIGINT to the process group the launcher was started in (its own session), as Ctrl-C
+would; `tensor-trace record` forwards it to the server's group. After `stop_timeout`, SIGKILL to
+every process of the tree (collected from /proc while it was still a tree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parents[1]
+SHIMS_DIR = HERE / "shims"
+TINY_LLAMA = REPO_ROOT / "tests" / "data" / "tiny-llama"
+VENV = REPO_ROOT / os.environ.get("SGLANG_VENV", ".venv-sglang")  # an absolute SGLANG_VENV wins
+VENV_MARKER = VENV / ".tt-sglang-setup"  # written by setup.sh when the venv is complete
+
+DEFAULT_INPUT_IDS = [1, 2, 3, 4]
+EAGLE3_AUX_ARGS = [
+    "--enable-return-aux-hidden-states",
+    "--speculative-algorithm", "EAGLE3",
+    "--return-aux-hidden-state-layer-ids", "0",
+]
+
+
+class ServerError(RuntimeError):
+    """The server did not start, answered an error, or could not be stopped."""
+
+
+def venv_python() -> Path:
+    return VENV / "bin" / "python"
+
+
+def venv_ready() -> tuple[bool, str]:
+    """(ready, reason): whether setup.sh has built the SGLang venv."""
+    if not venv_python().exists():
+        return False, f"{VENV} does not exist: run `bash tests/sglang/setup.sh` (about 2 minutes, 2.8 GB)"
+    if not VENV_MARKER.exists():
+        return False, f"{VENV} is incomplete (no {VENV_MARKER.name}): rerun `bash tests/sglang/setup.sh`"
+    return True, ""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(tp: int, port: int, *, model_path: Path | str = TINY_LLAMA, extra_args=(),
+                   python: Path | str | None = None) -> list[str]:
+    return [
+        str(python or venv_python()), "-m", "sglang.launch_server",
+        "--model-path", str(model_path),
+        "--load-format", "dummy",
+        "--skip-tokenizer-init",
+        "--device", "cpu",
+        "--tp", str(tp),
+        "--attention-backend", "torch_native",
+        "--disable-cuda-graph",
+        "--max-total-tokens", "4096",
+        "--disable-custom-all-reduce",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        *extra_args,
+    ]
+
+
+def server_env(tp: int, base: dict | None = None, extra: dict | None = None) -> dict:
+    env = dict(os.environ if base is None else base)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"  # else: "No module named 'vllm'" from the rotary embedding
+    if tp > 1:
+        # One core per rank; without it, an assertion that TP size <= number of NUMA nodes.
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))
+    else:
+        env.pop("SGLANG_CPU_OMP_THREADS_BIND", None)
+    # The sgl_kernel stand-in goes on PYTHONPATH (inherited by the spawned TP workers).
+    old = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(SHIMS_DIR) + (os.pathsep + old if old else "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.pop("VIRTUAL_ENV", None)
+    if extra:
+        env.update(extra)
+    return env
+
+
+# ---------------------------------------------------------------- /proc helpers (Linux)
+
+def _stat(pid: int) -> tuple[int, int, int] | None:
+    """(ppid, pgid, starttime) of pid, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rindex(")") + 2:].split()
+    return int(fields[1]), int(fields[2]), int(fields[19])
+
+
+def _all_pids() -> list[int]:
+    return [int(d) for d in os.listdir("/proc") if d.isdigit()]
+
+
+def process_tree(root: int) -> dict[int, int]:
+    """{pid: starttime} of root and all its descendants."""
+    children: dict[int, list[int]] = {}
+    info = {}
+    for pid in _all_pids():
+        st = _stat(pid)
+        if st:
+            info[pid] = st
+            children.setdefault(st[0], []).append(pid)
+    tree, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in info and pid not in tree:
+            tree[pid] = info[pid][2]
+            todo.extend(children.get(pid, []))
+    return tree
+
+
+def rss_of(pids) -> dict[int, int]:
+    """{pid: resident bytes} (VmRSS) of the pids still alive."""
+    out = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        out[pid] = int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            pass
+    return out
+
+
+# ---------------------------------------------------------------- the server
+
+class SGLangServer:
+    """One SGLang server process tree. Use as a context manager, or start()/stop()."""
+
+    def __init__(self, tp: int = 1, *, prefix=(), extra_args=(), env: dict | None = None,
+                 port: int | None = None, log_path: str | Path | None = None,
+                 startup_timeout: float = 120.0, stop_timeout: float = 30.0,
+                 model_path: Path | str = TINY_LLAMA, cwd: str | Path | None = None):
+        self.tp = tp
+        self.prefix = [str(p) for p in prefix]
+        self.port = port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.command = self.prefix + server_command(tp, self.port, model_path=model_path,
+                                                    extra_args=[str(a) for a in extra_args])
+        self.env = server_env(tp, extra=env)
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix=f"sglang-tp{tp}-", suffix=".log")
+            os.close(fd)
+        self.log_path = Path(log_path)
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        self.cwd = str(cwd or REPO_ROOT)
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+        self.peak_rss: int = 0
+        self.exit_code: int | None = None
+        self.killed = False
+        self._known: dict[int, int] = {}  # pid -> starttime of every process seen in the tree
+
+    # -- lifecycle
+
+    def start(self) -> "SGLangServer":
+        ready, reason = venv_ready()
+        if not ready:
+            raise ServerError(reason)
+        log = open(self.log_path, "wb")
+        log.write(("$ " + shlex.join(self.command) + "\n").encode())
+        log.flush()
+        t0 = time.monotonic()
+        try:
+            self.proc = subprocess.Popen(self.command, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            log.close()
+        try:
+            self._wait_ready(t0)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - t0
+        self.sample_rss()
+        return self
+
+    def _wait_ready(self, t0: float) -> None:
+        deadline = t0 + self.startup_timeout
+        while True:
+            self._remember_tree()
+            code = self.proc.poll()
+            if code is not None:
+                raise ServerError(f"SGLang server exited with {code} before it was ready "
+                                  f"({time.monotonic() - t0:.1f} s)\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise ServerError(f"SGLang server not ready after {self.startup_timeout:.0f} s "
+                                  f"(GET {self.base_url}/health)\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def stop(self) -> int:
+        """SIGINT to the launcher's process group; SIGKILL to the whole tree after stop_timeout."""
+        if self.proc is None:
+            raise ServerError("not started")
+        if self.exit_code is not None:
+            return self.exit_code
+        self._remember_tree()
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + self.stop_timeout
+        while time.monotonic() < deadline:
+            self._remember_tree()
+            if self.proc.poll() is not None and not self._alive():
+                break
+            time.sleep(0.2)
+        else:
+            self._kill_all()
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=10)
+        self.exit_code = self.proc.returncode
+        return self.exit_code
+
+    def __enter__(self) -> "SGLangServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.exit_code is None:
+            self.stop()
+
+    # -- process tree
+
+    def _remember_tree(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self._known.update(process_tree(self.proc.pid))
+
+    def _alive(self) -> list[int]:
+        """Processes of the tree still running (same pid and start time; zombies excluded)."""
+        alive = []
+        for pid, start in self._known.items():
+            st = _stat(pid)
+            if st and st[2] == start:
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        state = f.read().rsplit(")", 1)[1].split()[0]
+                except OSError:
+                    continue
+                if state != "Z":
+                    alive.append(pid)
+        return alive
+
+    def _kill_all(self) -> None:
+        self.killed = True  # stop() had to SIGKILL
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n[server.py] not stopped after SIGINT + {self.stop_timeout:.0f} s: SIGKILL\n".encode())
+        for pid in self._alive():  # only processes of the tree this object started
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        t_end = time.monotonic() + 10
+        while self._alive() and time.monotonic() < t_end:
+            time.sleep(0.1)
+
+    def pids(self) -> list[int]:
+        self._remember_tree()
+        return self._alive()
+
+    def sample_rss(self) -> int:
+        """Total RSS of the tree now (bytes); also updates peak_rss."""
+        total = sum(rss_of(self.pids()).values())
+        self.peak_rss = max(self.peak_rss, total)
+        return total
+
+    # -- HTTP
+
+    def request(self, path: str, body: dict | None = None, timeout: float = 60.0) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + path, data=data,
+                                     headers={"Content-Type": "application/json"} if data else {})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise ServerError(f"{'POST' if data else 'GET'} {path} -> HTTP {e.code}: "
+                              f"{e.read()[:2000].decode(errors='replace')}\n{self.log_tail(20)}") from None
+
+    def generate(self, input_ids=DEFAULT_INPUT_IDS, max_new_tokens: int = 8, *,
+                 return_hidden_states: bool = False, timeout: float = 60.0) -> dict:
+        """POST /generate for one prompt; returns that prompt's result (output_ids, meta_info...)."""
+        body = {"input_ids": [list(input_ids)],
+                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+        if return_hidden_states:
+            body["return_hidden_states"] = True
+        out = self.request("/generate", body, timeout=timeout)
+        self.sample_rss()
+        return out[0] if isinstance(out, list) else out
+
+    # -- logs
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return f"(no log at {self.log_path})"
+        return f"---- last {min(lines, len(text))} lines of {self.log_path} ----\n" + "\n".join(text[-lines:])
+
+
+def output_ids(result: dict) -> list[int]:
+    """The generated token ids of one /generate result."""
+    if "output_ids" in result:
+        return list(result["output_ids"])
+    raise ServerError(f"no output_ids in {sorted(result)}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--aux", action="store_true", help="EAGLE-3 aux hidden-state flags, and ask for hidden states")
+    p.add_argument("--prefix", default="", help='wrapper command, e.g. "tensor-trace record -o OUT --"')
+    p.add_argument("--log", default=None)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    a = p.parse_args(argv)
+    srv = SGLangServer(a.tp, prefix=shlex.split(a.prefix), extra_args=EAGLE3_AUX_ARGS if a.aux else (),
+                       log_path=a.log)
+    print(f"log: {srv.log_path}\n$ {shlex.join(srv.command)}", flush=True)
+    with srv:
+        print(f"ready in {srv.startup_s:.1f} s; {len(srv.pids())} processes, RSS {srv.sample_rss() / 2**30:.2f} GiB")
+        t = time.monotonic()
+        res = srv.generate(max_new_tokens=a.max_new_tokens, return_hidden_states=a.aux)
+        print(f"generate: {time.monotonic() - t:.2f} s, output_ids {output_ids(res)}")
+        hs = res.get("meta_info", {}).get("hidden_states")
+        if hs is not None:
+            print(f"hidden_states: {_shape(hs)}")
+        print(f"peak RSS {srv.peak_rss / 2**30:.2f} GiB")
+    print(f"exit code {srv.exit_code}")
+    return 0
+
+
+def _shape(x):
+    shape = []
+    while isinstance(x, list):
+        shape.append(len(x))
+        x = x[0] if x else None
+    return shape
+
+
+if __name__ == "__main__":
+    sys.exit(main())
