@@ -27,7 +27,7 @@
    small), against the store of the large trace of each variant, each ``--reps`` times (median).
 4. A table with PASS/FAIL against the targets (store complete; merge >= 300,000 span records/s on
    one core; the merge's memory flat in trace size; each query < 2 s); ``--json PATH`` writes
-   every figure. When the merge misses its rate, ``cProfile`` of ``merge_ranks`` (flush-fixed) on a
+   every figure. When the merge misses its rate, ``cProfile`` of ``merge_ranks``  on a
    smaller trace (``--profile-steps``) prints the top functions by cumulative and by own time.
 5. Verdict check: every point's placement/reduction against what the synthetic model implies,
    on the large trace and on two 3-step traces (fingerprints drawn with iid statistics, and
@@ -128,29 +128,10 @@ def header(argv) -> dict:
 # ---------------------------------------------------------------------------- merge (child)
 
 
-_SQL = {  # the INSERTs of exporters/merge.py _FileLoader.flush, verbatim
-    "spans": "INSERT INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-    "colls": "INSERT INTO collectives VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-    "fps": "INSERT INTO fingerprints VALUES (?,?,?,?,?)",
-}
-
-
 def install_flush_fix(mg):
-    """What-if, in this process only (the library is not touched): ``_FileLoader.flush`` that
-    empties its batch lists in place instead of rebinding them, so that the aliases ``spans`` /
-    ``colls`` that ``_FileLoader.load`` took before its loop stay the lists that get inserted.
-    Returns a function that undoes it."""
-    orig = mg._FileLoader.flush
-
-    def flush(self):
-        for attr in ("spans", "colls", "fps"):
-            batch = getattr(self, attr)
-            if batch:
-                self.con.executemany(_SQL[attr], batch)
-                batch.clear()
-
-    mg._FileLoader.flush = flush
-    return lambda: setattr(mg._FileLoader, "flush", orig)
+    """Kept for the command line of earlier runs: the merge's batching bug it worked around is
+    fixed in the library, so this changes nothing. Returns a function that undoes nothing."""
+    return lambda: None
 
 
 def store_counts(trace_dir: str) -> dict:
@@ -416,9 +397,9 @@ def profile_merge(d: str, top: int = 15) -> dict:
 
 # ---------------------------------------------------------------------------- report
 
-VARIANTS = (("as-is", False), ("flush-fixed", True))
+VARIANTS = (("as-is", False),)  # a "as-is" what-if existed while the merge had a batching bug
 VARIANT_NOTE = {"as-is": "the library as it is",
-                "flush-fixed": "what-if: _FileLoader.flush patched in the benchmark process only (see install_flush_fix)"}
+                "as-is": "what-if: _FileLoader.flush patched in the benchmark process only (see install_flush_fix)"}
 
 
 def _mb(n):
@@ -615,7 +596,7 @@ def main(argv=None) -> int:
             save()
         if not args.no_verdicts:
             log("verdict check ...")
-            res["verdicts"] = {"large (flush-fixed store)": verdict_check(large)}
+            res["verdicts"] = {"large ": verdict_check(large)}
             res["placement_layer0"] = placement_table(large, "model.layers.0.*")
             from tensor_trace.exporters import merge as mg
 
@@ -635,7 +616,7 @@ def main(argv=None) -> int:
                 generate_in_child(d, n, args.ranks, args.seed, args.fp_spread)
             else:
                 n, d = sizes[0][1], os.path.join(root, "small")
-            log(f"cProfile of merge_ranks (flush-fixed) on a {n}-step trace ...")
+            log(f"cProfile of merge_ranks  on a {n}-step trace ...")
             from tensor_trace.exporters import merge as mg
 
             undo = install_flush_fix(mg)
@@ -668,7 +649,7 @@ def main(argv=None) -> int:
         print(res["placement_layer0_wide"].rstrip())
     if "profile" in res:
         p = res["profile"]
-        print(f"\n## cProfile of merge_ranks (flush-fixed), {p['steps']}-step trace, {p['span_records']:,} span "
+        print(f"\n## cProfile of merge_ranks , {p['steps']}-step trace, {p['span_records']:,} span "
               f"records ({p['wall_s_under_cprofile']:.1f} s under the profiler)\n-- whole merge, by cumulative time\n"
               + p["cumulative"] + "\n-- whole merge, by own time\n" + p["tottime"]
               + f"\n-- outside compute_verdicts ({p['outside_verdicts_total_s']:.1f} s of {p['whole_total_s']:.1f} s), "

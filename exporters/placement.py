@@ -16,14 +16,19 @@ few sampled steps are compared. Evidence, strongest first:
    differing outputs of parameter-free modules shards as well ("derived locally").
 6. Otherwise, equal shapes with different values are ``divergent``: the ranks disagree.
 
-Fingerprint comparisons tolerate rounding: two sums of n values agree when
-``|a - b| <= eps(dtype) * sqrt(n * sumsq) + 1e-6 * (|a| + |b|)``, where ``sqrt(n * sumsq)`` bounds
-the sum of absolute values and eps is 2**-7 for bfloat16, 2**-10 for float16, 2**-18 for float32
-(accumulation order differences), so bf16 results on GPU compare with fp32 sums.
+Fingerprint comparisons tolerate rounding. Two sums of the same n values agree when
+``|a - b| <= eps(dtype) * sqrt(sumsq) + 2**-20 * sqrt(n * sumsq)``: the first term covers
+rounding each value once to the tensor's dtype (eps 2**-7 for bfloat16, 2**-10 for float16, 2**-20
+for float32: several standard deviations of that rounding, whose errors add like a random walk),
+the second covers fp32 accumulation in another order (1e-6 of the sum of absolute values at
+most). Sums of squares agree within ``(4 * eps / sqrt(n) + 2**-18) * sumsq``. So a bf16 partial
+sum on GPU still matches its reduced output, while two shards whose statistics differ by 1% do
+not look replicate.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import json
 import math
@@ -31,7 +36,7 @@ import struct
 
 from tensor_trace import schema
 
-EPS = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10, "float32": 2.0 ** -18, "float64": 1e-12}
+EPS = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10, "float32": 2.0 ** -20, "float64": 2.0 ** -40}
 REDUCING = {"all_reduce", "all_reduce_", "all_reduce_coalesced", "reduce", "reduce_scatter",
             "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base",
             "reduce_scatter_tensor_coalesced"}
@@ -41,6 +46,9 @@ GATHER = {"all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gat
           "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced", "gather"}
 SUM_OPS = {None, "sum", "avg", "redopType.sum"}
 MAX_SAMPLE_STEPS = 3
+# How far from a point to look for the collective that consumes or produced it: a partial sum
+# is reduced, and a shard gathered, within the next few collectives of its rank.
+WINDOW = 16
 
 
 class T:
@@ -59,11 +67,15 @@ def _eps(dtype) -> float:
     return EPS.get(dtype, 2.0 ** -7)
 
 
+def sum_tol(n: int, sq: float, dtype) -> float:
+    sq = max(sq, 0.0)
+    return _eps(dtype) * math.sqrt(sq) + 2.0 ** -20 * math.sqrt(max(n, 1) * sq) + 1e-30
+
+
 def close(a: float, b: float, n: int, sq: float, dtype) -> bool:
     if a is None or b is None or math.isnan(a) or math.isnan(b):
         return False
-    tol = _eps(dtype) * math.sqrt(max(n, 1) * max(sq, 0.0)) + 1e-6 * (abs(a) + abs(b)) + 1e-30
-    return abs(a - b) <= tol
+    return abs(a - b) <= sum_tol(n, sq, dtype) + 1e-7 * (abs(a) + abs(b))
 
 
 def fp_equal(x: T, y: T, scale: float = 1.0) -> bool:
@@ -74,9 +86,10 @@ def fp_equal(x: T, y: T, scale: float = 1.0) -> bool:
     if qx is None or qy is None:
         return False
     dtype = x.dtype if _eps(x.dtype) > _eps(y.dtype) else y.dtype
-    q = max(qx * scale * scale, qy)
-    return (close(sx * scale, sy, x.numel, q, dtype)
-            and abs(qx * scale * scale - qy) <= 4 * _eps(dtype) * q + 1e-30)
+    qx2 = qx * scale * scale
+    q = max(qx2, qy)
+    q_tol = (4 * _eps(dtype) / math.sqrt(max(x.numel, 1)) + 2.0 ** -18) * q + 1e-30
+    return abs(qx2 - qy) <= q_tol and close(sx * scale, sy, x.numel, q, dtype)
 
 
 def linked(xs: dict, ys: dict) -> float | None:
@@ -91,6 +104,11 @@ def linked(xs: dict, ys: dict) -> float | None:
     if fp_equal(x, y):
         scale = 1.0
     else:
+        # A common scale factor is believable only when the sums carry it: both far from zero
+        # (the sum of squares alone fits any scale).
+        tol = sum_tol(x.numel, max(x.fp[1], y.fp[1]), x.dtype)
+        if min(abs(x.fp[0]), abs(y.fp[0] or 0.0)) < 64 * tol:
+            return None
         scale = math.sqrt(y.fp[1] / x.fp[1])
         if x.fp[0] * y.fp[0] < 0:
             scale = -scale
@@ -128,9 +146,15 @@ class StepView:
         self.span_of: dict = {}  # (proc, idx) -> (module, call, parent)
         self.max_call = collections.Counter()
         ph = ",".join("?" * len(procs))
-        for proc, idx, parent, mid, call, t0, dur, lay, fp_pre, fp_post, n_pre in con.execute(
-                f"SELECT proc, idx, parent, module_id, call, t0, dur, layout_id, fp_pre, fp_post, n_pre "
-                f"FROM spans WHERE step=? AND proc IN ({ph})", (step, *procs)):
+        rows = []
+        for proc, first, last in con.execute(
+                f"SELECT proc, span_first, span_last FROM steps WHERE step=? AND proc IN ({ph})", (step, *procs)):
+            if first is not None:
+                rows += con.execute(
+                    "SELECT proc, idx, parent, module_id, call, t0, dur, layout_id, fp_pre, fp_post, n_pre "
+                    "FROM spans WHERE rowid BETWEEN ? AND ? AND step=?", (first, last, step)).fetchall()
+        rows.sort(key=lambda r: procs.index(r[0]))
+        for proc, idx, parent, mid, call, t0, dur, lay, fp_pre, fp_post, n_pre in rows:
             module = modules[mid]
             self.span_of[(proc, idx)] = (module, call, parent)
             self.max_call[module] = max(self.max_call[module], call)
@@ -169,14 +193,42 @@ class StepView:
                 c.module = owner[0] if owner else None
         self.coll_list = sorted((c for c in self.colls.values() if c.t_end is not None),
                                 key=lambda c: c.t_end)
-        self.by_numel: dict = collections.defaultdict(list)
+        self.coll_ends = [c.t_end for c in self.coll_list]
+        # Tensors of the first rank by element count, sorted by their sum: finding "a tensor
+        # whose fingerprint is this sum" is a bisection, not a scan of the step.
+        by_numel: dict = collections.defaultdict(list)
         for key, obs in self.points.items():
             t = obs.get(procs[0])
-            if t is not None:
-                self.by_numel[t.numel].append((key, t))
+            if t is not None and t.fp is not None:
+                by_numel[t.numel].append((t.fp[0], key, t))
         for c in self.coll_list:
             for t in c.outs.get(procs[0], []):
-                self.by_numel[t.numel].append((None, t))
+                if t.fp is not None:
+                    by_numel[t.numel].append((t.fp[0], None, t))
+        self.by_numel = {}
+        for n, items in by_numel.items():
+            items.sort(key=lambda x: x[0])
+            self.by_numel[n] = ([x[0] for x in items], items)
+
+    def after(self, t_point, ops, limit=WINDOW):
+        """Up to ``limit`` collectives of ``ops`` ending at or after ``t_point``, nearest first."""
+        out = []
+        for c in self.coll_list[bisect.bisect_left(self.coll_ends, t_point):]:
+            if c.op in ops:
+                out.append(c)
+                if len(out) >= limit:
+                    break
+        return out
+
+    def before(self, t_point, ops, limit=WINDOW):
+        """Up to ``limit`` collectives of ``ops`` ending by ``t_point``, nearest first."""
+        out = []
+        for c in reversed(self.coll_list[:bisect.bisect_right(self.coll_ends, t_point)]):
+            if c.op in ops:
+                out.append(c)
+                if len(out) >= limit:
+                    break
+        return out
 
 
 def point_name(module: str, call: int, slot: str, multi_call: bool) -> str:
@@ -270,45 +322,43 @@ class Judge:
         ev.append("values differ across ranks: " + "; ".join(
             f"rank {self.rank_of[p]} {_fmt_fp(obs[p])}" for p in procs))
         # 3. collectives linked by fingerprint
-        for c in v.coll_list:
-            if c.op in REDUCING and c.reduce_op in SUM_OPS and c.t_end >= t_point:
-                ins = {p: c.ins[p][0] for p in procs if c.ins.get(p)}
-                scale = linked(obs, ins)
-                if scale is not None and c.op not in REDUCE_SCATTER:
-                    ev.append(f"is the input of {coll_desc(c)} on every rank"
-                              + (f" (times {scale:.4g})" if scale != 1.0 else "")
-                              + ": a partial sum that this reduction completes")
-                    return dict(out, placement="partial", reduction="pre-reduction",
-                                collective=coll_json(c, procs[0]))
+        sum_reductions = [c for c in v.after(t_point, REDUCING - REDUCE_SCATTER) if c.reduce_op in SUM_OPS]
+        for c in sum_reductions:
+            ins = {p: c.ins[p][0] for p in procs if c.ins.get(p)}
+            scale = linked(obs, ins)
+            if scale is not None:
+                ev.append(f"is the input of {coll_desc(c)} on every rank"
+                          + (f" (times {scale:.4g})" if scale != 1.0 else "")
+                          + ": a partial sum that this reduction completes")
+                return dict(out, placement="partial", reduction="pre-reduction",
+                            collective=coll_json(c, procs[0]))
         total = sum(t.fp[0] for t in ts)
-        for c in v.coll_list:
-            if c.op in REDUCING and c.reduce_op in SUM_OPS and c.t_end >= t_point and c.op not in REDUCE_SCATTER:
-                o = c.outs.get(procs[0])
-                if o and o[0].numel == tref.numel and o[0].fp is not None and close(
-                        total, o[0].fp[0], tref.numel, sum(t.fp[1] or 0 for t in ts), tref.dtype):
-                    ev.append(f"per-rank sums add up to the output of {coll_desc(c)} "
-                              f"({total:.6g}): a partial sum that this reduction completes")
-                    return dict(out, placement="partial", reduction="pre-reduction",
-                                collective=coll_json(c, procs[0]))
-        for c in v.coll_list:
-            if c.op in GATHER and c.t_end >= t_point:
-                ins = {p: c.ins[p][0] for p in procs if c.ins.get(p)}
-                if linked(obs, ins) is not None:
-                    dim = self._concat_dim(tref, ts)
-                    if dim is None and c.outs.get(procs[0]) and len(c.outs[procs[0]]) == 1:
-                        dim = 0
-                    ev.append(f"is the input of {coll_desc(c)} on every rank: a slice per rank")
-                    if dim is None:
-                        dim = len(tref.shape) - 1
-                        ev.append(f"the gathered tensor was not seen; dim {dim} assumed")
-                    return dict(out, placement=f"shard({dim})", reduction="no-reduction",
-                                collective=coll_json(c, procs[0]))
-            if c.op in REDUCE_SCATTER and c.t_end <= t_point + 1:
-                outs = {p: c.outs[p][0] for p in procs if c.outs.get(p)}
-                if linked(outs, obs) is not None:
-                    ev.append(f"is the output of {coll_desc(c)} on every rank: a reduced slice per rank")
-                    return dict(out, placement="shard(0)", reduction="post-reduction",
-                                collective=coll_json(c, procs[0]))
+        for c in sum_reductions:
+            o = c.outs.get(procs[0])
+            if o and o[0].numel == tref.numel and o[0].fp is not None and close(
+                    total, o[0].fp[0], tref.numel, sum(t.fp[1] or 0 for t in ts), tref.dtype):
+                ev.append(f"per-rank sums add up to the output of {coll_desc(c)} "
+                          f"({total:.6g}): a partial sum that this reduction completes")
+                return dict(out, placement="partial", reduction="pre-reduction",
+                            collective=coll_json(c, procs[0]))
+        for c in v.after(t_point, GATHER):
+            ins = {p: c.ins[p][0] for p in procs if c.ins.get(p)}
+            if linked(obs, ins) is not None:
+                dim = self._concat_dim(tref, ts)
+                if dim is None and c.outs.get(procs[0]) and len(c.outs[procs[0]]) == 1:
+                    dim = 0
+                ev.append(f"is the input of {coll_desc(c)} on every rank: a slice per rank")
+                if dim is None:
+                    dim = len(tref.shape) - 1
+                    ev.append(f"the gathered tensor was not seen; dim {dim} assumed")
+                return dict(out, placement=f"shard({dim})", reduction="no-reduction",
+                            collective=coll_json(c, procs[0]))
+        for c in v.before(t_point + 1, REDUCE_SCATTER):
+            outs = {p: c.outs[p][0] for p in procs if c.outs.get(p)}
+            if linked(outs, obs) is not None:
+                ev.append(f"is the output of {coll_desc(c)} on every rank: a reduced slice per rank")
+                return dict(out, placement="shard(0)", reduction="post-reduction",
+                            collective=coll_json(c, procs[0]))
         # 4. the concatenation seen elsewhere
         dim = self._concat_dim(tref, ts)
         if dim is not None:
@@ -348,21 +398,21 @@ class Judge:
     def _replicate_reduction(self, obs, t_point, ev) -> dict:
         procs = [p for p in self.v.procs if p in obs]
         best = None
-        for c in self.v.coll_list:
-            if c.op in REDUCING and c.op not in REDUCE_SCATTER and c.t_end <= t_point + 1:
-                outs = {p: c.outs[p][0] for p in procs if c.outs.get(p)}
-                scale = linked(outs, obs)
-                if scale is not None:
-                    best = (c, scale)
+        for c in self.v.before(t_point + 1, REDUCING - REDUCE_SCATTER):  # the latest first
+            outs = {p: c.outs[p][0] for p in procs if c.outs.get(p)}
+            scale = linked(outs, obs)
+            if scale is not None:
+                best = (c, scale)
+                break
         if best is not None:
             c, scale = best
             ev.append(f"equals the output of {coll_desc(c)} on every rank"
                       + (f" (times {scale:.4g})" if scale != 1.0 else ""))
             return dict(reduction="post-reduction", collective=coll_json(c, procs[0]))
-        before = [c for c in self.v.coll_list if c.op in REDUCING and c.t_end <= t_point]
+        before = self.v.before(t_point, REDUCING, limit=1)
         if before:
-            c = before[-1]
-            ev.append(f"computed after {len(before)} reduction(s) in this step, the last {coll_desc(c)}")
+            c = before[0]
+            ev.append(f"computed after a reduction in this step, the last {coll_desc(c)}")
             return dict(reduction="post-reduction", collective=coll_json(c, procs[0]))
         ev.append("no reduction before it in this step")
         return dict(reduction="no-reduction", collective=None)
@@ -373,8 +423,12 @@ class Judge:
         q_total = sum(t.fp[1] or 0 for t in ts)
         want = T(tref.shape, tref.dtype, (s_total, q_total))
         want.numel = tref.numel * n
-        for key, cand in self.v.by_numel.get(tref.numel * n, ()):
-            if len(cand.shape) != len(tref.shape) or cand.fp is None:
+        sums, items = self.v.by_numel.get(tref.numel * n, ((), ()))
+        tol = sum_tol(want.numel, q_total, tref.dtype) + 1e-7 * abs(s_total)
+        lo = bisect.bisect_left(sums, s_total - 2 * tol)
+        hi = bisect.bisect_right(sums, s_total + 2 * tol)
+        for _, key, cand in items[lo:hi]:
+            if len(cand.shape) != len(tref.shape):
                 continue
             diff = [d for d in range(len(tref.shape)) if cand.shape[d] != tref.shape[d]]
             if len(diff) == 1 and cand.shape[diff[0]] == tref.shape[diff[0]] * n and fp_equal(want, cand):
@@ -480,9 +534,11 @@ def compute_verdicts(con) -> int:
                 verdict["step"] = step
                 verdict["order"] = view.times.get(key, (1 << 62, 0, 0))
                 per_point.setdefault(key, []).append(verdict)
-    seen_steps = {}
-    for mid, call, n in con.execute("SELECT module_id, call, COUNT(DISTINCT step) FROM spans "
-                                    "WHERE proc = (SELECT MIN(proc) FROM spans) GROUP BY module_id, call"):
+    seen_steps = {}  # traced steps each (module, call) was seen in, on the first process
+    bounds = con.execute("SELECT MIN(span_first), MAX(span_last) FROM steps WHERE proc = "
+                         "(SELECT MIN(proc) FROM steps WHERE span_first IS NOT NULL)").fetchone()
+    for mid, call, n in con.execute("SELECT module_id, call, COUNT(*) FROM spans WHERE rowid BETWEEN ? AND ? "
+                                    "GROUP BY module_id, call", bounds):
         seen_steps[(modules[mid], call)] = n
     rows = []
     for key, verdicts in per_point.items():

@@ -165,31 +165,27 @@ def collectives(con, pattern: str | None) -> list[dict]:
     the ranks of the host time spent in the call."""
     order_of = {p: i for i, (p,) in enumerate(con.execute(
         "SELECT proc FROM processes ORDER BY rank IS NULL, rank, proc"))}
-    rows = con.execute(
-        "SELECT COALESCE(m.path, '') AS module, c.op, c.reduce_op, g.name, g.ranks, c.step, c.proc, "
-        "COUNT(*), SUM(c.bytes), SUM(c.dur), MIN(c.step * 1000000 + c.idx) FROM collectives c "
-        "JOIN groups g USING(group_id) "
-        "LEFT JOIN spans s ON s.proc = c.proc AND s.step = c.step AND s.idx = c.parent "
-        "LEFT JOIN modules m ON m.module_id = s.module_id "
-        "GROUP BY module, c.op, c.reduce_op, c.group_id, c.step, c.proc").fetchall()
+    modules = dict(con.execute("SELECT module_id, path FROM modules"))
+    groups = {gid: (name, ranks) for gid, name, ranks in con.execute("SELECT group_id, name, ranks FROM groups")}
     agg: dict = {}
-    for module, op, redop, gname, granks, step, proc, n, nbytes, dur, first in rows:
+    for mid, op, redop, gid, proc, n, nbytes, dur, per_step, first in con.execute(
+            "SELECT module_id, op, reduce_op, group_id, proc, count, bytes, dur_ns, per_step, first "
+            "FROM collective_summary"):
+        module = modules.get(mid, "") if mid is not None else ""
         if pattern and not fnmatch.fnmatch(module, pattern):
             continue
-        a = agg.setdefault((module, op, redop, gname, granks), dict(
-            per_proc={}, bytes={}, time={}, first=first))
-        a["per_proc"].setdefault(proc, {})[step] = n
-        a["bytes"][proc] = a["bytes"].get(proc, 0) + (nbytes or 0)
-        a["time"][proc] = a["time"].get(proc, 0) + (dur or 0)
+        a = agg.setdefault((mid, op, redop, gid), dict(module=module, procs={}, first=first))
+        a["procs"][proc] = (n, nbytes, dur, per_step)
         a["first"] = min(a["first"], first)
     out = []
-    for (module, op, redop, gname, granks), a in sorted(agg.items(), key=lambda kv: (kv[1]["first"], kv[0][1])):
-        ref = min(a["per_proc"], key=lambda p: order_of.get(p, 1 << 30))
-        per_step = dict(sorted(a["per_proc"][ref].items()))
-        out.append(dict(module=module, op=op, reduce_op=redop, group=gname, group_ranks=json.loads(granks),
-                        count=sum(per_step.values()), bytes=a["bytes"][ref],
-                        time_ms=round(sum(a["time"].values()) / len(a["time"]) / 1e6, 3),
-                        per_step=per_step, ranks=len(a["per_proc"])))
+    for (mid, op, redop, gid), a in sorted(agg.items(), key=lambda kv: (kv[1]["first"], kv[0][1])):
+        ref = min(a["procs"], key=lambda p: order_of.get(p, 1 << 30))
+        n, nbytes, _, per_step = a["procs"][ref]
+        gname, granks = groups[gid]
+        times = [t for _, _, t, _ in a["procs"].values()]
+        out.append(dict(module=a["module"], op=op, reduce_op=redop, group=gname, group_ranks=json.loads(granks),
+                        count=n, bytes=nbytes, time_ms=round(sum(times) / len(times) / 1e6, 3),
+                        per_step={int(k): v for k, v in json.loads(per_step)}, ranks=len(a["procs"])))
     if not out and pattern:
         raise NoAnswer(f"no collective issued by a module matching {pattern!r}")
     return out

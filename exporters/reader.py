@@ -28,6 +28,7 @@ class ReadReport:
     skipped_bytes: int = 0
     corrupt_chunks: int = 0
     truncated_tail: bool = False
+    bad_records: int = 0  # intact chunks holding a record that does not fit the schema
 
     def problems(self) -> list[str]:
         out = []
@@ -35,6 +36,8 @@ class ReadReport:
             out.append(f"{self.corrupt_chunks} corrupt chunk(s), {self.skipped_bytes} bytes skipped")
         if self.truncated_tail:
             out.append("a truncated tail (the process was killed mid-write)")
+        if self.bad_records:
+            out.append(f"{self.bad_records} malformed record(s) skipped")
         return out
 
 
@@ -291,8 +294,7 @@ def load_rank_file(path: str) -> RankTrace:
             elif kind == schema.END:
                 end = dict(rec[1])
         except (ValueError, TypeError, IndexError, KeyError, struct.error):
-            report.corrupt_chunks += 0  # a malformed record: skip it, count it
-            report.records -= 1
+            report.bad_records += 1
     if not header:
         raise BadInput(f"{path}: no header record (the file was damaged at its start)")
     static = steps.pop(schema.PARAMS_STEP, Step(schema.PARAMS_STEP)).fingerprints
