@@ -25,6 +25,9 @@ class TraceConfig:
     exclude: list[str] = dataclasses.field(default_factory=list)
     steps: tuple[int, int | None] = (0, None)  # [first, stop) in steps of this process
     fingerprint: bool = True
+    # "auto": deferred (batched at the end of the step) for small CUDA tensors, immediate on CPU;
+    # "immediate" or "deferred" everywhere (see tracer/fingerprint.py for what each guarantees).
+    fingerprint_mode: str = "auto"
     otlp_endpoint: str | None = None
     flush_interval_s: float = 1.0
     max_errors: int = 20  # after this many hook errors tracing turns itself off in the process

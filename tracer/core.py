@@ -84,7 +84,7 @@ class Tracer:
         self.span_count = 0
         self.coll_count = 0
         self.calls: dict = {}
-        self.fps = StepFingerprints()
+        self.fps = self._new_fingerprints()
         self.busy = False
         self.in_collective = False
         # modules
@@ -106,6 +106,10 @@ class Tracer:
         self.collectives = None
         self.after_fork_callbacks: list = []
         self._fork_registered = False
+
+    def _new_fingerprints(self) -> StepFingerprints:
+        mode = self.config.fingerprint_mode
+        return StepFingerprints(defer_cuda=mode != "immediate", defer_cpu=mode == "deferred")
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "Tracer":
@@ -576,7 +580,7 @@ class Tracer:
             self.stack = []
             self.step = -1  # a forked child counts its own steps (and --steps windows)
             self.in_step = self.tracing_step = False
-            self.fps = StepFingerprints()
+            self.fps = self._new_fingerprints()
             self.identity = {}
             self.stats = {k: 0 for k in self.stats}
             for hook in self.after_fork_callbacks:
