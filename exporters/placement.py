@@ -341,6 +341,12 @@ class Judge:
                           f"({total:.6g}): a partial sum that this reduction completes")
                 return dict(out, placement="partial", reduction="pre-reduction",
                             collective=coll_json(c, procs[0]))
+        for c in v.before(t_point + 1, REDUCE_SCATTER):
+            outs = {p: c.outs[p][0] for p in procs if c.outs.get(p)}
+            if linked(outs, obs) is not None:
+                ev.append(f"is the output of {coll_desc(c)} on every rank: a reduced slice per rank")
+                return dict(out, placement="shard(0)", reduction="post-reduction",
+                            collective=coll_json(c, procs[0]))
         for c in v.after(t_point, GATHER):
             ins = {p: c.ins[p][0] for p in procs if c.ins.get(p)}
             if linked(obs, ins) is not None:
@@ -352,12 +358,6 @@ class Judge:
                     dim = len(tref.shape) - 1
                     ev.append(f"the gathered tensor was not seen; dim {dim} assumed")
                 return dict(out, placement=f"shard({dim})", reduction="no-reduction",
-                            collective=coll_json(c, procs[0]))
-        for c in v.before(t_point + 1, REDUCE_SCATTER):
-            outs = {p: c.outs[p][0] for p in procs if c.outs.get(p)}
-            if linked(outs, obs) is not None:
-                ev.append(f"is the output of {coll_desc(c)} on every rank: a reduced slice per rank")
-                return dict(out, placement="shard(0)", reduction="post-reduction",
                             collective=coll_json(c, procs[0]))
         # 4. the concatenation seen elsewhere
         dim = self._concat_dim(tref, ts)

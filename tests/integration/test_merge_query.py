@@ -180,3 +180,13 @@ def test_step_option_and_staleness(trace):
     assert is_stale(str(d))
     qj("shapes", "model.embed_tokens", "--trace", d)
     assert not is_stale(str(d))
+
+
+def test_sql_table(trace):
+    d, tp = trace
+    text = q("sql", "SELECT rank, world_size FROM processes ORDER BY rank", "--trace", d)
+    lines = text.splitlines()
+    assert lines[0].split() == ["rank", "world_size"] and set(lines[1]) <= {"-", " "}
+    assert [ln.split() for ln in lines[2:]] == [[str(r), str(tp)] for r in range(tp)]
+    bad = CliRunner().invoke(main, ["query", "sql", "SELECT nope FROM nowhere", "--trace", str(d)])
+    assert bad.exit_code == 2 and "SQL error" in bad.output

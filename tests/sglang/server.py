@@ -79,11 +79,11 @@ def free_port() -> int:
 
 
 def server_command(tp: int, port: int, *, model_path: Path | str = TINY_LLAMA, extra_args=(),
-                   python: Path | str | None = None) -> list[str]:
+                   load_format: str = "dummy", python: Path | str | None = None) -> list[str]:
     return [
         str(python or venv_python()), "-m", "sglang.launch_server",
         "--model-path", str(model_path),
-        "--load-format", "dummy",
+        "--load-format", load_format,
         "--skip-tokenizer-init",
         "--device", "cpu",
         "--tp", str(tp),
@@ -173,12 +173,13 @@ class SGLangServer:
     def __init__(self, tp: int = 1, *, prefix=(), extra_args=(), env: dict | None = None,
                  port: int | None = None, log_path: str | Path | None = None,
                  startup_timeout: float = 120.0, stop_timeout: float = 30.0,
-                 model_path: Path | str = TINY_LLAMA, cwd: str | Path | None = None):
+                 model_path: Path | str = TINY_LLAMA, load_format: str = "dummy",
+                 cwd: str | Path | None = None):
         self.tp = tp
         self.prefix = [str(p) for p in prefix]
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.command = self.prefix + server_command(tp, self.port, model_path=model_path,
+        self.command = self.prefix + server_command(tp, self.port, model_path=model_path, load_format=load_format,
                                                     extra_args=[str(a) for a in extra_args])
         self.env = server_env(tp, extra=env)
         if log_path is None:
@@ -348,6 +349,71 @@ class SGLangServer:
         return f"---- last {min(lines, len(text))} lines of {self.log_path} ----\n" + "\n".join(text[-lines:])
 
 
+# ---------------------------------------------------------------- a seeded real checkpoint
+
+# Seed 17: greedy decoding of DEFAULT_INPUT_IDS never meets a near tie (the smallest top-1 minus
+# top-2 logit gap over 8 steps is 0.47, logits' std about 4; seed 0 has a 0.007 gap at step 3,
+# where TP=1 and TP=2 then part ways in bf16) and never emits eos (id 2).
+SEED = 17
+# transformers' LlamaForCausalLM (float32) on that checkpoint, greedy, prompt DEFAULT_INPUT_IDS:
+SEEDED_REFERENCE_TOKENS = [70, 164, 84, 74, 20, 225, 89, 21]
+
+_CHECKPOINT_SCRIPT = r"""
+import json, shutil, sys
+from pathlib import Path
+import torch
+from safetensors.torch import save_file
+
+config_path, dest, seed = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+cfg = json.loads(config_path.read_text())
+h, inter, nl = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+nh, nkv, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+hd = cfg.get("head_dim", h // nh)
+g = torch.Generator().manual_seed(seed)
+
+def randn(*shape, std):
+    return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16).contiguous()
+
+def ones(n):
+    return torch.ones(n, dtype=torch.bfloat16)
+
+w = {"model.embed_tokens.weight": randn(vocab, h, std=1.0),
+     "model.norm.weight": ones(h),
+     "lm_head.weight": randn(vocab, h, std=0.5)}
+for i in range(nl):
+    p = f"model.layers.{i}."
+    w[p + "input_layernorm.weight"] = ones(h)
+    w[p + "post_attention_layernorm.weight"] = ones(h)
+    w[p + "self_attn.q_proj.weight"] = randn(nh * hd, h, std=h ** -0.5)
+    w[p + "self_attn.k_proj.weight"] = randn(nkv * hd, h, std=h ** -0.5)
+    w[p + "self_attn.v_proj.weight"] = randn(nkv * hd, h, std=h ** -0.5)
+    w[p + "self_attn.o_proj.weight"] = randn(h, nh * hd, std=(nh * hd) ** -0.5)
+    w[p + "mlp.gate_proj.weight"] = randn(inter, h, std=h ** -0.5)
+    w[p + "mlp.up_proj.weight"] = randn(inter, h, std=h ** -0.5)
+    w[p + "mlp.down_proj.weight"] = randn(h, inter, std=inter ** -0.5)
+dest.mkdir(parents=True, exist_ok=True)
+shutil.copyfile(config_path, dest / "config.json")
+save_file(w, str(dest / "model.safetensors"), metadata={"format": "pt"})
+"""
+
+
+def make_seeded_checkpoint(dest: Path | str, seed: int = SEED, config: Path | str = TINY_LLAMA / "config.json",
+                           python: Path | str | None = None) -> Path:
+    """Write config.json + model.safetensors of the tiny Llama with seeded random weights into dest.
+
+    Why not `--load-format dummy` for a TP=1 vs TP=2 comparison: SGLang's dummy loader seeds
+    every parameter *as allocated on each rank* (same seed, uniform +-1e-3), so a TP=2 rank's
+    shard is not a slice of the TP=1 tensor: the two servers run different models, and with
+    +-1e-3 weights every logit is log(1/256) to 1e-6, so the greedy tokens are ties broken by
+    rounding noise. These weights (unit norms, 1/sqrt(fan_in) linears) give the same model at
+    any TP and logits far apart. Runs in the SGLang venv (it has torch and safetensors).
+    """
+    dest = Path(dest)
+    subprocess.run([str(python or venv_python()), "-c", _CHECKPOINT_SCRIPT, str(config), str(dest), str(seed)],
+                   check=True, capture_output=True, timeout=120)
+    return dest
+
+
 def output_ids(result: dict) -> list[int]:
     """The generated token ids of one /generate result."""
     if "output_ids" in result:
@@ -362,9 +428,12 @@ def main(argv=None) -> int:
     p.add_argument("--prefix", default="", help='wrapper command, e.g. "tensor-trace record -o OUT --"')
     p.add_argument("--log", default=None)
     p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--seeded", metavar="DIR", default=None,
+                   help="write a seeded real checkpoint into DIR and serve it instead of dummy weights")
     a = p.parse_args(argv)
+    model = dict(model_path=make_seeded_checkpoint(a.seeded), load_format="safetensors") if a.seeded else {}
     srv = SGLangServer(a.tp, prefix=shlex.split(a.prefix), extra_args=EAGLE3_AUX_ARGS if a.aux else (),
-                       log_path=a.log)
+                       log_path=a.log, **model)
     print(f"log: {srv.log_path}\n$ {shlex.join(srv.command)}", flush=True)
     with srv:
         print(f"ready in {srv.startup_s:.1f} s; {len(srv.pids())} processes, RSS {srv.sample_rss() / 2**30:.2f} GiB")

@@ -1,0 +1,104 @@
+"""Tensor-parallel patterns nobody described to tensor-trace, for placement tests.
+
+Run under torchrun (gloo). Each module below produces one kind of tensor; the test checks the
+verdict of its output point.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+def world():
+    return dist.get_world_size(), dist.get_rank()
+
+
+class Replicated(nn.Module):
+    """Same weights on every rank: output replicate, no reduction before it."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.w = nn.Parameter(torch.randn(16, 16, generator=g))
+
+    def forward(self, x):
+        return x @ self.w
+
+
+class ScaledPartial(nn.Module):
+    """Each rank's contribution divided by tp, then summed: a partial sum behind a scaling."""
+
+    def forward(self, x):
+        tp, rank = world()
+        return x * (rank + 1.0)
+
+
+class Averaged(nn.Module):
+    def forward(self, partial):
+        tp, _ = world()
+        y = partial.clone() / tp  # a clone and a scaling between the partial and the reduction
+        dist.all_reduce(y)
+        return y
+
+
+class RowShard(nn.Module):
+    """Sequence-parallel style: reduce_scatter along dim 0 gives each rank a reduced slice."""
+
+    def forward(self, x):
+        tp, rank = world()
+        out = torch.empty(x.shape[0] // tp, *x.shape[1:])
+        dist.reduce_scatter_tensor(out, x.contiguous())
+        return out
+
+
+class Gather0(nn.Module):
+    def forward(self, shard):
+        tp, _ = world()
+        out = torch.empty(shard.shape[0] * tp, *shard.shape[1:])
+        dist.all_gather_into_tensor(out, shard.contiguous())
+        return out
+
+
+class Noisy(nn.Module):
+    """A bug: rank-dependent noise after everything agreed. The ranks diverge."""
+
+    def forward(self, x):
+        _, rank = world()
+        g = torch.Generator().manual_seed(100 + rank)
+        return x + 0.01 * torch.randn(x.shape, generator=g)
+
+
+class Cases(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.replicated = Replicated()
+        self.scaled_partial = ScaledPartial()
+        self.averaged = Averaged()
+        self.row_shard = RowShard()
+        self.gather0 = Gather0()
+        self.noisy = Noisy()
+
+    def forward(self, x):
+        r = self.replicated(x)
+        p = self.scaled_partial(r)
+        a = self.averaged(p)
+        s = self.row_shard(a)
+        g = self.gather0(s)
+        return self.noisy(g)
+
+
+def main():
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = Cases()
+    with torch.inference_mode():
+        for step in range(3):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            model(x)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Verdicts for TP patterns that are not the example: they must come from evidence alone."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from tensor_trace.cli import main
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VENV_BIN = os.path.dirname(sys.executable)
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def cases(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"cases{request.param}") / "t"
+    cmd = [os.path.join(VENV_BIN, "tensor-trace"), "record", "-o", str(out), "--",
+           os.path.join(VENV_BIN, "torchrun"), "--standalone", "--nproc-per-node", str(request.param),
+           os.path.join(HERE, "scripts", "tp_cases.py")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = CliRunner().invoke(main, ["query", "placement", "*:*", "--trace", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    return {p["point"]: p for p in json.loads(r.stdout)}
+
+
+def verdict(pts, name):
+    return pts[name]["placement"], pts[name]["reduction"]
+
+
+def test_replicated_weights_give_a_replicate_output(cases):
+    assert verdict(cases, "replicated:output") == ("replicate", "no-reduction")
+
+
+def test_partial_behind_a_clone_and_a_scaling(cases):
+    assert verdict(cases, "scaled_partial:output") == ("partial", "pre-reduction")
+    assert cases["scaled_partial:output"]["collective"]["op"] == "all_reduce"
+    assert verdict(cases, "averaged:output") == ("replicate", "post-reduction")
+
+
+def test_reduce_scatter_output_is_a_reduced_shard_and_gathers_back(cases):
+    assert verdict(cases, "row_shard:output") == ("shard(0)", "post-reduction")
+    assert cases["row_shard:output"]["collective"]["op"] == "reduce_scatter_tensor"
+    assert verdict(cases, "gather0:input.0")[0] == "shard(0)"
+    assert verdict(cases, "gather0:output")[0] == "replicate"
+
+
+def test_rank_dependent_noise_is_divergent(cases):
+    assert verdict(cases, "noisy:output")[0] == "divergent"
+    assert any("disagree" in e for e in cases["noisy:output"]["evidence"])
