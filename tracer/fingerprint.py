@@ -227,7 +227,8 @@ class StepFingerprints:
                     event.synchronize()
                 values = host.clone()
                 values[:, 1].square_()  # the l2 norm becomes the sum of squares
-                records.append(_record(step, idx, values.numpy().astype("<f4", copy=False).tobytes()))
+                flat = values.view(-1).tolist()  # no numpy: torch does not require it
+                records.append(_record(step, idx, struct.pack(f"<{len(flat)}f", *flat)))
                 if dups:
                     known.update(zip(idx, values.tolist()))
             if dups:
