@@ -194,6 +194,7 @@ class SGLangServer:
         self.peak_rss: int = 0
         self.exit_code: int | None = None
         self.killed = False
+        self.n_processes: int | None = None  # processes of the tree once ready
         self._known: dict[int, int] = {}  # pid -> starttime of every process seen in the tree
 
     # -- lifecycle
@@ -217,6 +218,7 @@ class SGLangServer:
             self.stop()
             raise
         self.startup_s = time.monotonic() - t0
+        self.n_processes = len(self.pids())
         self.sample_rss()
         return self
 
