@@ -367,7 +367,6 @@ class CollectiveInterceptor:
         pg_name = getattr(group, "group_name", "") or str(id(group))
         entry = self.groups.get(pg_name)
         if entry is None:
-            gid = len(self.groups)
             try:
                 ranks = dist.get_process_group_ranks(group)
             except Exception:
@@ -379,9 +378,20 @@ class CollectiveInterceptor:
             desc = getattr(group, "group_desc", "") or ""
             is_default = group is c10d._get_default_group()
             name = "world" if is_default else (desc if desc and desc != "undefined" else pg_name)
-            entry = (gid, None, name, list(ranks), backend, pg_name)
-            self.groups[pg_name] = entry
-            self.seq[gid] = 0
+            return self.seq_for(pg_name, name, list(ranks), backend, pg_name)
+        return self._next_seq(entry)
+
+    def seq_for(self, key: str, name: str, ranks: list, backend: str, pg_name: str) -> tuple:
+        """(group id, sequence number) of a call on the group known by ``key`` (a framework's
+        own group object, e.g. SGLang's GroupCoordinator, or a c10d group name)."""
+        entry = self.groups.get(key)
+        if entry is None:
+            entry = (len(self.groups), None, name, list(ranks), backend, pg_name)
+            self.groups[key] = entry
+            self.seq[entry[0]] = 0
+        return self._next_seq(entry)
+
+    def _next_seq(self, entry) -> tuple:
         gid = entry[0]
         written = self.tracer.written_groups
         if gid not in written and self.tracer.writer is not None:

@@ -122,6 +122,9 @@ class Tracer:
 
         self.collectives = CollectiveInterceptor(self)
         self.collectives.install()
+        from tensor_trace.tracer import integrations
+
+        integrations.apply_loaded()
         self._install_global_hooks()
         self.enabled = True
         if not self._fork_registered:
@@ -364,6 +367,39 @@ class Tracer:
                 self.update_identity(device=dev)
         self.writer.add((schema.STEP_BEGIN, self.step, path_id, self.step_t0, attrs))
         self._push(root, args, entry, t0)
+
+    def begin_external_step(self, root, args, attrs=None) -> bool:
+        """Start a step whose root a framework calls with ``root.forward(...)`` directly (so the
+        root's own hooks never fire). Returns whether a step was started."""
+        if self.in_step or self.busy or not self.enabled:
+            return False
+        self.busy = True
+        try:
+            if root not in self.roots:
+                self._adopt_root(root)
+                self.roots[root] = []
+            self.step_attrs = attrs or None
+            self._begin_step(root, args)
+            return True
+        except Exception as exc:
+            self._on_error("step begin", exc)
+            return False
+        finally:
+            self.step_attrs = None
+            self.busy = False
+
+    def end_external_step(self, root, result, error: bool = False) -> None:
+        if not self.in_step or self.step_root is not root:
+            return
+        self.busy = True
+        try:
+            self._end_step(error=error, result=result)
+        except Exception as exc:
+            self._on_error("step end", exc)
+            self.stack.clear()
+            self.in_step = self.tracing_step = False
+        finally:
+            self.busy = False
 
     def _end_step(self, error: bool = False, result=None, kwargs=None) -> None:
         step = self.step

@@ -1,0 +1,37 @@
+"""Framework integrations: extra evidence and exact step boundaries where a framework is known.
+
+``WATCHED`` names the modules whose first import patches their integration (the bootstrap
+watches them); ``on_import`` is called right after one is imported, and ``apply_loaded`` applies
+every integration whose modules were already imported when tracing started. This module must
+stay importable without torch (the bootstrap imports it at interpreter start-up).
+"""
+
+from __future__ import annotations
+
+import sys
+
+WATCHED = (
+    "sglang.srt.distributed.parallel_state",
+    "sglang.srt.model_executor.model_runner",
+    "sglang.srt.layers.layer_boundary.output",
+)
+
+_applied: set = set()
+
+
+def on_import(name: str, module) -> None:
+    """Patch the integration of ``name`` (once per process)."""
+    if name in _applied:
+        return
+    _applied.add(name)
+    if name.startswith("sglang."):
+        from tensor_trace.tracer.integrations import sglang
+
+        sglang.patch(name, module)
+
+
+def apply_loaded() -> None:
+    for name in WATCHED:
+        module = sys.modules.get(name)
+        if module is not None:
+            on_import(name, module)

@@ -1,0 +1,157 @@
+"""SGLang integration: collectives at GroupCoordinator, one step per model forward.
+
+Collectives. On GPU, SGLang's all_reduce mostly bypasses torch.distributed (custom all-reduce,
+quick all-reduce, PyNccl through ctypes, symmetric memory, ``torch.ops.sglang.*`` custom ops), so
+only ``GroupCoordinator`` sees every path. Its public methods are wrapped on the class; while one
+records, the tracer's ``in_collective`` flag makes the c10d wrappers pass the inner call through,
+so no collective is counted twice. The span names the group by SGLang's own name (``tp``,
+``attn_tp``, ``pp``, ...: the part of ``unique_name`` before the colon) and its global ranks.
+
+Steps. ``ModelRunner.forward`` calls ``self.model.forward(...)`` directly, so the model's own
+forward hooks never fire and its children would each look like an outermost module. The wrapper
+makes one model forward one step, rooted at the model (so paths are SGLang's own names:
+``model.embed_tokens``, ``model.layers.0.self_attn.qkv_proj``, ``lm_head``), tagged with the
+forward mode, batch size and token count.
+
+Everything here looks the tracer up at call time and passes straight through when none runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from tensor_trace.tracer import current
+
+# method -> (input argument names, output argument names, reduce op)
+_GROUP_METHODS = {
+    "all_reduce": (("input_",), (), "sum"),
+    "reduce_scatter_tensor": (("input",), ("output",), "sum"),
+    "reduce_scatter": (("input_list",), ("output",), "sum"),
+    "reduce_scatterv": (("input_",), ("output",), "sum"),
+    "reduce_scatter_along_dim": (("input_",), (), "sum"),
+    "all_gather_into_tensor": (("input",), ("output",), None),
+    "all_gather": (("input_",), ("output_tensor_list",), None),
+    "all_gatherv": (("input_",), (), None),
+    "all_to_all_single": (("input",), ("output",), None),
+    "broadcast": (("input_",), (), None),
+    "send": (("tensor",), (), None),
+    "recv": ((), (), None),
+}
+
+
+def patch(name: str, module) -> None:
+    if name == "sglang.srt.distributed.parallel_state":
+        _patch_group_coordinator(module.GroupCoordinator)
+    elif name == "sglang.srt.model_executor.model_runner":
+        _patch_model_runner(module.ModelRunner)
+
+
+def _tensors(x) -> list:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for t in x if isinstance(t, torch.Tensor)]
+    return []
+
+
+def group_name(gc) -> str:
+    return str(getattr(gc, "unique_name", "group")).split(":")[0]
+
+
+def _patch_group_coordinator(cls) -> None:
+    for method, (in_args, out_args, reduce_op) in _GROUP_METHODS.items():
+        orig = cls.__dict__.get(method)
+        if orig is None or getattr(orig, "__tensor_trace_original__", None) is not None:
+            continue
+        setattr(cls, method, _wrap_group_method(method, orig, in_args, out_args, reduce_op))
+
+
+def _wrap_group_method(method, orig, in_args, out_args, reduce_op):
+    signature = inspect.signature(orig)
+
+    @functools.wraps(orig)
+    def wrapper(self, *args, **kwargs):
+        tr = current()
+        if (tr is None or not tr.enabled or tr.in_collective or tr.busy or tr.collectives is None
+                or getattr(self, "world_size", 1) == 1):
+            return orig(self, *args, **kwargs)
+        ic = tr.collectives
+        token = None
+        bound = None
+        try:
+            bound = signature.bind(self, *args, **kwargs).arguments
+            key = f"sglang:{getattr(self, 'unique_name', id(self))}"
+            group_seq = ic.seq_for(key, group_name(self), list(getattr(self, "ranks", [])),
+                                   "sglang", str(getattr(self, "unique_name", "")))
+            if tr.tracing_step:
+                inputs = [t for a in in_args for t in _tensors(bound.get(a))]
+                token = ic.begin(method, reduce_op, group_seq, inputs, False)
+        except Exception as exc:
+            tr._on_error(f"GroupCoordinator.{method}", exc)
+            token = None
+        tr.in_collective = True
+        try:
+            result = orig(self, *args, **kwargs)
+        except BaseException:
+            tr.in_collective = False
+            if token is not None:
+                ic.finish(token, error=True)
+            raise
+        tr.in_collective = False
+        if token is not None:
+            outputs = [t for a in out_args for t in _tensors(bound.get(a))] + _tensors(result)
+            token.append(outputs)
+            ic.finish(token)
+        return result
+
+    wrapper.__tensor_trace_original__ = orig
+    return wrapper
+
+
+def _patch_model_runner(cls) -> None:
+    orig = cls.__dict__.get("forward")
+    if orig is None or getattr(orig, "__tensor_trace_original__", None) is not None:
+        return
+
+    @functools.wraps(orig)
+    def forward(self, forward_batch, *args, **kwargs):
+        tr = current()
+        model = getattr(self, "model", None)
+        if tr is None or not tr.enabled or tr.in_step or model is None:
+            return orig(self, forward_batch, *args, **kwargs)
+        attrs = _step_attrs(forward_batch)
+        if getattr(self, "is_draft_worker", False):
+            attrs["draft"] = True
+        started = tr.begin_external_step(model, (forward_batch,), attrs)
+        try:
+            result = orig(self, forward_batch, *args, **kwargs)
+        except BaseException:
+            if started:
+                tr.end_external_step(model, None, error=True)
+            raise
+        if started:
+            tr.end_external_step(model, result)
+        return result
+
+    forward.__tensor_trace_original__ = orig
+    cls.forward = forward
+
+
+def _step_attrs(forward_batch) -> dict:
+    attrs = {}
+    try:
+        mode = getattr(forward_batch, "forward_mode", None)
+        if mode is not None:
+            attrs["forward_mode"] = str(getattr(mode, "name", mode)).lower()
+        bs = getattr(forward_batch, "batch_size", None)
+        if isinstance(bs, int):
+            attrs["batch_size"] = bs
+        ids = getattr(forward_batch, "input_ids", None)
+        if ids is not None and hasattr(ids, "numel"):
+            attrs["tokens"] = int(ids.numel())
+    except Exception:
+        pass
+    return attrs
