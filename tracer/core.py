@@ -105,6 +105,8 @@ class Tracer:
         self.identity: dict = {}
         self.collectives = None
         self.after_fork_callbacks: list = []
+        self.root_classes: list = []  # prefixes given to roots, in order (the first has none)
+        self.external_steps = False  # a framework integration delimits steps itself
         self._fork_registered = False
 
     def _new_fingerprints(self) -> StepFingerprints:
@@ -262,17 +264,23 @@ class Tracer:
             h.remove()
         self.global_handles = []
 
-    def _adopt_root(self, module) -> None:
-        """Give a newly seen outermost module its own step hooks and name its submodules."""
+    def _adopt_root(self, module, hooks: bool = True) -> None:
+        """Give a newly seen outermost module its own step hooks and name its submodules.
+
+        The first root's modules get their plain ``named_modules()`` paths (``model.layers.0``);
+        a later, different root is prefixed with its class name, so that two models in one
+        process (a sampler, a draft model) never share point names."""
         handles = [
             module.register_forward_pre_hook(self._root_pre, with_kwargs=True),
             module.register_forward_hook(self._root_post, with_kwargs=True, always_call=True),
-        ]
+        ] if hooks else []
         self.roots[module] = handles
         names = self.names
+        prefix = self._root_prefix(module)
         for name, sub in module.named_modules(remove_duplicate=False):
             if sub not in names:
-                names[sub] = self._module_entry(name, sub)
+                path = f"{prefix}.{name}" if prefix and name else (prefix or name)
+                names[sub] = self._module_entry(path, sub)
         if self.fingerprint and not _is_capturing():
             self._record_parameters(module)
 
@@ -294,6 +302,20 @@ class Tracer:
                 for i, (n, p) in enumerate(params)]))
         fps.finish_step(schema.PARAMS_STEP)
         self.fps._pending.extend(fps._pending)  # written with the next step's fingerprints
+
+    def _root_prefix(self, module) -> str:
+        if module in self.names:  # already named under an earlier root
+            return self.names[module][0]
+        if not self.root_classes:
+            self.root_classes.append(type(module).__name__)
+            return ""
+        base = type(module).__name__
+        name, k = base, 1
+        while name in self.root_classes:
+            k += 1
+            name = f"{base}{k}"
+        self.root_classes.append(name)
+        return name
 
     def _module_entry(self, path: str, module):
         # (path, class name, selected); the root ("") is always recorded: it delimits the step.
@@ -375,9 +397,9 @@ class Tracer:
             return False
         self.busy = True
         try:
+            self.external_steps = True
             if root not in self.roots:
-                self._adopt_root(root)
-                self.roots[root] = []
+                self._adopt_root(root, hooks=False)
             self.step_attrs = attrs or None
             self._begin_step(root, args)
             return True
@@ -433,7 +455,10 @@ class Tracer:
         # Hot path: runs before every module call of a traced step. Keep it lean: no torch
         # call unless fingerprints are on (inputs must be fingerprinted before the module runs).
         if self.busy or not self.tracing_step:
-            if not self.in_step and not self.busy and self.enabled and module not in self.roots:
+            # Once a framework delimits steps, a module called outside them (a sampler) is not
+            # a step of its own.
+            if (not self.in_step and not self.busy and self.enabled and not self.external_steps
+                    and module not in self.roots):
                 self._discover_root(module, args)
             return None
         if _get_ident() != self.step_thread:

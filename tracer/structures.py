@@ -1,7 +1,8 @@
 """Find the tensors inside a module's inputs and outputs, each with its slot name.
 
 Slot names follow the capture-point grammar of the contract: ``output``, ``output.0``,
-``output.0.key``, ``input.0``, ``input.NAME``. Walking is bounded (depth and count) because
+``output.0.key``, ``input.0``, ``input.NAME``. Tuples, lists, dicts, dataclasses, named tuples
+and msgspec structs are walked (a field is addressed by its name). Walking is bounded (depth and count) because
 a server's forward passes can carry large batch objects; what is cut is counted, never an error.
 """
 
@@ -39,12 +40,19 @@ def flatten(obj, prefix: str, out: list, depth: int = 0) -> None:
                 flatten(item, f"{prefix}.{key}", out, depth + 1)
         return
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for field in dataclasses.fields(obj):
-            try:
-                item = getattr(obj, field.name)
-            except Exception:
-                continue
-            flatten(item, f"{prefix}.{field.name}", out, depth + 1)
+        names = [f.name for f in dataclasses.fields(obj)]
+    else:
+        # msgspec.Struct (SGLang's layer-boundary handles, e.g. an OwedOutput carrying a
+        # partial sum): walked like a dataclass, read only, never completed or copied.
+        names = getattr(type(obj), "__struct_fields__", None)
+        if not names:
+            return
+    for name in names:
+        try:
+            item = getattr(obj, name)
+        except Exception:
+            continue
+        flatten(item, f"{prefix}.{name}", out, depth + 1)
 
 
 def flatten_args(args: tuple, out: list) -> None:
