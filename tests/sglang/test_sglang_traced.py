@@ -1,0 +1,126 @@
+"""`tensor-trace record -- python -m sglang.launch_server ...` on a real SGLang 0.5.23 server (CPU).
+
+Needs the SGLang venv (`bash tests/sglang/setup.sh`); skipped without it. The server loads the
+seeded tiny Llama checkpoint (see server.make_seeded_checkpoint), so TP=1 and TP=2 serve the
+same model and must give the same tokens, traced or not.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tensor_trace.cli import main
+from tensor_trace.exporters.reader import load_rank_file, rank_files
+
+_spec = importlib.util.spec_from_file_location("tt_sglang_server", Path(__file__).with_name("server.py"))
+server = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = server
+_spec.loader.exec_module(server)
+
+_ready, _why = server.venv_ready()
+pytestmark = [pytest.mark.sglang, pytest.mark.skipif(not _ready, reason=f"no SGLang venv: {_why}")]
+
+LAYERS = 2  # tests/data/tiny-llama/config.json
+TT = str(server.VENV / "bin" / "tensor-trace")
+
+
+@pytest.fixture(scope="module")
+def seeded_model(tmp_path_factory):
+    return server.make_seeded_checkpoint(tmp_path_factory.mktemp("seeded"))
+
+
+def _serve(tp, model, log, prefix=()):
+    srv = server.SGLangServer(tp, model_path=model, load_format="safetensors", log_path=log, prefix=list(prefix))
+    with srv:
+        tokens = server.output_ids(srv.generate(server.DEFAULT_INPUT_IDS, max_new_tokens=8))
+    assert not srv.killed, srv.log_tail()
+    return tokens, srv
+
+
+@pytest.fixture(scope="module")
+def traced(seeded_model, tmp_path_factory):
+    """TP=2 traced, and TP=2 untraced for comparison."""
+    d = tmp_path_factory.mktemp("sglang-tp2")
+    out = d / "trace"
+    tokens, srv = _serve(2, seeded_model, d / "traced.log", [TT, "record", "-o", str(out), "--"])
+    plain, _ = _serve(2, seeded_model, d / "plain.log")
+    return dict(out=str(out), tokens=tokens, plain=plain, exit=srv.exit_code)
+
+
+def q(*args):
+    r = CliRunner().invoke(main, ["query", *map(str, args), "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def test_both_ranks_traced_and_tokens_unchanged(traced):
+    assert traced["tokens"] == traced["plain"] == server.SEEDED_REFERENCE_TOKENS
+    assert traced["exit"] == 130  # SIGINT, forwarded by record, propagated
+    traces = [load_rank_file(f) for f in rank_files(traced["out"])]
+    ranks = sorted(t.identity.get("rank") for t in traces if t.steps)
+    assert ranks == [0, 1], [(t.path, t.identity) for t in traces]
+    for t in traces:
+        if t.steps:
+            assert not t.errors, t.errors
+            modes = {s.attrs.get("forward_mode") for s in t.steps.values()}
+            assert {"extend", "decode"} <= modes
+            step = next(s for s in t.steps.values() if s.attrs.get("forward_mode") == "decode")
+            assert step.attrs["batch_size"] == 1 and step.attrs["tokens"] == 1
+            paths = {s.path for s in step.spans}
+            assert {"model.embed_tokens", "model.layers.0.self_attn.qkv_proj", "logits_processor"} <= paths
+            assert "lm_head" not in paths  # the logits processor reads lm_head.weight directly
+
+
+def test_embedding_is_post_reduction(traced):
+    r = q("reduction", "model.embed_tokens", "--trace", traced["out"])
+    assert r["verdict"] == "post-reduction" and r["placement"] == "replicate"
+    c = r["collective"]
+    assert c["op"] == "all_reduce" and c["group"] == "tp" and c["group_ranks"] == [0, 1]
+    assert c["module"] == "model.embed_tokens"
+
+
+def test_layer_boundaries_defer_the_row_parallel_reductions(traced):
+    pts = {p["point"]: p for p in q("placement", "model.layers.0.*", "--trace", traced["out"])}
+    assert pts["model.layers.0.self_attn.qkv_proj:output.0"]["placement"].startswith("shard(")
+    for point in ("model.layers.0.self_attn.o_proj:output.0", "model.layers.0.mlp.down_proj:output.0"):
+        assert (pts[point]["placement"], pts[point]["reduction"]) == ("partial", "pre-reduction"), pts[point]
+        r = q("reduction", point, "--trace", traced["out"])
+        assert r["verdict"] == "pre-reduction" and r["collective"]["op"] == "all_reduce"
+        # Paid at a layer boundary, outside o_proj's and down_proj's forward.
+        assert r["collective"]["module"] in ("model.layers.0", "model.layers.1")
+    # The decoder layer hands its MLP's partial sum on as an owed-output handle.
+    owed = q("placement", "model.layers.0:output.*", "--trace", traced["out"])
+    partial = [p for p in owed if "owed" in p["point"]]
+    assert partial and partial[0]["placement"] == "partial"
+
+
+def test_collectives_per_decode_step(traced):
+    steps = q("sql", "SELECT step, attrs FROM steps WHERE proc = 0", "--trace", traced["out"])
+    decode = {s["step"] for s in steps if json.loads(s["attrs"]).get("forward_mode") == "decode"}
+    assert decode
+    rows = q("collectives", "--trace", traced["out"])
+    per_step = {}
+    for r in rows:
+        for step, n in r["per_step"].items():
+            if int(step) in decode:
+                per_step.setdefault(r["op"], {}).setdefault(int(step), 0)
+                per_step[r["op"]][int(step)] += n
+    # What SGLang 0.5.23 issues for this 2-layer Llama at TP=2: the embedding's all_reduce and
+    # one per row-parallel output (paid at layer boundaries), and the logits' all_gather.
+    assert set(per_step["all_reduce"].values()) == {1 + 2 * LAYERS}
+    assert set(per_step["all_gather"].values()) == {1}
+    assert all(r["group"] == "tp" for r in rows)
+
+
+def test_tp1_gives_the_same_tokens_and_everything_replicate(seeded_model, tmp_path):
+    out = tmp_path / "trace"
+    tokens, _ = _serve(1, seeded_model, tmp_path / "tp1.log", [TT, "record", "-o", str(out), "--"])
+    assert tokens == server.SEEDED_REFERENCE_TOKENS
+    pts = q("placement", "*:*", "--trace", out)
+    assert pts and {p["placement"] for p in pts} == {"replicate"}
