@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TT := $(VENV)/bin/tensor-trace
 DEMO_OUT ?= tensor-trace-out
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv sglang-venv clean
 
 venv: $(VENV)/.installed
 
@@ -29,7 +29,11 @@ demo: venv
 	@echo; echo "== What feeds the EAGLE-3 draft head"
 	$(TT) query shapes 'draft.fc:input.*' --trace $(DEMO_OUT)
 
-test: venv
+# The SGLang tests need their own venv (SGLang 0.5.23 on CPU, about 2 minutes the first time).
+sglang-venv:
+	bash tests/sglang/setup.sh
+
+test: venv sglang-venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -q -p no:cacheprovider
 
 clean:
