@@ -57,6 +57,7 @@ CREATE TABLE collectives(proc INTEGER, step INTEGER, idx INTEGER, parent INTEGER
     PRIMARY KEY(proc, step, idx)) WITHOUT ROWID;
 CREATE TABLE fingerprints(proc INTEGER, step INTEGER, first INTEGER, data BLOB, indices BLOB);
 CREATE TABLE params(proc INTEGER, module_id INTEGER, name TEXT, shape TEXT, dtype TEXT, fp_index INTEGER);
+CREATE TABLE captures(point TEXT PRIMARY KEY, info TEXT);
 CREATE TABLE errors(proc INTEGER, t INTEGER, location TEXT, message TEXT);
 CREATE TABLE collective_issues(group_id INTEGER, seq INTEGER, kind TEXT, ranks TEXT, detail TEXT);
 CREATE TABLE points(point TEXT PRIMARY KEY, module TEXT, call INTEGER, slot TEXT, placement TEXT,
@@ -254,6 +255,9 @@ class _FileLoader:
                         self.params.append((proc, mid, strings.get(name_id, "?"), json.dumps(shape), dtype, ref))
                 elif kind == schema.FINGERPRINTS:
                     self.fps.append((proc, rec[1], rec[2], rec[3], rec[4]))
+                elif kind == schema.CAPTURE_INFO:
+                    self.con.execute("INSERT OR REPLACE INTO captures VALUES (?, ?)",
+                                     (strings.get(rec[1], "?"), json.dumps(rec[2], sort_keys=True)))
                 elif kind == schema.STEP_BEGIN:
                     self.steps[rec[1]] = [strings.get(rec[2], ""), rec[3], None, 0, 0,
                                           json.dumps(rec[4] or {}, sort_keys=True)]

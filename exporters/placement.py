@@ -232,6 +232,8 @@ class StepView:
 
 
 def point_name(module: str, call: int, slot: str, multi_call: bool) -> str:
+    if module.startswith("capture:"):  # a named capture point is its own name
+        return f"{module}#{call}" if multi_call else module
     return f"{module}#{call}:{slot}" if multi_call else f"{module}:{slot}"
 
 
@@ -410,6 +412,10 @@ class Judge:
                       + (f" (times {scale:.4g})" if scale != 1.0 else ""))
             return dict(reduction="post-reduction", collective=coll_json(c, procs[0]))
         before = self.v.before(t_point, REDUCING, limit=1)
+        tref = obs[procs[0]]
+        if before and not tref.dtype.startswith(("float", "bfloat", "complex")):
+            ev.append("integer values (ids, positions, lengths): no reduction makes them")
+            return dict(reduction="no-reduction", collective=None)
         if before:
             c = before[0]
             ev.append(f"computed after a reduction in this step, the last {coll_desc(c)}")
@@ -540,6 +546,7 @@ def compute_verdicts(con) -> int:
     for mid, call, n in con.execute("SELECT module_id, call, COUNT(*) FROM spans WHERE rowid BETWEEN ? AND ? "
                                     "GROUP BY module_id, call", bounds):
         seen_steps[(modules[mid], call)] = n
+    captures = {p: json.loads(i) for p, i in con.execute("SELECT point, info FROM captures")}
     rows = []
     for key, verdicts in per_point.items():
         module, call, slot = key
@@ -547,6 +554,8 @@ def compute_verdicts(con) -> int:
         (placement, reduction), _ = counts.most_common(1)[0]
         chosen = next(v for v in verdicts if (v["placement"], v["reduction"]) == (placement, reduction))
         evidence = list(chosen["evidence"])
+        if module in captures and captures[module].get("what"):
+            evidence.insert(0, f"captures the {captures[module]['what']}")
         evidence.append(f"steps sampled: {sorted({v['step'] for v in verdicts})}")
         if len(counts) > 1:
             evidence.append("other steps disagree: " + ", ".join(

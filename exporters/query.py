@@ -31,6 +31,11 @@ def _point_row(row) -> dict:
     return out
 
 
+def capture_info(con, module: str) -> dict | None:
+    row = con.execute("SELECT info FROM captures WHERE point=?", (module,)).fetchone()
+    return json.loads(row[0]) if row else None
+
+
 def all_points(con) -> list[str]:
     return [r[0] for r in con.execute("SELECT point FROM points ORDER BY sort_key")]
 
@@ -99,6 +104,13 @@ def placement(con, pattern: str | None, step: int | None = None) -> list[dict]:
     pts = match_points(con, pattern)
     if not pts:
         raise NoAnswer(f"no point matches {pattern!r}; nearest: {_nearest(con, pattern or '')}")
+    return _with_capture_info(con, pts)
+
+
+def _with_capture_info(con, pts: list) -> list:
+    for p in pts:
+        if p["module"].startswith("capture:"):
+            p["capture"] = capture_info(con, p["module"])
     return pts
 
 
@@ -154,6 +166,8 @@ def shapes(con, point: str) -> list[dict]:
             d["dtypes"] = p["dtypes"]
         else:
             d["dtype"] = p["dtype"]
+        if p["module"].startswith("capture:"):
+            d["capture"] = capture_info(con, p["module"])
         out.append(d)
     return out
 

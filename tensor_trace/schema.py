@@ -54,6 +54,7 @@ SKIPPED_STEPS = 14  # first step, last step (steps seen but outside the --steps 
 PARAMS = 15  # module path id, [[name string id, meta id, fingerprint index], ...]; the
 #              fingerprints are in FINGERPRINTS records of step PARAMS_STEP
 PARAMS_STEP = -1
+CAPTURE_INFO = 16  # path string id of a named capture point ("capture:NAME"), info (dict)
 
 RECORD_NAMES = {
     HEADER: "header",
@@ -72,6 +73,7 @@ RECORD_NAMES = {
     END: "end",
     SKIPPED_STEPS: "skipped_steps",
     PARAMS: "params",
+    CAPTURE_INFO: "capture_info",
 }
 
 # SPAN / COLLECTIVE flags.

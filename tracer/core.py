@@ -106,6 +106,7 @@ class Tracer:
         self.collectives = None
         self.after_fork_callbacks: list = []
         self.root_classes: list = []  # prefixes given to roots, in order (the first has none)
+        self._capture_info: dict = {}
         self.external_steps = False  # a framework integration delimits steps itself
         self._fork_registered = False
 
@@ -614,6 +615,43 @@ class Tracer:
                     t0 - self.step_t0_raw, t1 - t0, layout, frame[_F_FP_PRE], fp_post, n_pre, flags))
         if len(buf) >= writer.max_buffered:
             writer.flush()
+
+    def record_capture(self, name: str, tensor, info: dict | None = None) -> None:
+        """Record a named capture point ``capture:NAME`` (a value a framework captures outside
+        any module boundary, e.g. EAGLE-3's aux hidden states) as a span inside the current
+        call, with ``info`` saying what it is (written once per name and file)."""
+        if not self.tracing_step or self.busy or _get_ident() != self.step_thread:
+            return
+        self.busy = True
+        try:
+            writer = self.writer
+            path = f"capture:{name}"
+            path_id = writer.module(path, "capture")
+            if info is not None and self._capture_info.get(path) != (writer.generation, info):
+                self._capture_info[path] = (writer.generation, dict(info))
+                writer.add((schema.CAPTURE_INFO, path_id, dict(info)))
+            parent = self.innermost_span()
+            call = self.calls.get(path_id, -1) + 1
+            self.calls[path_id] = call
+            index = self.span_count
+            self.span_count = index + 1
+            t = _now()
+            fp = self.fps.add([tensor]) if self.fp_now else -1
+            layout = writer.layout(((_OUT, tensor.shape, tensor.dtype, tensor.device),))
+            writer.add((_SPAN, self.step, index, parent, path_id, call, t - self.step_t0_raw, 0, layout,
+                        -1, fp, 0, self.span_flags))
+        except Exception as exc:
+            self._on_error("capture", exc)
+        finally:
+            self.busy = False
+
+    def enclosing_module(self, pattern) -> str | None:
+        """Path of the innermost open call whose path matches the compiled regex ``pattern``."""
+        for frame in reversed(self.stack):
+            entry = self.names.get(frame[_F_MODULE])
+            if entry is not None and pattern.fullmatch(entry[0]):
+                return entry[0]
+        return None
 
     def innermost_span(self) -> int:
         """Index of the innermost recorded module call, or -1."""

@@ -42,7 +42,7 @@ def placement(pattern, trace_dir, step, as_json):
 def _key_evidence(ev: list) -> str:
     for e in ev:
         if e.startswith(("equals the output", "is the input", "is the output", "per-rank sums", "their concat",
-                         "derived", "the same values")) or "weight" in e or "disagree" in e:
+                         "derived", "the same values", "captures the")) or "weight" in e or "disagree" in e:
             return e
     return ev[1] if len(ev) > 1 else (ev[0] if ev else "")
 

@@ -13,7 +13,7 @@ import sys
 WATCHED = (
     "sglang.srt.distributed.parallel_state",
     "sglang.srt.model_executor.model_runner",
-    "sglang.srt.layers.layer_boundary.output",
+    "sglang.srt.layers.aux_hidden_states",
 )
 
 _applied: set = set()

@@ -45,6 +45,56 @@ def patch(name: str, module) -> None:
         _patch_group_coordinator(module.GroupCoordinator)
     elif name == "sglang.srt.model_executor.model_runner":
         _patch_model_runner(module.ModelRunner)
+    elif name == "sglang.srt.layers.aux_hidden_states":
+        for cls_name in ("AuxHiddenStateList", "AuxHiddenStatePacker"):
+            cls = getattr(module, cls_name, None)
+            if cls is not None:
+                _patch_aux_capture(cls)
+
+
+_LAYER = None
+
+
+def _patch_aux_capture(cls) -> None:
+    """EAGLE-3 aux hidden states as named points ``capture:eagle3.aux.K``.
+
+    SGLang's Llama passes ``capture`` to decoder layer i for each i in ``layers_to_capture``
+    (``[id + 1 for id in eagle3 layer ids]``); the layer captures the residual stream entering
+    it, i.e. the hidden state after layer i-1 (the embedding output for i = 0). K counts the
+    captures of the step in order, which is the order the draft model concatenates them in.
+    """
+    orig = cls.__dict__.get("capture")
+    if orig is None or getattr(orig, "__tensor_trace_original__", None) is not None:
+        return
+
+    @functools.wraps(orig)
+    def capture(self, hidden, *args, **kwargs):
+        tr = current()
+        if tr is not None and tr.tracing_step:
+            try:
+                k = len(self) if isinstance(self, list) else getattr(self, "_idx", 0)
+                tr.record_capture(f"eagle3.aux.{k}", hidden, _capture_info(tr))
+            except Exception as exc:
+                tr._on_error("eagle3 aux capture", exc)
+        return orig(self, hidden, *args, **kwargs)
+
+    capture.__tensor_trace_original__ = orig
+    cls.capture = capture
+
+
+def _capture_info(tr) -> dict:
+    global _LAYER
+    import re
+
+    if _LAYER is None:
+        _LAYER = re.compile(r"(.*\.)?layers\.(\d+)")
+    layer = tr.enclosing_module(_LAYER)
+    if layer is None:
+        return {"kind": "eagle3 aux hidden state"}
+    i = int(layer.rsplit(".", 1)[1])
+    before = f"{layer.rsplit('.', 1)[0]}.{i - 1}" if i > 0 else "the embedding"
+    return {"kind": "eagle3 aux hidden state", "layer": layer, "eagle3_layer_id": i - 1,
+            "what": f"residual stream entering {layer} (the hidden state after {before})"}
 
 
 def _tensors(x) -> list:
