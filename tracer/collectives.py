@@ -283,15 +283,7 @@ class CollectiveInterceptor:
             except Exception as exc:
                 tracer._on_error(f"collective {name}", exc)
                 token = None
-            tracer.in_collective = True
-            try:
-                result = orig(*args, **kwargs)
-            except BaseException:
-                tracer.in_collective = False
-                if token is not None:
-                    interceptor.finish(token, error=True)
-                raise
-            tracer.in_collective = False
+            result = interceptor.call(token, orig, args, kwargs)
             if token is None:
                 return result
             if token[_T_ASYNC] and result is not None:
@@ -320,11 +312,7 @@ class CollectiveInterceptor:
             except Exception as exc:
                 tracer._on_error(f"collective {name}", exc)
                 token = None
-            tracer.in_collective = True
-            try:
-                result = orig(*args, **kwargs)
-            finally:
-                tracer.in_collective = False
+            result = interceptor.call(token, orig, args, kwargs)
             if token is not None:
                 try:
                     outs = result if out_spec is True else bound.get(out_spec)
@@ -403,6 +391,22 @@ class CollectiveInterceptor:
         return gid, seq
 
     # ------------------------------------------------------------------ spans
+    def call(self, token, fn, args, kwargs):
+        """Run the real collective with ``in_collective`` set, so that the paths it takes inside
+        (a c10d call under a framework's method, an op under a functional wrapper) pass through
+        unrecorded; an exception ends the span as failed and propagates."""
+        tracer = self.tracer
+        tracer.in_collective = True
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            tracer.in_collective = False
+            if token is not None:
+                self.finish(token, error=True)
+            raise
+        finally:
+            tracer.in_collective = False
+
     def begin(self, op, reduce_op, group_seq, inputs, is_async):
         tracer = self.tracer
         t0 = _now()

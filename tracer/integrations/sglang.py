@@ -142,15 +142,7 @@ def _wrap_group_method(method, orig, in_args, out_args, reduce_op):
         except Exception as exc:
             tr._on_error(f"GroupCoordinator.{method}", exc)
             token = None
-        tr.in_collective = True
-        try:
-            result = orig(self, *args, **kwargs)
-        except BaseException:
-            tr.in_collective = False
-            if token is not None:
-                ic.finish(token, error=True)
-            raise
-        tr.in_collective = False
+        result = ic.call(token, orig, (self, *args), kwargs)
         if token is not None:
             outputs = [t for a in out_args for t in _tensors(bound.get(a))] + _tensors(result)
             token.append(outputs)
