@@ -27,7 +27,7 @@ import msgpack
 from tensor_trace.exporters.reader import ReadReport, iter_chunks, rank_files
 
 STORE_NAME = "merged.sqlite"
-STORE_VERSION = 3
+STORE_VERSION = 4
 BATCH = 20_000
 CLOCK_SAMPLE_STEPS = 64
 
@@ -58,11 +58,12 @@ CREATE TABLE collectives(proc INTEGER, step INTEGER, idx INTEGER, parent INTEGER
 CREATE TABLE fingerprints(proc INTEGER, step INTEGER, first INTEGER, data BLOB, indices BLOB);
 CREATE TABLE params(proc INTEGER, module_id INTEGER, name TEXT, shape TEXT, dtype TEXT, fp_index INTEGER);
 CREATE TABLE captures(point TEXT PRIMARY KEY, info TEXT);
+CREATE TABLE module_attrs(module TEXT PRIMARY KEY, attrs TEXT);
 CREATE TABLE errors(proc INTEGER, t INTEGER, location TEXT, message TEXT);
 CREATE TABLE collective_issues(group_id INTEGER, seq INTEGER, kind TEXT, ranks TEXT, detail TEXT);
 CREATE TABLE points(point TEXT PRIMARY KEY, module TEXT, call INTEGER, slot TEXT, placement TEXT,
     reduction TEXT, shapes TEXT, dtype TEXT, dtypes TEXT, steps INTEGER, evidence TEXT,
-    collective TEXT, fingerprint TEXT, sort_key INTEGER);
+    collective TEXT, fingerprint TEXT, semantics TEXT, sort_key INTEGER);
 """
 
 INDEX_SQL = """
@@ -255,6 +256,9 @@ class _FileLoader:
                         self.params.append((proc, mid, strings.get(name_id, "?"), json.dumps(shape), dtype, ref))
                 elif kind == schema.FINGERPRINTS:
                     self.fps.append((proc, rec[1], rec[2], rec[3], rec[4]))
+                elif kind == schema.MODULE_ATTRS:
+                    self.con.execute("INSERT OR REPLACE INTO module_attrs VALUES (?, ?)",
+                                     (strings.get(rec[1], "?"), json.dumps(rec[2], sort_keys=True)))
                 elif kind == schema.CAPTURE_INFO:
                     self.con.execute("INSERT OR REPLACE INTO captures VALUES (?, ?)",
                                      (strings.get(rec[1], "?"), json.dumps(rec[2], sort_keys=True)))

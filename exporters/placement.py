@@ -476,6 +476,29 @@ class Judge:
         return best
 
 
+def expected_by_layer(attrs: dict | None, slot: str, ranks: int) -> dict | None:
+    """What a framework's layer class says its output is (SGLang's parallel layers), to be
+    cross-checked against the evidence, never used instead of it. Output slots only."""
+    if not attrs or slot not in ("output", "output.0") or ranks < 2:
+        return None
+    cls = attrs.get("sglang_class")
+    says = f"SGLang's {cls}"
+    if cls in ("ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear"):
+        gather = bool(attrs.get("gather_output"))
+        return dict(says=f"{says}(gather_output={gather})",
+                    placement="replicate" if gather else "shard", reduction=None)
+    if cls == "RowParallelLinear":
+        reduce = attrs.get("reduce_results", True)
+        return dict(says=f"{says}(reduce_results={reduce})",
+                    placement="replicate" if reduce else "partial",
+                    reduction="post-reduction" if reduce else "pre-reduction")
+    if cls == "VocabParallelEmbedding":
+        return dict(says=says, placement="replicate", reduction="post-reduction")
+    if cls == "ReplicatedLinear":
+        return dict(says=says, placement="replicate", reduction=None)
+    return None
+
+
 def _load_params(con, procs) -> dict:
     static = {}
     for proc, first, data, indices in con.execute(
@@ -547,6 +570,7 @@ def compute_verdicts(con) -> int:
                                     "GROUP BY module_id, call", bounds):
         seen_steps[(modules[mid], call)] = n
     captures = {p: json.loads(i) for p, i in con.execute("SELECT point, info FROM captures")}
+    layer_attrs = {m: json.loads(a) for m, a in con.execute("SELECT module, attrs FROM module_attrs")}
     rows = []
     for key, verdicts in per_point.items():
         module, call, slot = key
@@ -560,6 +584,17 @@ def compute_verdicts(con) -> int:
         if len(counts) > 1:
             evidence.append("other steps disagree: " + ", ".join(
                 f"{p}/{r} in {n}" for (p, r), n in counts.items() if (p, r) != (placement, reduction)))
+        semantics = expected_by_layer(layer_attrs.get(module), slot, len(chosen["shapes"]))
+        if semantics is not None:
+            agrees = (placement.startswith("shard(") if semantics["placement"] == "shard"
+                      else placement == semantics["placement"])
+            if semantics.get("reduction"):
+                agrees = agrees and reduction == semantics["reduction"]
+            semantics["agrees"] = agrees
+            evidence.append(f"{semantics['says']}: {semantics['placement']}"
+                            + (f"/{semantics['reduction']}" if semantics.get("reduction") else "")
+                            + (" (agrees with the observed evidence)" if agrees else
+                               f" -- DISAGREES with the observed {placement}/{reduction}"))
         dts = set(chosen["dtypes"].values())
         rows.append((point_name(module, call, slot, multi[module] > 0), module, call, slot, placement,
                      reduction, json.dumps(chosen["shapes"]), dts.pop() if len(dts) == 1 else None,
@@ -567,8 +602,9 @@ def compute_verdicts(con) -> int:
                      seen_steps.get((module, call), 0), json.dumps(evidence),
                      json.dumps(chosen["collective"]) if chosen["collective"] else None,
                      json.dumps(verdicts[0]["fp"]) if verdicts[0]["fp"] else None,
+                     json.dumps(semantics) if semantics is not None else None,
                      min(v["order"][0] for v in verdicts)))
-    rows.sort(key=lambda r: (r[13], r[0]))
-    con.executemany("INSERT OR REPLACE INTO points VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                    [r[:13] + (i,) for i, r in enumerate(rows)])
+    rows.sort(key=lambda r: (r[14], r[0]))
+    con.executemany("INSERT OR REPLACE INTO points VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    [r[:14] + (i,) for i, r in enumerate(rows)])
     return len(rows)

@@ -16,16 +16,18 @@ import sqlite3
 from tensor_trace.errors import BadInput, NoAnswer
 
 _POINT_COLS = ("point, module, call, slot, placement, reduction, shapes, dtype, dtypes, steps, evidence, "
-               "collective, fingerprint")
+               "collective, fingerprint, semantics")
 
 
 def _point_row(row) -> dict:
     (point, module, call, slot, placement, reduction, shapes, dtype, dtypes, steps, evidence,
-     collective, fingerprint) = row
+     collective, fingerprint, semantics) = row
     out = dict(point=point, module=module, call=call, slot=slot, placement=placement, reduction=reduction,
                shapes={int(k): v for k, v in json.loads(shapes).items()}, dtype=dtype, steps=steps,
                evidence=json.loads(evidence), collective=json.loads(collective) if collective else None,
                fingerprint=json.loads(fingerprint) if fingerprint else None)
+    if semantics:
+        out["layer_semantics"] = json.loads(semantics)
     if dtypes:
         out["dtypes"] = {int(k): v for k, v in json.loads(dtypes).items()}
     return out

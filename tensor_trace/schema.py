@@ -55,6 +55,8 @@ PARAMS = 15  # module path id, [[name string id, meta id, fingerprint index], ..
 #              fingerprints are in FINGERPRINTS records of step PARAMS_STEP
 PARAMS_STEP = -1
 CAPTURE_INFO = 16  # path string id of a named capture point ("capture:NAME"), info (dict)
+MODULE_ATTRS = 17  # module path string id, dict: what a framework says the layer does
+#                    (class, gather_output, reduce_results, input_is_parallel, group, ...)
 
 RECORD_NAMES = {
     HEADER: "header",
@@ -74,6 +76,7 @@ RECORD_NAMES = {
     SKIPPED_STEPS: "skipped_steps",
     PARAMS: "params",
     CAPTURE_INFO: "capture_info",
+    MODULE_ATTRS: "module_attrs",
 }
 
 # SPAN / COLLECTIVE flags.

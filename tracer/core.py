@@ -282,8 +282,20 @@ class Tracer:
             if sub not in names:
                 path = f"{prefix}.{name}" if prefix and name else (prefix or name)
                 names[sub] = self._module_entry(path, sub)
+        self._record_module_attrs(module)
         if self.fingerprint and not _is_capturing():
             self._record_parameters(module)
+
+    def _record_module_attrs(self, root) -> None:
+        from tensor_trace.tracer import integrations
+
+        writer = None
+        for sub in root.modules():
+            entry = self.names.get(sub)
+            attrs = integrations.module_attrs(sub) if entry is not None else None
+            if attrs:
+                writer = writer or self.ensure_writer()
+                writer.add((schema.MODULE_ATTRS, writer.module(entry[0], entry[1]), attrs))
 
     def _record_parameters(self, root) -> None:
         """Fingerprint every module's own parameters once: weights that differ across ranks

@@ -51,3 +51,11 @@ def test_reduce_scatter_output_is_a_reduced_shard_and_gathers_back(cases):
 def test_rank_dependent_noise_is_divergent(cases):
     assert verdict(cases, "noisy:output")[0] == "divergent"
     assert any("disagree" in e for e in cases["noisy:output"]["evidence"])
+
+
+def test_layer_semantics_that_disagree_with_the_evidence_are_reported(cases):
+    p = cases["mislabeled:output"]
+    assert (p["placement"], p["reduction"]) == ("partial", "pre-reduction")  # the evidence wins
+    sem = p["layer_semantics"]
+    assert sem["placement"] == "replicate" and sem["agrees"] is False
+    assert any("DISAGREES" in e for e in p["evidence"])

@@ -94,6 +94,9 @@ def test_layer_boundaries_defer_the_row_parallel_reductions(traced):
         assert r["verdict"] == "pre-reduction" and r["collective"]["op"] == "all_reduce"
         # Paid at a layer boundary, outside o_proj's and down_proj's forward.
         assert r["collective"]["module"] in ("model.layers.0", "model.layers.1")
+    # SGLang's own layer classes say the same, and the cross-check is reported.
+    for point in ("model.layers.0.self_attn.qkv_proj:output.0", "model.layers.0.self_attn.o_proj:output.0"):
+        assert pts[point]["layer_semantics"]["agrees"] is True, pts[point]
     # The decoder layer hands its MLP's partial sum on as an owed-output handle.
     owed = q("placement", "model.layers.0:output.*", "--trace", traced["out"])
     partial = [p for p in owed if "owed" in p["point"]]

@@ -35,3 +35,13 @@ def apply_loaded() -> None:
         module = sys.modules.get(name)
         if module is not None:
             on_import(name, module)
+
+
+def module_attrs(module) -> dict | None:
+    """What a framework's own layer class says about a module (for the merge to cross-check
+    against the observed evidence), or None for modules no integration knows."""
+    if type(module).__module__.startswith("sglang."):
+        from tensor_trace.tracer.integrations import sglang
+
+        return sglang.module_attrs(module)
+    return None

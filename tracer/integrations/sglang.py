@@ -197,3 +197,24 @@ def _step_attrs(forward_batch) -> dict:
     except Exception:
         pass
     return attrs
+
+
+_PARALLEL_CLASSES = ("VocabParallelEmbedding", "ParallelLMHead", "ColumnParallelLinear",
+                     "MergedColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear",
+                     "ReplicatedLinear")
+_ATTRS = ("gather_output", "reduce_results", "input_is_parallel", "parallel_group", "tp_size",
+          "input_size_per_partition", "output_size_per_partition", "num_embeddings_per_partition")
+
+
+def module_attrs(module) -> dict | None:
+    """SGLang's parallel layers: their class (the nearest known one in the MRO) and the
+    attributes that decide their output's placement."""
+    known = next((c.__name__ for c in type(module).__mro__ if c.__name__ in _PARALLEL_CLASSES), None)
+    if known is None:
+        return None
+    out = {"sglang_class": known}
+    for name in _ATTRS:
+        value = getattr(module, name, None)
+        if isinstance(value, (bool, int, str)):
+            out[name] = value
+    return out

@@ -70,6 +70,22 @@ class Noisy(nn.Module):
         return x + 0.01 * torch.randn(x.shape, generator=g)
 
 
+class RowParallelLinear(nn.Module):
+    """Claims to be SGLang's RowParallelLinear with reduce_results=True, but returns its partial
+    sum unreduced (the caller reduces it): the layer semantics must be reported as disagreeing
+    with the evidence, not trusted."""
+
+    reduce_results = True
+    input_is_parallel = True
+
+    def forward(self, x):
+        _, rank = world()
+        return x * (rank + 1.0)
+
+
+RowParallelLinear.__module__ = "sglang.srt.layers.linear"
+
+
 class Cases(nn.Module):
     def __init__(self):
         super().__init__()
@@ -79,6 +95,7 @@ class Cases(nn.Module):
         self.row_shard = RowShard()
         self.gather0 = Gather0()
         self.noisy = Noisy()
+        self.mislabeled = RowParallelLinear()
 
     def forward(self, x):
         r = self.replicated(x)
@@ -86,7 +103,10 @@ class Cases(nn.Module):
         a = self.averaged(p)
         s = self.row_shard(a)
         g = self.gather0(s)
-        return self.noisy(g)
+        out = self.noisy(g)
+        m = self.mislabeled(x)
+        dist.all_reduce(m)
+        return out, m
 
 
 def main():
