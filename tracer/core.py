@@ -104,6 +104,7 @@ class Tracer:
         self.step_root = None
         self.identity: dict = {}
         self.collectives = None
+        self.graph_replays = None
         self.after_fork_callbacks: list = []
         self.root_classes: list = []  # prefixes given to roots, in order (the first has none)
         self._capture_info: dict = {}
@@ -126,8 +127,11 @@ class Tracer:
         self.collectives = CollectiveInterceptor(self)
         self.collectives.install()
         from tensor_trace.tracer import integrations
+        from tensor_trace.tracer.cuda_graphs import GraphReplayCounter
 
         integrations.apply_loaded()
+        self.graph_replays = GraphReplayCounter(self)
+        self.graph_replays.install()
         self._install_global_hooks()
         self.enabled = True
         if not self._fork_registered:
@@ -172,6 +176,8 @@ class Tracer:
         self.roots = weakref.WeakKeyDictionary()
         if self.collectives is not None:
             self.collectives.uninstall()
+        if self.graph_replays is not None:
+            self.graph_replays.uninstall()
         if self.in_step and self.tracing_step and self.writer is not None:
             self._end_step(error=True)
         writer = self.writer

@@ -156,3 +156,22 @@ def test_inference_mode_and_in_place_updates(tmp_path):
     # The in-place update is visible: b's output is 3x its input, not a stale cached value.
     assert abs(b_out[0] - 3 * b_in[0]) < 1e-4
     assert abs(b_out[0] - out.sum().item()) < 1e-4
+
+
+def test_cuda_graph_replays_are_counted_and_announced_once(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def fake_replay(graph):  # stands in for the real method, which needs a GPU
+        calls.append(graph)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", fake_replay)
+    tr = tracer.start(out_dir=str(tmp_path))
+    Net()(torch.randn(2, 8))
+    for _ in range(3):
+        torch.cuda.CUDAGraph.replay("g")
+    assert calls == ["g", "g", "g"] and tr.stats["graph_replays"] == 3
+    tracer.stop()
+    assert torch.cuda.CUDAGraph.replay is fake_replay  # restored
+    assert capsys.readouterr().err.count("CUDA-graph replays are not traced") == 1
+    rt = load_rank_file(rank_files(str(tmp_path))[0])
+    assert rt.end["stats"]["graph_replays"] == 3
