@@ -44,7 +44,8 @@ def _key_evidence(ev: list) -> str:
         if e.startswith(("equals the output", "is the input", "is the output", "per-rank sums", "their concat",
                          "derived", "the same values", "captures the")) or "weight" in e or "disagree" in e:
             return e
-    return ev[1] if len(ev) > 1 else (ev[0] if ev else "")
+    rest = [e for e in ev if not e.startswith(("steps sampled", "same shape"))]
+    return rest[0] if rest else (ev[0] if ev else "")
 
 
 @query.command()
