@@ -29,11 +29,12 @@ def main():
 
 
 def _register():
-    from tensor_trace.cli import merge, query, record
+    from tensor_trace.cli import export, merge, query, record
 
     main.add_command(record.record)
     main.add_command(merge.merge)
     main.add_command(query.query)
+    main.add_command(export.export)
 
 
 _register()
