@@ -68,6 +68,7 @@ def test_both_ranks_traced_and_tokens_unchanged(traced):
     for t in traces:
         if t.steps:
             assert not t.errors, t.errors
+            assert t.identity["tp_rank"] == t.identity["rank"] and t.identity["tp_ranks"] == [0, 1]
             modes = {s.attrs.get("forward_mode") for s in t.steps.values()}
             assert {"extend", "decode"} <= modes
             step = next(s for s in t.steps.values() if s.attrs.get("forward_mode") == "decode")

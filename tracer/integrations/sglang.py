@@ -164,6 +164,8 @@ def _patch_model_runner(cls) -> None:
         model = getattr(self, "model", None)
         if tr is None or not tr.enabled or tr.in_step or model is None:
             return orig(self, forward_batch, *args, **kwargs)
+        if "tp_rank" not in tr.identity:
+            _record_tp_identity(tr)
         attrs = _step_attrs(forward_batch)
         if getattr(self, "is_draft_worker", False):
             attrs["draft"] = True
@@ -180,6 +182,18 @@ def _patch_model_runner(cls) -> None:
 
     forward.__tensor_trace_original__ = orig
     cls.forward = forward
+
+
+def _record_tp_identity(tr) -> None:
+    """This worker's TP group as SGLang built it (rank in group, size, global ranks)."""
+    try:
+        from sglang.srt.distributed import get_tp_group
+
+        g = get_tp_group()
+        tr.update_identity(tp_rank=g.rank_in_group, tp_size=g.world_size, tp_ranks=list(g.ranks),
+                           tp_group="tp")
+    except Exception as exc:
+        tr._on_error("sglang tp identity", exc)
 
 
 def _step_attrs(forward_batch) -> dict:
