@@ -1,0 +1,89 @@
+"""OTLP export into a real receiver (gRPC and HTTP/protobuf), and an endpoint that is down."""
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
+
+from otlp_receiver import GrpcReceiver, HttpReceiver, flatten, free_port  # noqa: E402
+
+from tensor_trace.cli import main  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VENV_BIN = os.path.dirname(sys.executable)
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    out = tmp_path_factory.mktemp("otlp") / "trace"
+    cmd = [os.path.join(VENV_BIN, "tensor-trace"), "record", "-o", str(out), "--",
+           os.path.join(VENV_BIN, "torchrun"), "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "examples", "tp_llama.py"), "--layers", "2", "--steps", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = CliRunner().invoke(main, ["query", "sql", "SELECT p.rank, s.step, s.n_spans + s.n_collectives AS n "
+                                  "FROM steps s JOIN processes p USING(proc)", "--trace", str(out), "--json"])
+    expected = {(row["rank"], row["step"]): row["n"] for row in json.loads(r.stdout)}
+    return str(out), expected
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_spans_reach_a_real_receiver(trace, protocol):
+    out, expected = trace
+    receiver = GrpcReceiver() if protocol == "grpc" else HttpReceiver()
+    with receiver:
+        r = CliRunner().invoke(main, ["export", "otlp", "--endpoint", f"http://127.0.0.1:{receiver.port}",
+                                      "--protocol", protocol, "--trace", out])
+        assert r.exit_code == 0, r.output
+    spans = flatten(receiver.requests)
+    assert len(spans) == sum(expected.values())
+    counts = collections.Counter((s["resource"]["tensor_trace.rank"], s["attrs"]["step"]) for s in spans)
+    assert dict(counts) == expected
+    for s in spans:
+        res = s["resource"]
+        assert res["service.name"] == "tensor-trace" and res["tensor_trace.world_size"] == 2
+        assert res["host.name"] and res["process.pid"] > 0 and res["tensor_trace.run_id"]
+        assert s["scope"] == "tensor-trace" and s["end"] >= s["start"] > 1.6e18  # wall-clock ns
+    # One trace per step, shared by both ranks.
+    by_step = collections.defaultdict(set)
+    for s in spans:
+        by_step[s["attrs"]["step"]].add(s["trace_id"])
+    assert all(len(ids) == 1 for ids in by_step.values()) and len({next(iter(v)) for v in by_step.values()}) == 2
+    # Parent/child: every parent is a span of the same rank and trace; one root per rank and step.
+    ids = {(s["resource"]["tensor_trace.rank"], s["trace_id"], s["span_id"]): s for s in spans}
+    roots = [s for s in spans if not s["parent"]]
+    assert len(roots) == len(expected)
+    for s in spans:
+        if s["parent"]:
+            parent = ids[(s["resource"]["tensor_trace.rank"], s["trace_id"], s["parent"])]
+            assert parent["start"] <= s["start"] and s["end"] <= parent["end"] + 1000
+    qkv = next(s for s in spans if s["name"] == "model.layers.0.self_attn.qkv_proj")
+    assert qkv["attrs"]["tensor.placement"] == "shard(2)" and qkv["attrs"]["tensor.dtype"] == ["float32"]
+    assert qkv["attrs"]["tensor.shape"] == ["[2, 8, 144]"]
+    ar = next(s for s in spans if s["name"] == "all_reduce")
+    assert ar["attrs"]["collective.reduce_op"] == "sum" and ar["attrs"]["collective.group.ranks"] == [0, 1]
+    assert ar["attrs"]["collective.bytes"] > 0
+    assert ids[(ar["resource"]["tensor_trace.rank"], ar["trace_id"], ar["parent"])]["name"] == "model.embed_tokens"
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_endpoint_down_is_one_line_and_bounded(trace, protocol):
+    out, _ = trace
+    port = free_port()  # nothing listens there
+    env = dict(os.environ, OTEL_EXPORTER_OTLP_TIMEOUT="3")
+    t = time.monotonic()
+    proc = subprocess.run([os.path.join(VENV_BIN, "tensor-trace"), "export", "otlp", "--endpoint",
+                           f"http://127.0.0.1:{port}", "--protocol", protocol, "--trace", out],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert time.monotonic() - t < 30
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "did not accept the spans" in lines[0], proc.stderr
