@@ -13,7 +13,8 @@ def summarize(trace_dir: str) -> dict:
     """Counts over every rank file of a trace folder."""
     files = rank_files(trace_dir)
     out = dict(dir=os.path.abspath(trace_dir), processes=0, ranks=[], spans=0, collectives=0,
-               steps=0, bytes=0, errors=0, graph_replays=0, problems=[], per_rank=[])
+               steps=0, bytes=0, errors=0, graph_replays=0, live_sent=0, live_dropped=0, live=False,
+               problems=[], per_rank=[])
     for path in files:
         try:
             rt = load_rank_file(path)
@@ -29,7 +30,12 @@ def summarize(trace_dir: str) -> dict:
         out["collectives"] += colls
         out["bytes"] += size
         out["errors"] += len(rt.errors)
-        out["graph_replays"] += ((rt.end or {}).get("stats") or {}).get("graph_replays", 0)
+        end_stats = (rt.end or {}).get("stats") or {}
+        out["graph_replays"] += end_stats.get("graph_replays", 0)
+        if "live_otlp_sent" in end_stats:
+            out["live"] = True
+            out["live_sent"] += end_stats["live_otlp_sent"]
+            out["live_dropped"] += end_stats["live_otlp_dropped"]
         out["steps"] = max(out["steps"], len(rt.steps))
         if rt.rank is not None:
             out["ranks"].append(rt.rank)
@@ -53,6 +59,8 @@ def format_summary(s: dict) -> str:
                      f"{r['steps']:>4} steps {r['spans']:>7} spans  {ops}")
     if len(s["per_rank"]) > 16:
         lines.append(f"  ... and {len(s['per_rank']) - 16} more")
+    if s["live"]:
+        lines.append(f"  live OTLP: {s['live_sent']} spans sent, {s['live_dropped']} dropped")
     if s["graph_replays"]:
         lines.append(f"  {s['graph_replays']} CUDA-graph replay(s) not traced (run without CUDA graphs to trace every step)")
     for p in s["problems"][:5]:

@@ -105,6 +105,7 @@ class Tracer:
         self.identity: dict = {}
         self.collectives = None
         self.graph_replays = None
+        self.live = None  # live OTLP sink of the current rank file, when --otlp-endpoint
         self.after_fork_callbacks: list = []
         self.root_classes: list = []  # prefixes given to roots, in order (the first has none)
         self._capture_info: dict = {}
@@ -156,6 +157,12 @@ class Tracer:
                       config=dict(modules=cfg.modules, exclude=cfg.exclude, steps=list(cfg.steps),
                                   fingerprint=cfg.fingerprint))
         self.writer = RankWriter(path, header, flush_interval_s=cfg.flush_interval_s)
+        self.live = None
+        if cfg.otlp_endpoint:
+            from tensor_trace.tracer.live_otlp import LiveOTLP
+
+            self.live = LiveOTLP(cfg.otlp_endpoint, cfg.run_id, header).start()
+            self.writer.listeners.append(self.live.offer)
         self.written_groups = set()  # GROUP records are per file
         if self.identity:
             self.writer.add((schema.IDENTITY, dict(self.identity)))
@@ -186,6 +193,9 @@ class Tracer:
         for rec in self.fps.collect(wait=True):
             writer.add(rec)
         writer.flush()  # the END record in a chunk of its own: losing it loses nothing else
+        if self.live is not None:
+            self.stats.update(self.live.shutdown())
+            self.live = None
         self.stats["bytes"] = writer.bytes_written
         self.stats["stale_fingerprints"] = self.fps.stale
         writer.add((schema.END, dict(reason=reason, stats=dict(self.stats))))

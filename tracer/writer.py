@@ -45,6 +45,7 @@ class RankWriter:
         self._modules: dict[str, int] = {}
         self.generation = object()  # replaced whenever interned ids are forgotten
         self._closed = False
+        self.listeners: list = []  # called with each flushed batch of records (live export)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -128,6 +129,11 @@ class RankWriter:
                 self.chunks_written += (len(buf) + CHUNK_RECORDS - 1) // CHUNK_RECORDS
             except Exception:  # a full disk must not take the traced program down
                 self.write_errors += 1
+            for listener in self.listeners:
+                try:
+                    listener(buf)
+                except Exception:
+                    pass
 
     def close(self) -> None:
         self._stop.set()

@@ -27,13 +27,17 @@ def record(out_dir, modules, exclude, steps, no_fingerprint, otlp_endpoint, repl
     from tensor_trace.tracer.launch import prepare_out_dir, run_traced
 
     if otlp_endpoint:
-        raise BadInput("--otlp-endpoint: live OTLP streaming is not available in this version yet")
+        try:
+            import opentelemetry.exporter.otlp  # noqa: F401
+        except ImportError:
+            raise BadInput("--otlp-endpoint needs the otlp extra: pip install 'tensor-trace[otlp]'")
     try:
         window = parse_steps(steps)
     except ValueError as exc:
         raise BadInput(str(exc))
     config = TraceConfig(out_dir=out_dir, run_id=uuid.uuid4().hex[:16], modules=list(modules),
-                         exclude=list(exclude), steps=window, fingerprint=not no_fingerprint)
+                         exclude=list(exclude), steps=window, fingerprint=not no_fingerprint,
+                         otlp_endpoint=otlp_endpoint)
     prepare_out_dir(out_dir, replace)
     code = run_traced(list(cmd), config)
     click.echo(format_summary(summarize(out_dir)), err=True)

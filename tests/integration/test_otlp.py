@@ -87,3 +87,53 @@ def test_endpoint_down_is_one_line_and_bounded(trace, protocol):
     assert "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "did not accept the spans" in lines[0], proc.stderr
+
+
+def _record(out, *extra, env=None):
+    cmd = [os.path.join(VENV_BIN, "tensor-trace"), "record", "-o", str(out), *extra, "--",
+           os.path.join(VENV_BIN, "torchrun"), "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "examples", "tp_llama.py"), "--layers", "2", "--steps", "3"]
+    t = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+    return proc, time.monotonic() - t
+
+
+def _expected(out):
+    r = CliRunner().invoke(main, ["query", "sql", "SELECT p.rank, s.step, s.n_spans + s.n_collectives AS n "
+                                  "FROM steps s JOIN processes p USING(proc)", "--trace", str(out), "--json"])
+    return {(row["rank"], row["step"]): row["n"] for row in json.loads(r.stdout)}
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_live_streaming_while_recording(tmp_path, protocol):
+    receiver = GrpcReceiver() if protocol == "grpc" else HttpReceiver()
+    with receiver:
+        proc, _ = _record(tmp_path / "t", "--otlp-endpoint", f"http://127.0.0.1:{receiver.port}",
+                          env={"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc" if protocol == "grpc" else "http/protobuf"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "live OTLP:" in proc.stderr and " 0 dropped" in proc.stderr
+    spans = flatten(receiver.requests)
+    expected = _expected(tmp_path / "t")  # the rank files are still written
+    counts = collections.Counter((s["resource"]["tensor_trace.rank"], s["attrs"]["step"]) for s in spans)
+    assert dict(counts) == expected
+    by_step = collections.defaultdict(set)
+    for s in spans:
+        by_step[s["attrs"]["step"]].add(s["trace_id"])
+    assert all(len(ids) == 1 for ids in by_step.values())
+    ids = {(s["resource"]["tensor_trace.rank"], s["span_id"]) for s in spans}
+    assert all((s["resource"]["tensor_trace.rank"], s["parent"]) in ids for s in spans if s["parent"])
+    ar = next(s for s in spans if s["name"] == "all_reduce")
+    assert ar["attrs"]["collective.group.ranks"] == [0, 1] and ar["attrs"]["tensor.dtype"] == ["float32", "float32"]
+
+
+def test_live_streaming_to_a_dead_endpoint_costs_nothing_but_a_report(tmp_path):
+    base, t_base = _record(tmp_path / "plain")
+    assert base.returncode == 0
+    proc, t_dead = _record(tmp_path / "dead", "--otlp-endpoint", f"http://127.0.0.1:{free_port()}",
+                           env={"OTEL_EXPORTER_OTLP_TIMEOUT": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "live OTLP: 0 spans sent" in proc.stderr and "dropped" in proc.stderr
+    assert _expected(tmp_path / "dead") == _expected(tmp_path / "plain")  # the rank files are complete
+    assert t_dead < t_base + 15  # bounded: the exporter's timeout at most, at exit

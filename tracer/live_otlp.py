@@ -1,0 +1,255 @@
+"""Live OTLP: every rank streams its spans to a collector while it runs (``record --otlp-endpoint``).
+
+The rank file stays the record of truth; this is a copy for the team's tracing backend. The
+writer hands each flushed batch of records (once a second) to ``LiveOTLP.offer``, which only
+appends to a bounded queue and, when it is full, drops the batch and counts its spans: a forward
+never waits for the network. A daemon thread resolves the records (the same intern tables the
+reader keeps) into OpenTelemetry spans and sends them with opentelemetry-sdk's OTLP exporter.
+What was sent and dropped is reported once at exit and kept in the rank file's END record.
+
+The mapping (a resource per process, one trace per step from the run id and the step, span per
+module call and per collective) is the one of ``tensor-trace export otlp``; verdicts need every
+rank, so live spans carry shapes and dtypes but no placement.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import os
+import socket
+import sys
+import threading
+
+from tensor_trace import schema
+
+QUEUE_BATCHES = 64  # flushed batches waiting for the network; past that they are dropped
+SEND_BATCH = 512
+
+
+def _id(nbytes: int, *parts) -> int:
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:nbytes], "big") or 1
+
+
+class LiveOTLP:
+    def __init__(self, endpoint: str, run_id: str, header: dict, protocol: str | None = None,
+                 timeout_s: float | None = None):
+        self.endpoint = endpoint
+        self.run_id = run_id
+        self.protocol = protocol or _protocol_from_env()
+        self.timeout_s = timeout_s
+        self.header = header
+        self.queue: collections.deque = collections.deque()
+        self.cond = threading.Condition()
+        self.sent = 0
+        self.dropped = 0
+        self.failed = False
+        self.error = ""
+        self._closing = False
+        self._thread = None
+        self._exporter = None
+        self.identity: dict = {}
+        # resolver state (as a reader keeps it)
+        self.strings: dict = {}
+        self.metas: dict = {}
+        self.layouts: dict = {}
+        self.steps: dict = {}
+        self.groups: dict = {}
+
+    # -- hot side: called from the writer, never blocks ---------------------------------------
+    def offer(self, records: list) -> None:
+        with self.cond:
+            if len(self.queue) >= QUEUE_BATCHES or self.failed:
+                self.dropped += sum(1 for r in records if r[0] in (schema.SPAN, schema.COLLECTIVE))
+                # Definitions must still reach the resolver, or later spans would not resolve.
+                defs = [r for r in records if r[0] not in (schema.SPAN, schema.COLLECTIVE)]
+                if defs and not self.failed:
+                    self.queue.append(defs)
+                return
+            self.queue.append(list(records))
+            self.cond.notify()
+
+    def start(self) -> "LiveOTLP":
+        """Create the exporter and its thread now, while the program runs: at exit (where short
+        programs flush everything) new thread pools can no longer be created."""
+        try:
+            self._exporter = _make_exporter(self.endpoint, self.protocol, self.timeout_s)
+        except Exception as exc:
+            self._fail(f"cannot create the OTLP exporter: {exc}")
+            return self
+        self._thread = threading.Thread(target=self._run, name="tensor-trace-otlp", daemon=True)
+        self._thread.start()
+        return self
+
+    # -- worker --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        pending = []
+        while True:
+            with self.cond:
+                while not self.queue and not self._closing:
+                    self.cond.wait(0.5)
+                if not self.queue and self._closing:
+                    break
+                batch = self.queue.popleft()
+            try:
+                pending.extend(self._spans(batch))
+            except Exception as exc:  # a record this resolver cannot read: skip the batch
+                self.error = f"{type(exc).__name__}: {exc}"
+            while len(pending) >= SEND_BATCH or (pending and self._closing):
+                chunk, pending = pending[:SEND_BATCH], pending[SEND_BATCH:]
+                self._send(chunk)
+        if pending:
+            self._send(pending)
+
+    def _send(self, spans) -> None:
+        if self.failed:
+            self.dropped += len(spans)
+            return
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        try:
+            ok = self._exporter.export(spans) == SpanExportResult.SUCCESS
+        except Exception:
+            ok = False
+        if ok:
+            self.sent += len(spans)
+        else:
+            self.dropped += len(spans)
+            self._fail(f"endpoint {self.endpoint} ({self.protocol}) did not accept spans")
+
+    def _fail(self, why: str) -> None:
+        # After a failed export (the SDK already retried for its timeout), stop trying: the
+        # rank file has everything, and a dead collector must not cost the program anything.
+        self.failed = True
+        self.error = why
+        with self.cond:
+            while self.queue:
+                self.dropped += sum(1 for r in self.queue.popleft() if r[0] in (schema.SPAN, schema.COLLECTIVE))
+
+    def _spans(self, records) -> list:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import ReadableSpan
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+        from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
+
+        out = []
+        flags = TraceFlags(TraceFlags.SAMPLED)
+        to_wall = (self.header.get("wall_ns") or 0) - (self.header.get("mono_ns") or 0)
+        scope = InstrumentationScope("tensor-trace", "live")
+        strings, metas, layouts, steps = self.strings, self.metas, self.layouts, self.steps
+        resource = self._resource(Resource)
+        for rec in records:
+            kind = rec[0]
+            if kind == schema.STRING:
+                strings[rec[1]] = rec[2]
+            elif kind == schema.META:
+                metas[rec[1]] = (rec[2], strings.get(rec[3], "?"))
+            elif kind == schema.LAYOUT:
+                layouts[rec[1]] = [(strings.get(s, "?"), *metas.get(m, ([], "?"))) for s, m in rec[2]]
+            elif kind == schema.STEP_BEGIN:
+                steps[rec[1]] = (rec[3], rec[4] or {})
+            elif kind == schema.GROUP:
+                self.groups[rec[1]] = (rec[2], rec[3])
+            elif kind == schema.IDENTITY:
+                self.identity = dict(rec[1])
+                resource = self._resource(Resource, refresh=True)
+            elif kind in (schema.SPAN, schema.COLLECTIVE):
+                step = rec[1]
+                begin = steps.get(step)
+                if begin is None:
+                    continue
+                tid = _id(16, "trace", self.run_id, step)
+                me = "m" if kind == schema.SPAN else "c"
+                pid = self.header.get("pid")
+                ctx = SpanContext(tid, _id(8, "span", self.run_id, pid, step, me, rec[2]), False, flags)
+                parent = (SpanContext(tid, _id(8, "span", self.run_id, pid, step, "m", rec[3]), False, flags)
+                          if rec[3] >= 0 else None)
+                start = begin[0] + to_wall + (rec[6] if kind == schema.SPAN else rec[8])
+                dur = rec[7] if kind == schema.SPAN else rec[9]
+                slots = layouts.get(rec[8] if kind == schema.SPAN else rec[10], [])
+                attrs = {"step": step, "tensor.shape": [str(list(s[1])) for s in slots],
+                         "tensor.dtype": [s[2] for s in slots], "tensor.slot": [s[0] for s in slots]}
+                for k, v in begin[1].items():
+                    if isinstance(v, (str, int, float, bool)):
+                        attrs[f"step.{k}"] = v
+                if kind == schema.SPAN:
+                    name = strings.get(rec[4], "?") or "<root>"
+                    attrs.update({"module.path": strings.get(rec[4], "?"), "module.call": rec[5]})
+                else:
+                    name = strings.get(rec[4], "?")
+                    gname, granks = self.groups.get(rec[6], ("?", []))
+                    attrs.update({"collective.op": name, "collective.group.name": gname,
+                                  "collective.group.ranks": list(granks), "collective.seq": rec[7],
+                                  "collective.bytes": rec[15]})
+                    if rec[5] >= 0:
+                        attrs["collective.reduce_op"] = strings.get(rec[5], "?")
+                out.append(ReadableSpan(name=name, context=ctx, parent=parent, resource=resource,
+                                        attributes=attrs, kind=SpanKind.INTERNAL, start_time=start,
+                                        end_time=start + dur, instrumentation_scope=scope))
+        return out
+
+    def _resource(self, resource_cls, refresh: bool = False):
+        if refresh or not hasattr(self, "_res"):
+            attrs = {"service.name": "tensor-trace", "host.name": self.header.get("host") or socket.gethostname(),
+                     "process.pid": self.header.get("pid") or os.getpid(), "tensor_trace.run_id": self.run_id}
+            for key in ("rank", "tp_rank", "world_size"):
+                if self.identity.get(key) is not None:
+                    attrs[f"tensor_trace.{key}"] = self.identity[key]
+            self._res = resource_cls(attrs)  # not .create(): its detectors need a thread pool, gone at exit
+        return self._res
+
+    # -- end -----------------------------------------------------------------------------------
+    def shutdown(self, timeout_s: float = 5.0) -> dict:
+        """Send what is queued (for at most ``timeout_s``), then report once on stderr."""
+        with self.cond:
+            self._closing = True
+            self.cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                with self.cond:
+                    while self.queue:
+                        self.dropped += sum(1 for r in self.queue.popleft()
+                                            if r[0] in (schema.SPAN, schema.COLLECTIVE))
+        try:
+            if self._exporter is not None:
+                self._exporter.shutdown()
+        except Exception:
+            pass
+        stats = dict(live_otlp_sent=self.sent, live_otlp_dropped=self.dropped)
+        try:
+            msg = f"tensor-trace: live OTLP to {self.endpoint}: {self.sent} spans sent, {self.dropped} dropped"
+            if self.error:
+                msg += f" ({self.error})"
+            sys.stderr.write(msg + "\n")
+        except Exception:
+            pass
+        return stats
+
+
+def _protocol_from_env() -> str:
+    value = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+             or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
+    return "http" if value.startswith("http") else "grpc"
+
+
+def _make_exporter(endpoint: str, protocol: str, timeout_s: float | None):
+    import logging
+    from urllib.parse import urlparse
+
+    logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)  # one line at exit instead
+    if timeout_s is None and not (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
+                                  or os.environ.get("OTEL_EXPORTER_OTLP_TIMEOUT")):
+        timeout_s = 30.0
+    kwargs = {"timeout": timeout_s} if timeout_s is not None else {}
+    url = urlparse(endpoint)
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(endpoint=endpoint, insecure=url.scheme == "http", **kwargs)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    if url.path in ("", "/"):
+        endpoint = endpoint.rstrip("/") + "/v1/traces"
+    return OTLPSpanExporter(endpoint=endpoint, **kwargs)
