@@ -107,6 +107,9 @@ def readable_spans(con):
         return
     ref = procs[0]
     to_wall = (ref[8] or 0) - (ref[7] or 0)  # aligned monotonic -> wall clock
+    from tensor_trace.exporters.placement import inferred_tp_ranks
+
+    tp_of = inferred_tp_ranks(con)
     modules = dict(con.execute("SELECT module_id, path FROM modules"))
     classes = dict(con.execute("SELECT path, class FROM modules"))
     groups = {gid: (name, json.loads(r)) for gid, name, r in con.execute("SELECT group_id, name, ranks FROM groups")}
@@ -128,7 +131,7 @@ def readable_spans(con):
     for proc, rank, tp_rank, world, host, pid, offset, _, _ in procs:
         attrs = {"service.name": "tensor-trace", "host.name": host or "", "process.pid": pid or 0,
                  "tensor_trace.run_id": run_id}
-        for key, value in (("tensor_trace.rank", rank), ("tensor_trace.tp_rank", tp_rank),
+        for key, value in (("tensor_trace.rank", rank), ("tensor_trace.tp_rank", tp_of.get(proc, tp_rank)),
                            ("tensor_trace.world_size", world)):
             if value is not None:
                 attrs[key] = value

@@ -58,11 +58,15 @@ def _us(ns: int) -> float:
 
 def timeline_events(con):
     """Every trace event of a merged store, in a streaming order (processes, then per table)."""
+    from tensor_trace.exporters.placement import inferred_tp_ranks
+
+    tp_of = inferred_tp_ranks(con)
     procs = {}
     for proc, rank, tp_rank, host, pid, offset in con.execute(
             "SELECT proc, rank, tp_rank, host, pid, COALESCE(clock_offset_ns, 0) FROM processes ORDER BY proc"):
         procs[proc] = dict(pid=rank if rank is not None else 100000 + proc, rank=rank, offset=offset)
         label = f"rank {rank}" if rank is not None else f"process {proc}"
+        tp_rank = tp_of.get(proc, tp_rank)
         if tp_rank is not None:
             label += f" (tp {tp_rank})"
         p = procs[proc]["pid"]

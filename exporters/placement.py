@@ -529,6 +529,19 @@ def tp_groups(con) -> list:
     return list(groups.values())
 
 
+def inferred_tp_ranks(con) -> dict:
+    """TP rank per process: as recorded, or the position in its TP group (the merge's grouping:
+    declared groups, else all ranks of the world)."""
+    rank_of = dict(con.execute("SELECT proc, rank FROM processes"))
+    recorded = dict(con.execute("SELECT proc, tp_rank FROM processes WHERE tp_rank IS NOT NULL"))
+    out = {}
+    for procs in tp_groups(con):
+        ranked = sorted((rank_of[p], p) for p in procs if rank_of.get(p) is not None)
+        for pos, (_, p) in enumerate(ranked):
+            out[p] = recorded.get(p, pos)
+    return out
+
+
 def sample_steps(con, procs) -> list:
     """A few steps every process of the group traced, one set per kind of step (root, mode)."""
     ph = ",".join("?" * len(procs))

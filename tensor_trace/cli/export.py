@@ -20,14 +20,22 @@ def perfetto(trace_dir, out):
 
 
 @export.command()
-@click.option("--endpoint", required=True, help="OTLP endpoint, e.g. http://127.0.0.1:4317 (gRPC) or "
-              "http://127.0.0.1:4318 (HTTP; /v1/traces is added when no path is given).")
+@click.option("--endpoint", default=None, help="OTLP endpoint, e.g. http://127.0.0.1:4317 (gRPC) or "
+              "http://127.0.0.1:4318 (HTTP; /v1/traces is added when no path is given). Default: "
+              "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT.")
 @click.option("--protocol", type=click.Choice(["grpc", "http"]), default="grpc", show_default=True)
 @click.option("--trace", "trace_dir", default="tensor-trace-out", show_default=True, help="Trace folder.")
 def otlp(endpoint, protocol, trace_dir):
     """Send the trace to an OpenTelemetry backend: a resource per rank, a trace per step.
     OTEL_EXPORTER_OTLP_* variables (headers, timeout, compression) apply."""
+    import os
+
+    from tensor_trace.errors import BadInput
     from tensor_trace.exporters.otlp import export_otlp
 
+    endpoint = (endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+                or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    if not endpoint:
+        raise BadInput("export otlp needs --endpoint URL (or OTEL_EXPORTER_OTLP_ENDPOINT)")
     r = export_otlp(trace_dir, endpoint, protocol)
     click.echo(f"sent {r['spans']:,} spans to {r['endpoint']} over {r['protocol']}")

@@ -48,6 +48,7 @@ def flatten(requests) -> list[dict]:
 class GrpcReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self):
         self.requests = []
+        self.metadata = []
         self.port = free_port()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
@@ -55,6 +56,7 @@ class GrpcReceiver(trace_service_pb2_grpc.TraceServiceServicer):
 
     def Export(self, request, context):  # noqa: N802 (the service's method name)
         self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
         return trace_service_pb2.ExportTraceServiceResponse()
 
     def __enter__(self):

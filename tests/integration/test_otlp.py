@@ -137,3 +137,16 @@ def test_live_streaming_to_a_dead_endpoint_costs_nothing_but_a_report(tmp_path):
     assert "live OTLP: 0 spans sent" in proc.stderr and "dropped" in proc.stderr
     assert _expected(tmp_path / "dead") == _expected(tmp_path / "plain")  # the rank files are complete
     assert t_dead < t_base + 15  # bounded: the exporter's timeout at most, at exit
+
+
+def test_standard_otel_variables_are_honoured(trace):
+    out, expected = trace
+    with GrpcReceiver() as receiver:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
+               "OTEL_EXPORTER_OTLP_HEADERS": "x-team=inference,x-oncall=2am"}
+        r = CliRunner().invoke(main, ["export", "otlp", "--trace", out], env=env)  # no --endpoint
+        assert r.exit_code == 0, r.output
+    assert len(flatten(receiver.requests)) == sum(expected.values())
+    assert all(m.get("x-team") == "inference" and m.get("x-oncall") == "2am" for m in receiver.metadata)
+    spans = flatten(receiver.requests)
+    assert {s["resource"]["tensor_trace.tp_rank"] for s in spans} == {0, 1}  # the one TP group
