@@ -14,6 +14,8 @@ WATCHED = (
     "sglang.srt.distributed.parallel_state",
     "sglang.srt.model_executor.model_runner",
     "sglang.srt.layers.aux_hidden_states",
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner",
+    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner",
 )
 
 _applied: set = set()

@@ -45,6 +45,11 @@ def patch(name: str, module) -> None:
         _patch_group_coordinator(module.GroupCoordinator)
     elif name == "sglang.srt.model_executor.model_runner":
         _patch_model_runner(module.ModelRunner)
+    elif name in ("sglang.srt.model_executor.runner.decode_cuda_graph_runner",
+                  "sglang.srt.model_executor.runner.prefill_cuda_graph_runner"):
+        for value in vars(module).values():
+            if isinstance(value, type) and "capture_one_shape" in value.__dict__:
+                patch_graph_capture(value, "decode" if "decode" in name else "extend")
     elif name == "sglang.srt.layers.aux_hidden_states":
         for cls_name in ("AuxHiddenStateList", "AuxHiddenStatePacker"):
             cls = getattr(module, cls_name, None)
@@ -53,6 +58,48 @@ def patch(name: str, module) -> None:
 
 
 _LAYER = None
+
+
+def patch_graph_capture(cls, mode: str) -> None:
+    """SGLang's graph runners call ``model.forward`` themselves (warm-up runs, then the run under
+    ``torch.cuda.graph``), outside ``ModelRunner.forward``: each call becomes a step of its own,
+    rooted at the model so paths keep SGLang's names. The step run under capture is marked
+    captured (structure only: nothing may synchronise or allocate in a capture); replays of the
+    graph run no hook and are only counted (tracer/cuda_graphs.py)."""
+    orig = cls.__dict__.get("capture_one_shape")
+    if orig is None or getattr(orig, "__tensor_trace_original__", None) is not None:
+        return
+
+    @functools.wraps(orig)
+    def capture_one_shape(self, size, forward, *args, **kwargs):
+        runner = getattr(self, "model_runner", None)
+        model = getattr(runner, "model", None)
+        if current() is None or model is None:
+            return orig(self, size, forward, *args, **kwargs)
+
+        @functools.wraps(forward)
+        def traced_forward(*fargs, **fkwargs):
+            tr = current()
+            if tr is None or not tr.enabled or tr.in_step:
+                return forward(*fargs, **fkwargs)
+            if "tp_rank" not in tr.identity:
+                _record_tp_identity(tr)
+            attrs = {"forward_mode": mode, "batch_size": int(size), "cuda_graph": "capture"}
+            started = tr.begin_external_step(model, fargs, attrs)
+            try:
+                out = forward(*fargs, **fkwargs)
+            except BaseException:
+                if started:
+                    tr.end_external_step(model, None, error=True)
+                raise
+            if started:
+                tr.end_external_step(model, out)
+            return out
+
+        return orig(self, size, traced_forward, *args, **kwargs)
+
+    capture_one_shape.__tensor_trace_original__ = orig
+    cls.capture_one_shape = capture_one_shape
 
 
 def _patch_aux_capture(cls) -> None:
