@@ -27,7 +27,7 @@ import msgpack
 from tensor_trace.exporters.reader import ReadReport, iter_chunks, rank_files
 
 STORE_NAME = "merged.sqlite"
-STORE_VERSION = 4
+STORE_VERSION = 5
 BATCH = 20_000
 CLOCK_SAMPLE_STEPS = 64
 
@@ -45,7 +45,7 @@ CREATE TABLE groups(group_id INTEGER PRIMARY KEY, name TEXT, ranks TEXT, backend
     UNIQUE(pg_name, ranks));
 CREATE TABLE steps(proc INTEGER, step INTEGER, root TEXT, t_begin INTEGER, t_end INTEGER,
     n_spans INTEGER, n_collectives INTEGER, attrs TEXT, span_first INTEGER, span_last INTEGER,
-    PRIMARY KEY(proc, step));
+    interrupted INTEGER, PRIMARY KEY(proc, step));
 CREATE TABLE spans(proc INTEGER, step INTEGER, idx INTEGER, parent INTEGER, module_id INTEGER,
     call INTEGER, t0 INTEGER, dur INTEGER, layout_id INTEGER, fp_pre INTEGER, fp_post INTEGER,
     n_pre INTEGER, flags INTEGER);
@@ -144,6 +144,7 @@ class _FileLoader:
         self.params: list = []
         self.step_colls: list = []  # this step's collectives, until their modules are known
         self.span_module: dict = {}  # this step's span index -> module id
+        self.interrupted: set = set()  # steps whose root call raised (e.g. Ctrl-C mid-forward)
         self.summary: dict = {}  # (module, op, reduce op, group) -> count, bytes, time, per step
         # Spans are stored in file order, so a step's spans are a run of consecutive rowids:
         # (first, last) per step lets a query read one step without an index on spans.
@@ -222,6 +223,8 @@ class _FileLoader:
                     rec[4] = mid
                     rec[8] = layouts.get(rec[8])
                     spans.append(rec)
+                    if rec[3] == -1 and rec[12] & schema.FLAG_ERROR:
+                        self.interrupted.add(rec[1])  # the step's root call raised
                     rowid += 1
                     if rec[1] != cur_step:
                         if cur_step is not None:
@@ -291,8 +294,9 @@ class _FileLoader:
         steps = self.steps
         for step in ranges:
             steps.setdefault(step, ["", None, None, 0, 0, "{}"])
-        self.con.executemany("INSERT INTO steps VALUES (?,?,?,?,?,?,?,?,?,?)",
-                             [(proc, k, *v, *ranges.get(k, (None, None))) for k, v in sorted(steps.items())])
+        self.con.executemany("INSERT INTO steps VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                             [(proc, k, *v, *ranges.get(k, (None, None)),
+                               int(k in self.interrupted or v[2] is None)) for k, v in sorted(steps.items())])
         self.con.executemany("INSERT INTO collective_summary VALUES (?,?,?,?,?,?,?,?,?,?)", [
             (mid, op, redop, gid, proc, a[0], a[1], a[2], json.dumps(sorted(a[3].items())), a[4])
             for (mid, op, redop, gid), a in self.summary.items()])

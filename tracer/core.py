@@ -102,6 +102,7 @@ class Tracer:
         self._reported: set = set()
         self.step_attrs: dict | None = None
         self.step_root = None
+        self.step_frame = None  # the frame running the step root's _call_impl (stale detection)
         self.identity: dict = {}
         self.collectives = None
         self.graph_replays = None
@@ -384,6 +385,7 @@ class Tracer:
         self.step += 1
         self.in_step = True
         self.step_root = root
+        self.step_frame = None if self.external_steps else _root_call_frame()
         if not self.config.in_window(self.step):
             self.tracing_step = False
             self.stats["steps_skipped"] += 1
@@ -452,6 +454,18 @@ class Tracer:
         finally:
             self.busy = False
 
+    def _step_is_stale(self) -> bool:
+        """True when the frame that called the current step's root is no longer running."""
+        frame = self.step_frame
+        if frame is None:
+            return False
+        cur = sys._getframe(1)
+        while cur is not None:
+            if cur is frame:
+                return False
+            cur = cur.f_back
+        return True
+
     def _end_step(self, error: bool = False, result=None, kwargs=None) -> None:
         step = self.step
         if self.tracing_step:
@@ -473,6 +487,7 @@ class Tracer:
             self.stats["collectives"] += self.coll_count
         self.stack.clear()
         self.step_root = None  # never keep the model alive past its step
+        self.step_frame = None
         self.in_step = False
         self.tracing_step = False
         self.capturing = False
@@ -492,6 +507,12 @@ class Tracer:
             return None
         if _get_ident() != self.step_thread:
             self.stats["foreign_thread_calls"] += 1
+            return None
+        if module is self.step_root and self._step_is_stale():
+            # The last step's root call ended by a BaseException (Ctrl-C): torch runs no
+            # always_call hook for those, so close that step now, marked as failed; this call's
+            # own root hook then starts a new step.
+            self._end_step(error=True)
             return None
         entry = self.ids.get(id(module))
         if entry is None or entry[3] is not self.writer.generation:
@@ -715,6 +736,16 @@ class Tracer:
         except Exception as exc:
             self.enabled = False
             sys.stderr.write(f"tensor-trace: could not re-open the trace after fork: {exc}\n")
+
+
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+
+def _root_call_frame():
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code is not _CALL_IMPL:
+        frame = frame.f_back
+    return frame
 
 
 def _is_capturing() -> bool:

@@ -175,3 +175,40 @@ def test_cuda_graph_replays_are_counted_and_announced_once(tmp_path, monkeypatch
     assert capsys.readouterr().err.count("CUDA-graph replays are not traced") == 1
     rt = load_rank_file(rank_files(str(tmp_path))[0])
     assert rt.end["stats"]["graph_replays"] == 3
+
+
+def test_a_step_that_raised_is_marked_interrupted_in_the_store(tmp_path):
+    import json as _json
+
+    from tensor_trace.exporters.merge import merge_ranks
+    from tensor_trace.exporters.query import sql
+
+    class Flaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            y = self.lin(x)
+            if self.calls == 2:
+                raise KeyboardInterrupt  # Ctrl-C in the middle of a forward
+            return y
+
+    m = Flaky()
+    tracer.start(out_dir=str(tmp_path))
+    for i in range(3):
+        try:
+            m(torch.randn(2, 4))
+        except KeyboardInterrupt:
+            pass
+    tracer.stop()
+    with open(tmp_path / "run.json", "w") as f:
+        _json.dump({"run_id": load_rank_file(rank_files(str(tmp_path))[0]).header["run_id"]}, f)
+    merge_ranks(str(tmp_path), warn=lambda msg: None)
+    import sqlite3
+
+    con = sqlite3.connect(str(tmp_path / "merged.sqlite"))
+    rows = sql(con, "SELECT step, interrupted FROM steps ORDER BY step")["rows"]
+    assert rows == [[0, 0], [1, 1], [2, 0]]
