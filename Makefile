@@ -28,6 +28,8 @@ demo: venv
 	$(TT) query collectives --trace $(DEMO_OUT)
 	@echo; echo "== What feeds the EAGLE-3 draft head"
 	$(TT) query shapes 'draft.fc:input.*' --trace $(DEMO_OUT)
+	@echo; echo "== One timeline of both ranks, for https://ui.perfetto.dev"
+	$(TT) export perfetto --trace $(DEMO_OUT)
 
 # The SGLang tests need their own venv (SGLang 0.5.23 on CPU, about 2 minutes the first time).
 sglang-venv:
