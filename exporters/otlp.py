@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-from urllib.parse import urlparse
 
 from tensor_trace.errors import BadInput
 from tensor_trace.exporters.base import ExportResult, SpanExporter
 from tensor_trace.exporters.merge import open_store
 
-DEFAULT_TIMEOUT_S = 30.0
 
 
 def _id(nbytes: int, *parts) -> int:
@@ -44,40 +41,22 @@ class OTLPExporter(SpanExporter):
     (``last_error``), never raised."""
 
     def __init__(self, endpoint: str, protocol: str = "grpc", timeout_s: float | None = None):
+        # One way to build the SDK exporter, shared with record's live stream.
+        from tensor_trace.tracer.live_otlp import make_exporter
+
         try:
-            if protocol == "grpc":
-                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-            elif protocol == "http":
-                from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-            else:
-                raise BadInput(f"--protocol {protocol}: use grpc or http")
+            self._exporter, self.endpoint = make_exporter(endpoint, protocol, timeout_s)
         except ImportError as exc:
             raise BadInput(f"OTLP export needs the otlp extra: pip install 'tensor-trace[otlp]' ({exc})")
-        if timeout_s is None and not (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
-                                      or os.environ.get("OTEL_EXPORTER_OTLP_TIMEOUT")):
-            timeout_s = DEFAULT_TIMEOUT_S
-        url = urlparse(endpoint)
-        if not url.scheme or not url.netloc:
-            raise BadInput(f"--endpoint {endpoint!r}: expected a URL such as http://127.0.0.1:4317")
-        kwargs = {"timeout": timeout_s} if timeout_s is not None else {}
-        if protocol == "grpc":
-            self._exporter = OTLPSpanExporter(endpoint=endpoint, insecure=url.scheme == "http", **kwargs)
-        else:
-            if url.path in ("", "/"):
-                endpoint = endpoint.rstrip("/") + "/v1/traces"
-            self._exporter = OTLPSpanExporter(endpoint=endpoint, **kwargs)
-        self.endpoint = endpoint
+        except ValueError as exc:
+            raise BadInput(str(exc))
         self.exported = 0
         self.failed_batches = 0
 
     def export(self, batch) -> ExportResult:
-        from opentelemetry.sdk.trace.export import SpanExportResult
+        from tensor_trace.tracer.live_otlp import export_ok
 
-        try:
-            ok = self._exporter.export(batch) == SpanExportResult.SUCCESS
-        except Exception:
-            ok = False
-        if ok:
+        if export_ok(self._exporter, batch):
             self.exported += len(batch)
             return ExportResult.SUCCESS
         self.failed_batches += 1
@@ -189,16 +168,7 @@ def export_otlp(trace_dir: str, endpoint: str, protocol: str = "grpc", batch: in
                 timeout_s: float | None = None) -> dict:
     """Send every span of ``trace_dir`` to ``endpoint``. Raises BadInput (one line) when the
     endpoint refuses or does not answer within the exporter's timeout."""
-    import logging
-
-    # The SDK logs each retry; the caller gets one clear line instead.
-    otel_log = logging.getLogger("opentelemetry")
-    level = otel_log.level
-    otel_log.setLevel(logging.CRITICAL)
-    try:
-        return _export_otlp(trace_dir, endpoint, protocol, batch, timeout_s)
-    finally:
-        otel_log.setLevel(level)
+    return _export_otlp(trace_dir, endpoint, protocol, batch, timeout_s)
 
 
 def _export_otlp(trace_dir, endpoint, protocol, batch, timeout_s) -> dict:

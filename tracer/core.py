@@ -441,6 +441,20 @@ class Tracer:
             self.step_attrs = None
             self.busy = False
 
+    def run_external_step(self, root, args, attrs, fn, *fargs, **fkwargs):
+        """Call ``fn(*fargs, **fkwargs)`` as one step rooted at ``root`` (a framework's own
+        forward entry point); a call that raises, Ctrl-C included, ends the step as failed."""
+        started = self.begin_external_step(root, args, attrs)
+        try:
+            result = fn(*fargs, **fkwargs)
+        except BaseException:
+            if started:
+                self.end_external_step(root, None, error=True)
+            raise
+        if started:
+            self.end_external_step(root, result)
+        return result
+
     def end_external_step(self, root, result, error: bool = False) -> None:
         if not self.in_step or self.step_root is not root:
             return

@@ -74,7 +74,7 @@ class LiveOTLP:
         """Create the exporter and its thread now, while the program runs: at exit (where short
         programs flush everything) new thread pools can no longer be created."""
         try:
-            self._exporter = _make_exporter(self.endpoint, self.protocol, self.timeout_s)
+            self._exporter, _ = make_exporter(self.endpoint, self.protocol, self.timeout_s)
         except Exception as exc:
             self._fail(f"cannot create the OTLP exporter: {exc}")
             return self
@@ -106,13 +106,7 @@ class LiveOTLP:
         if self.failed:
             self.dropped += len(spans)
             return
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
-        try:
-            ok = self._exporter.export(spans) == SpanExportResult.SUCCESS
-        except Exception:
-            ok = False
-        if ok:
+        if export_ok(self._exporter, spans):
             self.sent += len(spans)
         else:
             self.dropped += len(spans)
@@ -234,22 +228,40 @@ def _protocol_from_env() -> str:
     return "http" if value.startswith("http") else "grpc"
 
 
-def _make_exporter(endpoint: str, protocol: str, timeout_s: float | None):
+def make_exporter(endpoint: str, protocol: str, timeout_s: float | None = None):
+    """(opentelemetry-sdk OTLP span exporter, the endpoint it sends to), for ``record``'s live
+    stream and for ``tensor-trace export otlp`` alike. The OTEL_EXPORTER_OTLP_* variables apply;
+    without a timeout from them the timeout is 30 s. Raises ValueError for a bad protocol or URL,
+    ImportError without the otlp extra."""
     import logging
     from urllib.parse import urlparse
 
-    logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)  # one line at exit instead
+    logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)  # one line from us instead
+    if protocol not in ("grpc", "http"):
+        raise ValueError(f"protocol {protocol!r}: use grpc or http")
+    url = urlparse(endpoint)
+    if not url.scheme or not url.netloc:
+        raise ValueError(f"endpoint {endpoint!r}: expected a URL such as http://127.0.0.1:4317")
     if timeout_s is None and not (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
                                   or os.environ.get("OTEL_EXPORTER_OTLP_TIMEOUT")):
         timeout_s = 30.0
     kwargs = {"timeout": timeout_s} if timeout_s is not None else {}
-    url = urlparse(endpoint)
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        return OTLPSpanExporter(endpoint=endpoint, insecure=url.scheme == "http", **kwargs)
+        return OTLPSpanExporter(endpoint=endpoint, insecure=url.scheme == "http", **kwargs), endpoint
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     if url.path in ("", "/"):
         endpoint = endpoint.rstrip("/") + "/v1/traces"
-    return OTLPSpanExporter(endpoint=endpoint, **kwargs)
+    return OTLPSpanExporter(endpoint=endpoint, **kwargs), endpoint
+
+
+def export_ok(exporter, spans) -> bool:
+    """Send ``spans``; True when the endpoint accepted them (the SDK retried until its timeout)."""
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    try:
+        return exporter.export(spans) == SpanExportResult.SUCCESS
+    except Exception:
+        return False

@@ -85,16 +85,7 @@ def patch_graph_capture(cls, mode: str) -> None:
             if "tp_rank" not in tr.identity:
                 _record_tp_identity(tr)
             attrs = {"forward_mode": mode, "batch_size": int(size), "cuda_graph": "capture"}
-            started = tr.begin_external_step(model, fargs, attrs)
-            try:
-                out = forward(*fargs, **fkwargs)
-            except BaseException:
-                if started:
-                    tr.end_external_step(model, None, error=True)
-                raise
-            if started:
-                tr.end_external_step(model, out)
-            return out
+            return tr.run_external_step(model, fargs, attrs, forward, *fargs, **fkwargs)
 
         return orig(self, size, traced_forward, *args, **kwargs)
 
@@ -216,16 +207,7 @@ def _patch_model_runner(cls) -> None:
         attrs = _step_attrs(forward_batch)
         if getattr(self, "is_draft_worker", False):
             attrs["draft"] = True
-        started = tr.begin_external_step(model, (forward_batch,), attrs)
-        try:
-            result = orig(self, forward_batch, *args, **kwargs)
-        except BaseException:
-            if started:
-                tr.end_external_step(model, None, error=True)
-            raise
-        if started:
-            tr.end_external_step(model, result)
-        return result
+        return tr.run_external_step(model, (forward_batch,), attrs, orig, self, forward_batch, *args, **kwargs)
 
     forward.__tensor_trace_original__ = orig
     cls.forward = forward
