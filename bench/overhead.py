@@ -86,11 +86,58 @@ LLAMA_SHAPES = {
 }
 
 
-def _linear(n_in, n_out, device, dtype):
-    lin = nn.Linear(n_in, n_out, bias=False, device=device, dtype=dtype)
+# Tensor parallelism of the llama8b-decode model (set from torchrun's environment, --tp runs):
+# SGLang's layout at toy cost: vocab-parallel embedding + all_reduce, column-parallel qkv and
+# gate_up, row-parallel o_proj and down_proj each followed by an all_reduce inside the module,
+# a vocab-parallel lm_head whose logits are all-gathered. Same module calls per step as tp=1.
+TP = dict(size=1, rank=0, group=None)
+
+
+def _linear(n_in, n_out, device, dtype, cls=nn.Linear):
+    lin = cls(n_in, n_out, bias=False, device=device, dtype=dtype)
     with torch.no_grad():
         lin.weight.normal_(0.0, 0.02)  # = torch.randn * 0.02, drawn on the device
     return lin
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear layer over this rank's slice of the input features; the partial sums are
+    all-reduced inside the module, as SGLang's RowParallelLinear does (reduce_results=True)."""
+
+    def forward(self, x):
+        out = F.linear(x, self.weight)
+        if TP["size"] > 1:
+            torch.distributed.all_reduce(out, group=TP["group"])
+        return out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the embedding: masked lookup, then all_reduce (SGLang's layout)."""
+
+    def __init__(self, vocab, hidden, device, dtype):
+        super().__init__()
+        per = vocab // TP["size"]
+        self.start, self.end = TP["rank"] * per, (TP["rank"] + 1) * per
+        self.weight = nn.Parameter(torch.empty(per, hidden, device=device, dtype=dtype).normal_(0.0, 0.02))
+
+    def forward(self, ids):
+        mask = (ids >= self.start) & (ids < self.end)
+        out = F.embedding((ids - self.start) * mask, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
+        torch.distributed.all_reduce(out, group=TP["group"])
+        return out
+
+
+class ParallelLMHead(nn.Linear):
+    """This rank's vocabulary slice of the logits, all-gathered along the vocabulary."""
+
+    def forward(self, x):
+        local = F.linear(x, self.weight)
+        if TP["size"] == 1:
+            return local
+        n = TP["size"]
+        parts = torch.empty((n * local.shape[0], *local.shape[1:]), device=local.device, dtype=local.dtype)
+        torch.distributed.all_gather_into_tensor(parts, local.contiguous(), group=TP["group"])
+        return torch.cat(list(parts.view(n, *local.shape).unbind(0)), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -151,12 +198,13 @@ class DecodeAttention(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, c, device, dtype):
         super().__init__()
-        hd = c["head_dim"]
-        self.split = [c["heads"] * hd, c["kv_heads"] * hd, c["kv_heads"] * hd]
+        hd, tp = c["head_dim"], TP["size"]
+        heads, kv_heads = c["heads"] // tp, c["kv_heads"] // tp
+        self.split = [heads * hd, kv_heads * hd, kv_heads * hd]
         self.qkv_proj = _linear(c["hidden"], sum(self.split), device, dtype)
         self.rotary_emb = RotaryEmbedding(hd, c["kv_len"], 500000.0, device, dtype)
-        self.attn = DecodeAttention(c["heads"], c["kv_heads"], hd)
-        self.o_proj = _linear(c["heads"] * hd, c["hidden"], device, dtype)
+        self.attn = DecodeAttention(heads, kv_heads, hd)
+        self.o_proj = _linear(heads * hd, c["hidden"], device, dtype, RowParallelLinear)
 
     def forward(self, x):
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
@@ -173,9 +221,10 @@ class SiluAndMul(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, c, device, dtype):
         super().__init__()
-        self.gate_up_proj = _linear(c["hidden"], 2 * c["ffn"], device, dtype)
+        ffn = c["ffn"] // TP["size"]
+        self.gate_up_proj = _linear(c["hidden"], 2 * ffn, device, dtype)
         self.act_fn = SiluAndMul()
-        self.down_proj = _linear(c["ffn"], c["hidden"], device, dtype)
+        self.down_proj = _linear(ffn, c["hidden"], device, dtype, RowParallelLinear)
 
     def forward(self, x):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -197,9 +246,12 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, c, device, dtype):
         super().__init__()
-        self.embed_tokens = nn.Embedding(c["vocab"], c["hidden"], device=device, dtype=dtype)
-        with torch.no_grad():
-            self.embed_tokens.weight.normal_(0.0, 0.02)
+        if TP["size"] > 1:
+            self.embed_tokens = VocabParallelEmbedding(c["vocab"], c["hidden"], device, dtype)
+        else:
+            self.embed_tokens = nn.Embedding(c["vocab"], c["hidden"], device=device, dtype=dtype)
+            with torch.no_grad():
+                self.embed_tokens.weight.normal_(0.0, 0.02)
         self.layers = nn.ModuleList(LlamaDecoderLayer(c, device, dtype) for _ in range(c["layers"]))
         self.norm = RMSNorm(c["hidden"], 1e-5, device, dtype)
 
@@ -215,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.c = c
         self.model = LlamaModel(c, device, dtype)
-        self.lm_head = _linear(c["hidden"], c["vocab"], device, dtype)
+        self.lm_head = _linear(c["hidden"], c["vocab"] // TP["size"], device, dtype, ParallelLMHead)
 
     def set_batch(self, batch):
         """(Re)allocate every layer's KV cache for ``batch`` sequences of kv_len tokens."""
@@ -286,7 +338,7 @@ class Bench:
         out_dir = tr = prof = None
         t_start = time.perf_counter()
         if variant.startswith("traced"):
-            out_dir = os.path.join(self.tmp_root, f"b{self.block_id:04d}-{variant}")
+            out_dir = os.path.join(self.tmp_root, f"b{self.block_id:04d}-{variant}-r{TP['rank']}")
             tr = tracer.start(out_dir=out_dir, fingerprint=variant == "traced-fp")
         elif variant == "profiler":
             acts = [torch.profiler.ProfilerActivity.CPU]
@@ -457,8 +509,9 @@ def targets_for(workload, variants):
 def print_table(res):
     c = res
     print()
+    tp = c.get("model", {}).get("tp", 1)
     print(f"== {c['workload']}  device={c['device']} dtype={c['dtype']} batch={c['batch']} "
-          f"seq={c['seq']}  module calls/step={c['module_calls_per_step']}  "
+          f"seq={c['seq']}" + (f" tp={tp} (figures of rank 0)" if tp > 1 else "") + f"  module calls/step={c['module_calls_per_step']}  "
           f"R={c['rounds']} W={c['warmup']} N={c['steps']} ==")
     if c.get("note"):
         print(f"   note: {c['note']}")
@@ -629,6 +682,8 @@ def workload_example_cpu(args, bench: Bench):
 
 def workload_llama(args, bench: Bench):
     device = torch.device(args.device or "cuda")
+    if TP["size"] > 1 and device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     dtype = getattr(torch, args.dtype)
     shape = dict(LLAMA_SHAPES[args.llama_shape], kv_len=args.kv_len)
     if args.vocab:
@@ -657,13 +712,14 @@ def workload_llama(args, bench: Bench):
                 step()
             bench.sync()
             calls = count_module_calls(step)
-            label = f"llama8b-decode b{batch}"
+            label = f"llama8b-decode b{batch}" + (f" tp{TP['size']}" if TP["size"] > 1 else "")
             acc, orders, failed = measure(bench, step, rounds=rounds, warmup=warmup, steps=steps,
                                           seed=args.seed + batch, label=label,
                                           warm_round=not args.no_warm_round)
             res = dict(workload="llama8b-decode", device=str(device),
                        device_name=torch.cuda.get_device_name(device) if cuda else platform.processor(),
-                       dtype=args.dtype, batch=batch, seq=1, model=dict(shape, shape_name=args.llama_shape),
+                       dtype=args.dtype, batch=batch, seq=1,
+                       model=dict(shape, shape_name=args.llama_shape, tp=TP["size"]),
                        params=n_params, module_calls_per_step=calls, rounds=rounds, warmup=warmup,
                        steps=steps, orders=orders,
                        kv_cache_bytes=2 * shape["layers"] * batch * shape["kv_heads"] * shape["kv_len"]
@@ -728,9 +784,32 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _init_tp(args) -> None:
+    """Under torchrun (WORLD_SIZE > 1): one process per GPU, a TP group of all of them. Every
+    rank runs the same interleaved schedule (same seed); rank 0 prints and writes the JSON."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return
+    if args.workload != "llama8b-decode":
+        raise SystemExit("several ranks: only --workload llama8b-decode is tensor-parallel")
+    if args.breakdown:
+        raise SystemExit("--breakdown profiles one rank: run it with one process")
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = (args.device or "cuda").startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(local)
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    TP.update(size=world, rank=rank, group=torch.distributed.group.WORLD)
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")
+        args.json = None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    _init_tp(args)
     h = header()
+    h["tp"] = TP["size"]
     print(f"# tensor-trace overhead | {h['date']} | host {h['hostname']} | torch {h['torch']} "
           f"| device {h['device_name']} | cpus {h['cpu_count']} | torch threads {h['torch_threads']} "
           f"| OMP_NUM_THREADS={h['omp_num_threads']} | python {h['python']}", flush=True)
@@ -753,6 +832,8 @@ def main(argv=None) -> int:
             print("\n(no CUDA: llama8b-decode skipped)")
     finally:
         shutil.rmtree(tmp_root, ignore_errors=True)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     failed = [(r["workload"], r["batch"], t["name"]) for r in results for t in r["targets"]
               if t["result"] == "FAIL"]
     print(f"\ntargets: {sum(t['result'] == 'PASS' for r in results for t in r['targets'])} PASS, "

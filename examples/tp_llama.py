@@ -443,7 +443,15 @@ def run(args) -> list:
         records = []
         with torch.inference_mode():
             for step in range(args.steps):
-                logits, draft_out = step_fn(make_input_ids(args, step).to(device))
+                ids = make_input_ids(args, step).to(device)
+                forbid = args.forbid_sync_from is not None and step >= args.forbid_sync_from
+                if forbid:  # any host-device synchronisation inside the step now raises
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    logits, draft_out = step_fn(ids)
+                finally:
+                    if forbid:
+                        torch.cuda.set_sync_debug_mode("default")
                 argmax = logits.argmax(-1).tolist()
                 rec = {"step": step, "logits_sum": logits.float().sum().item(),
                        "argmax": argmax, "draft_sum": draft_out.float().sum().item()}
@@ -490,12 +498,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="o_proj/down_proj return partial sums; the decoder layer all_reduces them")
     p.add_argument("--cuda-graph", action="store_true",
                    help="capture one step into a CUDA graph and replay it (needs --device cuda)")
+    p.add_argument("--forbid-sync-from", type=int, default=None, metavar="STEP",
+                   help="from this step on, run each forward under torch.cuda.set_sync_debug_mode"
+                        "('error'): a synchronising call inside the step (the model's or a "
+                        "tracer hook's) raises (needs --device cuda)")
     p.add_argument("--spawn", type=int, default=0, metavar="N",
                    help="start N ranks with torch.multiprocessing.spawn instead of torchrun")
     p.add_argument("--out", metavar="FILE", help="rank 0 writes per-step results here as JSON")
     args = p.parse_args(argv)
     if args.cuda_graph and args.device != "cuda":
         p.error("--cuda-graph requires --device cuda")
+    if args.forbid_sync_from is not None and args.device != "cuda":
+        p.error("--forbid-sync-from requires --device cuda")
     try:
         if args.aux_layer_ids is None:
             n = args.layers

@@ -27,7 +27,7 @@ import msgpack
 from tensor_trace.exporters.reader import ReadReport, iter_chunks, rank_files
 
 STORE_NAME = "merged.sqlite"
-STORE_VERSION = 5
+STORE_VERSION = 6
 BATCH = 20_000
 CLOCK_SAMPLE_STEPS = 64
 
@@ -50,11 +50,12 @@ CREATE TABLE spans(proc INTEGER, step INTEGER, idx INTEGER, parent INTEGER, modu
     call INTEGER, t0 INTEGER, dur INTEGER, layout_id INTEGER, fp_pre INTEGER, fp_post INTEGER,
     n_pre INTEGER, flags INTEGER);
 CREATE TABLE collective_summary(module_id INTEGER, op TEXT, reduce_op TEXT, group_id INTEGER,
-    proc INTEGER, count INTEGER, bytes INTEGER, dur_ns INTEGER, per_step TEXT, first INTEGER);
+    proc INTEGER, count INTEGER, bytes INTEGER, dur_ns INTEGER, per_step TEXT, first INTEGER,
+    device_ns INTEGER, device_count INTEGER);
 CREATE TABLE collectives(proc INTEGER, step INTEGER, idx INTEGER, parent INTEGER, op TEXT,
     reduce_op TEXT, group_id INTEGER, seq INTEGER, t0 INTEGER, dur INTEGER, layout_id INTEGER,
     fp_pre INTEGER, fp_post INTEGER, n_pre INTEGER, flags INTEGER, bytes INTEGER, module_id INTEGER,
-    PRIMARY KEY(proc, step, idx)) WITHOUT ROWID;
+    device_ns INTEGER, PRIMARY KEY(proc, step, idx)) WITHOUT ROWID;
 CREATE TABLE fingerprints(proc INTEGER, step INTEGER, first INTEGER, data BLOB, indices BLOB);
 CREATE TABLE params(proc INTEGER, module_id INTEGER, name TEXT, shape TEXT, dtype TEXT, fp_index INTEGER);
 CREATE TABLE captures(point TEXT PRIMARY KEY, info TEXT);
@@ -81,7 +82,7 @@ CREATE VIEW span_view AS
 CREATE VIEW collective_view AS
     SELECT c.proc, p.rank, c.step, c.idx, m.path AS module, c.op, c.reduce_op, g.name AS grp,
            g.ranks AS group_ranks, c.seq, st.t_begin + c.t0 + COALESCE(p.clock_offset_ns, 0) AS start_ns,
-           c.dur AS dur_ns, c.bytes, l.slots AS tensors, c.flags
+           c.dur AS dur_ns, c.device_ns, c.bytes, l.slots AS tensors, c.flags
     FROM collectives c JOIN processes p USING(proc) JOIN groups g USING(group_id)
     JOIN steps st ON st.proc = c.proc AND st.step = c.step
     LEFT JOIN modules m ON m.module_id = c.module_id
@@ -142,6 +143,7 @@ class _FileLoader:
         self.end = None
         self.errors: list = []
         self.params: list = []
+        self.coll_device: list = []  # (device ns, proc, step, idx)
         self.step_colls: list = []  # this step's collectives, until their modules are known
         self.span_module: dict = {}  # this step's span index -> module id
         self.interrupted: set = set()  # steps whose root call raised (e.g. Ctrl-C mid-forward)
@@ -165,7 +167,7 @@ class _FileLoader:
             con.executemany("INSERT INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", self.spans)
             self.spans.clear()
         if self.colls:
-            con.executemany("INSERT OR IGNORE INTO collectives VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            con.executemany("INSERT OR IGNORE INTO collectives VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                             self.colls)
             self.colls.clear()
         if self.fps:
@@ -240,8 +242,12 @@ class _FileLoader:
                     step_colls.append([proc, rec[1], rec[2], rec[3], strings.get(rec[4]),
                                        strings.get(rec[5]) if rec[5] >= 0 else None,
                                        self.groups.get(rec[6]), rec[7], rec[8], rec[9], layouts.get(rec[10]),
-                                       rec[11], rec[12], rec[13], rec[14], rec[15], None])
+                                       rec[11], rec[12], rec[13], rec[14], rec[15], None, None])
                     n += 1
+                elif kind == schema.COLL_DEVICE:
+                    # Written once the CUDA events completed: after the collective, often after
+                    # its step ended, so applied to the stored rows at the end.
+                    self.coll_device.append((int(rec[3]), proc, rec[1], rec[2]))
                 elif kind == S_STR:
                     strings[rec[1]] = rec[2]
                     self.modules.pop(rec[1], None)
@@ -297,9 +303,18 @@ class _FileLoader:
         self.con.executemany("INSERT INTO steps VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                              [(proc, k, *v, *ranges.get(k, (None, None)),
                                int(k in self.interrupted or v[2] is None)) for k, v in sorted(steps.items())])
-        self.con.executemany("INSERT INTO collective_summary VALUES (?,?,?,?,?,?,?,?,?,?)", [
-            (mid, op, redop, gid, proc, a[0], a[1], a[2], json.dumps(sorted(a[3].items())), a[4])
+        self.con.executemany("INSERT INTO collective_summary VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", [
+            (mid, op, redop, gid, proc, a[0], a[1], a[2], json.dumps(sorted(a[3].items())), a[4], None, 0)
             for (mid, op, redop, gid), a in self.summary.items()])
+        if self.coll_device:
+            self.con.executemany("UPDATE collectives SET device_ns=? WHERE proc=? AND step=? AND idx=?",
+                                 self.coll_device)
+            self.con.execute(
+                "UPDATE collective_summary SET (device_ns, device_count) = ("
+                "SELECT SUM(c.device_ns), COUNT(c.device_ns) FROM collectives c "
+                "WHERE c.proc = collective_summary.proc AND c.module_id IS collective_summary.module_id "
+                "AND c.op = collective_summary.op AND c.reduce_op IS collective_summary.reduce_op "
+                "AND c.group_id = collective_summary.group_id) WHERE proc = ?", (proc,))
         if self.errors:
             self.con.executemany("INSERT INTO errors VALUES (?,?,?,?)", self.errors)
         if self.params:

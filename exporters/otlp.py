@@ -145,9 +145,9 @@ def readable_spans(con):
                 yield ReadableSpan(name=path or "<root>", context=ctx, parent=pctx, resource=resource,
                                    attributes=a, kind=SpanKind.INTERNAL, start_time=base + t0,
                                    end_time=base + t0 + dur, instrumentation_scope=scope)
-            for idx, parent, op, redop, gid, seq, t0, dur, lid, nbytes, mid in con.execute(
-                    "SELECT idx, parent, op, reduce_op, group_id, seq, t0, dur, layout_id, bytes, module_id "
-                    "FROM collectives WHERE proc=? AND step=? ORDER BY idx", (proc, step)).fetchall():
+            for idx, parent, op, redop, gid, seq, t0, dur, lid, nbytes, mid, dev in con.execute(
+                    "SELECT idx, parent, op, reduce_op, group_id, seq, t0, dur, layout_id, bytes, module_id, "
+                    "device_ns FROM collectives WHERE proc=? AND step=? ORDER BY idx", (proc, step)).fetchall():
                 gname, granks = groups.get(gid, ("?", []))
                 ctx = SpanContext(tid, span_id(run_id, proc, step, "c", idx), False, flags)
                 pctx = (SpanContext(tid, span_id(run_id, proc, step, "m", parent), False, flags)
@@ -159,6 +159,8 @@ def readable_spans(con):
                      "tensor.shape": [json.dumps(s[1]) for s in slots], "tensor.dtype": [s[2] for s in slots]}
                 if redop:
                     a["collective.reduce_op"] = redop
+                if dev is not None:
+                    a["collective.device_time_ns"] = dev
                 yield ReadableSpan(name=op, context=ctx, parent=pctx, resource=resource, attributes=a,
                                    kind=SpanKind.INTERNAL, start_time=base + t0, end_time=base + t0 + dur,
                                    instrumentation_scope=scope)

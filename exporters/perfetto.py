@@ -122,18 +122,21 @@ def timeline_events(con):
                    ts=_us(start + t0 - origin), dur=_us(dur), args=args)
     groups = {gid: (name, json.loads(ranks)) for gid, name, ranks in con.execute(
         "SELECT group_id, name, ranks FROM groups")}
-    for proc, step, op, redop, gid, seq, t0, dur, lid, nbytes, mid in con.execute(
-            "SELECT proc, step, op, reduce_op, group_id, seq, t0, dur, layout_id, bytes, module_id "
-            "FROM collectives ORDER BY proc, step, idx"):
+    for proc, step, op, redop, gid, seq, t0, dur, lid, nbytes, mid, dev in con.execute(
+            "SELECT proc, step, op, reduce_op, group_id, seq, t0, dur, layout_id, bytes, module_id, "
+            "device_ns FROM collectives ORDER BY proc, step, idx"):
         start = step_start.get((proc, step))
         if start is None:
             continue
         gname, granks = groups.get(gid, ("?", []))
         ts = _us(start + t0 - origin)
         pid = procs[proc]["pid"]
+        args = dict(group=gname, group_ranks=granks, seq=seq, bytes=nbytes,
+                    module=modules.get(mid), tensors=layout_args(lid))
+        if dev is not None:
+            args["device_us"] = _us(dev)
         yield dict(ph="X", pid=pid, tid=TID_COLLECTIVES, name=op + (f"({redop})" if redop else ""), ts=ts,
-                   dur=_us(dur), args=dict(group=gname, group_ranks=granks, seq=seq, bytes=nbytes,
-                                           module=modules.get(mid), tensors=layout_args(lid)))
+                   dur=_us(dur), args=args)
         rank = procs[proc]["rank"]
         if len(granks) > 1 and rank in granks:
             pos = sorted(granks).index(rank)

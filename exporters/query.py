@@ -177,21 +177,24 @@ def shapes(con, point: str) -> list[dict]:
 def collectives(con, pattern: str | None) -> list[dict]:
     """Per issuing module: op, reduce op, group, count, bytes and time per rank, per step.
 
-    Counts and bytes are those of one rank (the lowest that issued it); time is the mean over
-    the ranks of the host time spent in the call."""
+    Counts and bytes are those of one rank (the lowest that issued it); ``time_ms`` is the mean
+    over the ranks of the host time spent in the calls, ``device_time_ms`` the same for the
+    device time between CUDA events (None where no call was timed on a device)."""
     order_of = {p: i for i, (p,) in enumerate(con.execute(
         "SELECT proc FROM processes ORDER BY rank IS NULL, rank, proc"))}
     modules = dict(con.execute("SELECT module_id, path FROM modules"))
     groups = {gid: (name, ranks) for gid, name, ranks in con.execute("SELECT group_id, name, ranks FROM groups")}
     agg: dict = {}
-    for mid, op, redop, gid, proc, n, nbytes, dur, per_step, first in con.execute(
-            "SELECT module_id, op, reduce_op, group_id, proc, count, bytes, dur_ns, per_step, first "
-            "FROM collective_summary"):
+    for mid, op, redop, gid, proc, n, nbytes, dur, per_step, first, dev, dev_n in con.execute(
+            "SELECT module_id, op, reduce_op, group_id, proc, count, bytes, dur_ns, per_step, first, "
+            "device_ns, device_count FROM collective_summary"):
         module = modules.get(mid, "") if mid is not None else ""
         if pattern and not fnmatch.fnmatch(module, pattern):
             continue
         a = agg.setdefault((mid, op, redop, gid), dict(module=module, procs={}, first=first))
         a["procs"][proc] = (n, nbytes, dur, per_step)
+        if dev_n:
+            a.setdefault("device", []).append(dev)
         a["first"] = min(a["first"], first)
     out = []
     for (mid, op, redop, gid), a in sorted(agg.items(), key=lambda kv: (kv[1]["first"], kv[0][1])):
@@ -199,8 +202,10 @@ def collectives(con, pattern: str | None) -> list[dict]:
         n, nbytes, _, per_step = a["procs"][ref]
         gname, granks = groups[gid]
         times = [t for _, _, t, _ in a["procs"].values()]
+        dev = a.get("device")
         out.append(dict(module=a["module"], op=op, reduce_op=redop, group=gname, group_ranks=json.loads(granks),
                         count=n, bytes=nbytes, time_ms=round(sum(times) / len(times) / 1e6, 3),
+                        device_time_ms=round(sum(dev) / len(dev) / 1e6, 3) if dev else None,
                         per_step={int(k): v for k, v in json.loads(per_step)}, ranks=len(a["procs"])))
     if not out and pattern:
         raise NoAnswer(f"no collective issued by a module matching {pattern!r}")

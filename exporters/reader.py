@@ -171,6 +171,7 @@ class Collective:
     flags: int
     bytes: int
     fp_refs: list
+    device_ns: int | None = None  # device time from CUDA events (COLL_DEVICE), when recorded
 
 
 @dataclasses.dataclass
@@ -229,6 +230,7 @@ def load_rank_file(path: str) -> RankTrace:
     identity: dict = {}
     end = None
     params: dict = {}
+    device_ns: dict = {}  # (step, collective index) -> device time
 
     def tensors_of(layout_id):
         out = []
@@ -262,6 +264,8 @@ def load_rank_file(path: str) -> RankTrace:
                 metas[rec[1]] = (rec[2], strings.get(rec[3], "?"), strings.get(rec[4], "?"))
             elif kind == schema.LAYOUT:
                 layouts[rec[1]] = rec[2]
+            elif kind == schema.COLL_DEVICE:
+                device_ns[(rec[1], rec[2])] = int(rec[3])
             elif kind == schema.MODULE:
                 modules[strings.get(rec[1], "?")] = strings.get(rec[2], "?")
             elif kind == schema.STEP_BEGIN:
@@ -303,6 +307,9 @@ def load_rank_file(path: str) -> RankTrace:
             t.fp = static.get(ref)
         params[path_] = [t for t, _ in plist]
     for st in steps.values():
+        if device_ns:
+            for c in st.collectives:
+                c.device_ns = device_ns.get((c.step, c.index))
         for item in (*st.spans, *st.collectives):
             for t, ref in zip(item.tensors, item.fp_refs):
                 if ref >= 0:

@@ -57,6 +57,7 @@ PARAMS_STEP = -1
 CAPTURE_INFO = 16  # path string id of a named capture point ("capture:NAME"), info (dict)
 MODULE_ATTRS = 17  # module path string id, dict: what a framework says the layer does
 #                    (class, gather_output, reduce_results, input_is_parallel, group, ...)
+COLL_DEVICE = 18  # step, collective index, device time in ns (CUDA events around the call)
 
 RECORD_NAMES = {
     HEADER: "header",
@@ -77,6 +78,7 @@ RECORD_NAMES = {
     PARAMS: "params",
     CAPTURE_INFO: "capture_info",
     MODULE_ATTRS: "module_attrs",
+    COLL_DEVICE: "coll_device",
 }
 
 # SPAN / COLLECTIVE flags.

@@ -167,6 +167,7 @@ class CollectiveInterceptor:
         self.seq: dict[int, int] = {}
         self.awaiting: dict[int, tuple] = {}  # id(functional result) -> token
         self.open_async: dict[int, tuple] = {}  # token id -> token (for unwaited at step end)
+        self.device_times = tracer.device_times
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
@@ -278,7 +279,8 @@ class CollectiveInterceptor:
                     is_async = bool(bound.get("async_op")) or name in _ALWAYS_ASYNC
                     token = interceptor.begin(name, bound.get("op") if has_op else None, group,
                                               _tensors(bound.get(in_arg)) if in_arg else [],
-                                              is_async)
+                                              is_async,
+                                              _tensors(bound.get(out_arg)) if out_arg else None)
                     token.append(bound.get(out_arg) if out_arg else None)
             except Exception as exc:
                 tracer._on_error(f"collective {name}", exc)
@@ -407,7 +409,9 @@ class CollectiveInterceptor:
         finally:
             tracer.in_collective = False
 
-    def begin(self, op, reduce_op, group_seq, inputs, is_async):
+    def begin(self, op, reduce_op, group_seq, inputs, is_async, outputs=None):
+        """Open a collective's span (a token list; the caller appends the outputs to it).
+        ``outputs``, when known before the call, only helps find the device to time on."""
         tracer = self.tracer
         t0 = _now()
         index = tracer.coll_count
@@ -423,8 +427,14 @@ class CollectiveInterceptor:
             finally:
                 tracer.busy = False
         gid, seq = group_seq
+        started = None
+        if not tracer.capturing:
+            device = self.device_times.device_of(inputs) or (
+                self.device_times.device_of(outputs) if outputs else None)
+            if device is not None:
+                started = self.device_times.start(device)
         token = [op, reduce_op, gid, seq, t0, index, tracer.innermost_span(), inputs,
-                 fp_pre, is_async, tracer.step]
+                 fp_pre, is_async, tracer.step, started]
         if is_async:
             self.open_async[id(token)] = token
         return token
@@ -437,9 +447,14 @@ class CollectiveInterceptor:
             return  # already closed (e.g. as unwaited at the end of its step)
         tracer.busy = True
         try:
-            op, reduce_op, gid, seq, t0, index, parent, inputs, fp_pre, is_async, step = token[:11]
-            outputs = _tensors(token[11]) if len(token) > 11 else []
+            op, reduce_op, gid, seq, t0, index, parent, inputs, fp_pre, is_async, step, started = token[:12]
+            outputs = _tensors(token[12]) if len(token) > 12 else []
             t1 = _now()
+            if started is not None:
+                if error or unwaited or step != tracer.step:
+                    self.device_times.discard(started)
+                else:
+                    self.device_times.end(step, index, started)
             writer = tracer.writer
             fps = tracer.fps
             fp_post = -1

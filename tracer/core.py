@@ -29,6 +29,7 @@ from torch.nn.modules import module as _nn_module
 from tensor_trace import schema
 from tensor_trace.tracer import structures
 from tensor_trace.tracer.config import TraceConfig
+from tensor_trace.tracer.device_time import CollectiveDeviceTimes
 from tensor_trace.tracer.fingerprint import StepFingerprints
 from tensor_trace.tracer.writer import RankWriter
 
@@ -85,6 +86,7 @@ class Tracer:
         self.coll_count = 0
         self.calls: dict = {}
         self.fps = self._new_fingerprints()
+        self.device_times = CollectiveDeviceTimes()
         self.busy = False
         self.in_collective = False
         # modules
@@ -193,6 +195,9 @@ class Tracer:
             return
         for rec in self.fps.collect(wait=True):
             writer.add(rec)
+        for rec in self.device_times.collect(wait=True):
+            writer.add(rec)
+        self.stats["untimed_collectives"] = self.device_times.dropped
         writer.flush()  # the END record in a chunk of its own: losing it loses nothing else
         if self.live is not None:
             self.stats.update(self.live.shutdown())
@@ -497,6 +502,8 @@ class Tracer:
                     self.writer.add(rec)
             else:
                 self.fps.reset()
+            for rec in self.device_times.collect():
+                self.writer.add(rec)
             self.stats["spans"] += self.span_count
             self.stats["collectives"] += self.coll_count
         self.stack.clear()
@@ -743,6 +750,7 @@ class Tracer:
             self.step = -1  # a forked child counts its own steps (and --steps windows)
             self.in_step = self.tracing_step = False
             self.fps = self._new_fingerprints()
+            self.device_times.reset()
             self.identity = {}
             self.stats = {k: 0 for k in self.stats}
             for hook in self.after_fork_callbacks:

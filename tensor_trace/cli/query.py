@@ -80,10 +80,13 @@ def collectives(pattern, trace_dir, as_json):
     rows = q.collectives(_store(trace_dir), pattern)
     if as_json:
         return echo_json(rows)
-    echo_table(["module", "op", "group", "count", "per step", "bytes", "time ms"],
+    timed = any(r["device_time_ms"] is not None for r in rows)
+    echo_table(["module", "op", "group", "count", "per step", "bytes", "host ms"]
+               + (["device ms"] if timed else []),
                [[r["module"] or "<root>", r["op"] + (f"({r['reduce_op']})" if r["reduce_op"] else ""),
                  f"{r['group']} {r['group_ranks']}", r["count"], _per_step(r["per_step"]), r["bytes"],
-                 r["time_ms"]] for r in rows])
+                 r["time_ms"]] + ([r["device_time_ms"] if r["device_time_ms"] is not None else "-"]
+                                  if timed else []) for r in rows])
 
 
 def _per_step(per_step: dict) -> str:
