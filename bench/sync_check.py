@@ -43,9 +43,18 @@ def _load_example():
 
 
 def _sync_calls(prof) -> dict:
+    """Blocking runtime calls made while the steps ran (inside the "steps" range: the
+    profiler's own start and stop are outside it)."""
+    events = prof.events()
+    ranges = [ev.time_range for ev in events if ev.name == "steps"]
+    if not ranges:
+        return {"no 'steps' range recorded": 1}
+    lo, hi = ranges[0].start, ranges[0].end
     counts: dict = {}
-    for ev in prof.events():
+    for ev in events:
         name = ev.name
+        if not lo <= ev.time_range.start <= hi:
+            continue
         # cudaMemcpyAsync does not block; cudaMemcpy (and cudaMemcpy2D...) do.
         if any(name == s or (s == "cudaMemcpy" and name.startswith("cudaMemcpy") and "Async" not in name)
                for s in SYNC_CALLS):
@@ -67,8 +76,9 @@ def run_block(model, ids_list, variant, tmp, steps):
             with torch.profiler.profile(activities=acts) as prof:
                 torch.cuda.set_sync_debug_mode("error")
                 try:
-                    for i in range(steps):
-                        model(ids_list[2 + i % (len(ids_list) - 2)])
+                    with torch.profiler.record_function("steps"):
+                        for i in range(steps):
+                            model(ids_list[2 + i % (len(ids_list) - 2)])
                 except RuntimeError as exc:
                     raised = str(exc).splitlines()[0]
                 finally:
@@ -120,6 +130,11 @@ def main(argv=None) -> int:
     ctl = control()
     ok = ctl == "caught" and all(not r["sync_calls"] and not r["raised"] and not r["tracer_errors"]
                                  for r in results)
+    every = [dict(rank=rank, ok=ok, control=ctl, results=results)]
+    if world > 1:
+        every = [None] * world
+        dist.all_gather_object(every, dict(rank=rank, ok=ok, control=ctl, results=results))
+        ok = all(e["ok"] for e in every)
     if rank == 0:
         print(f"sync check, rank {rank} of {world}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
         print(f"control (.item() under set_sync_debug_mode('error')): {ctl}")
@@ -128,11 +143,15 @@ def main(argv=None) -> int:
                   f"{r['sync_calls'] or 0}; raised: {r['raised'] or 'no'}; tracer errors: "
                   f"{r['tracer_errors'] if r['tracer_errors'] is not None else '-'}; traced steps: "
                   f"{r['traced_steps'] if r['traced_steps'] is not None else '-'}")
+        for e in every[1:]:
+            print(f"  rank {e['rank']}: " + "; ".join(
+                f"{r['variant']} blocking calls {r['sync_calls'] or 0}, raised {r['raised'] or 'no'}, "
+                f"errors {r['tracer_errors'] if r['tracer_errors'] is not None else '-'}" for r in e["results"]))
         print("NO SYNCHRONISATION IN TRACED STEPS" if ok else "SYNCHRONISATION FOUND")
-    if args.json:
-        path = args.json if world == 1 else args.json.replace(".json", f".rank{rank}.json")
-        with open(path, "w") as f:
-            json.dump(dict(rank=rank, world=world, control=ctl, results=results, ok=ok), f, indent=1)
+    if args.json and rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(dict(world=world, device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           ranks=every, ok=ok), f, indent=1)
     if world > 1:
         dist.destroy_process_group()
     return 0 if ok else 1
