@@ -15,6 +15,7 @@ outputs agree for any tp up to float rounding.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import socket
@@ -454,7 +455,8 @@ def run(args) -> list:
                         torch.cuda.set_sync_debug_mode("default")
                 argmax = logits.argmax(-1).tolist()
                 rec = {"step": step, "logits_sum": logits.float().sum().item(),
-                       "argmax": argmax, "draft_sum": draft_out.float().sum().item()}
+                       "argmax": argmax, "draft_sum": draft_out.float().sum().item(),
+                       "logits_sha256": _sha256(logits), "draft_sha256": _sha256(draft_out)}
                 records.append(rec)
                 if rank == 0:
                     print(f"step {step} logits_sum={rec['logits_sum']:.6f} argmax0={argmax[0]}",
@@ -466,6 +468,12 @@ def run(args) -> list:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _sha256(t: torch.Tensor) -> str:
+    """Hash of a tensor's bytes (bitwise comparison of runs; no numpy needed)."""
+    raw = t.detach().contiguous().cpu().view(-1).view(torch.uint8)
+    return hashlib.sha256(bytes(raw.tolist())).hexdigest()
 
 
 def _free_port() -> int:

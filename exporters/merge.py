@@ -45,7 +45,7 @@ CREATE TABLE groups(group_id INTEGER PRIMARY KEY, name TEXT, ranks TEXT, backend
     UNIQUE(pg_name, ranks));
 CREATE TABLE steps(proc INTEGER, step INTEGER, root TEXT, t_begin INTEGER, t_end INTEGER,
     n_spans INTEGER, n_collectives INTEGER, attrs TEXT, span_first INTEGER, span_last INTEGER,
-    interrupted INTEGER, PRIMARY KEY(proc, step));
+    interrupted INTEGER, device_ns INTEGER, PRIMARY KEY(proc, step));
 CREATE TABLE spans(proc INTEGER, step INTEGER, idx INTEGER, parent INTEGER, module_id INTEGER,
     call INTEGER, t0 INTEGER, dur INTEGER, layout_id INTEGER, fp_pre INTEGER, fp_post INTEGER,
     n_pre INTEGER, flags INTEGER);
@@ -144,6 +144,8 @@ class _FileLoader:
         self.errors: list = []
         self.params: list = []
         self.coll_device: list = []  # (device ns, proc, step, idx)
+        self.step_device: list = []  # (device ns, proc, step) of CUDA-graph replays
+        self.replays: list = []  # REPLAY records: (step, captured step, span base, coll base, fp base, t0, dur)
         self.step_colls: list = []  # this step's collectives, until their modules are known
         self.span_module: dict = {}  # this step's span index -> module id
         self.interrupted: set = set()  # steps whose root call raised (e.g. Ctrl-C mid-forward)
@@ -190,6 +192,46 @@ class _FileLoader:
             a[3][c[1]] = a[3].get(c[1], 0) + 1
         self.step_colls.clear()
         span_module.clear()
+
+    def _expand_replays(self, rowid: int) -> None:
+        """Give every CUDA-graph replay step the spans and collectives of the step it replays,
+        shifted by the replay's bases and flagged REPLAYED, with the replay's fingerprints (the
+        FINGERPRINTS records of the replay step, from its fingerprint base)."""
+        con, proc = self.con, self.proc
+        keep_flags = ~(schema.FLAG_CAPTURED | schema.FLAG_ERROR)
+        for step, cap, sb, cb, fb, _t0, _dur in self.replays:
+            rng = self.span_ranges.get(cap)
+            if rng is None:
+                self.report.bad_records += 1  # the captured step is not in this file
+                continue
+            fp = (f"CASE WHEN fp_pre >= 0 AND ? >= 0 THEN fp_pre + ? ELSE -1 END, "
+                  f"CASE WHEN fp_post >= 0 AND ? >= 0 THEN fp_post + ? ELSE -1 END")
+            cur = con.execute(
+                f"INSERT INTO spans SELECT proc, ?, idx + ?, CASE WHEN parent >= 0 THEN parent + ? ELSE -1 END, "
+                f"module_id, call, t0, dur, layout_id, {fp}, n_pre, (flags & ?) | ? FROM spans "
+                f"WHERE rowid BETWEEN ? AND ? AND proc = ? AND step = ? ORDER BY rowid",
+                (step, sb, sb, fb, fb, fb, fb, keep_flags, schema.FLAG_REPLAYED, rng[0], rng[1], proc, cap))
+            if cur.rowcount > 0:
+                self._add_range(step, rowid + 1, rowid + cur.rowcount)
+                rowid += cur.rowcount
+            con.execute(
+                f"INSERT OR IGNORE INTO collectives SELECT proc, ?, idx + ?, "
+                f"CASE WHEN parent >= 0 THEN parent + ? ELSE -1 END, op, reduce_op, group_id, "
+                f"seq, t0, dur, layout_id, {fp}, n_pre, (flags & ?) | ?, bytes, module_id, NULL "
+                f"FROM collectives WHERE proc = ? AND step = ?",
+                (step, cb, sb, fb, fb, fb, fb, keep_flags, schema.FLAG_REPLAYED, proc, cap))
+        # Replayed collectives count in the per-module summary (their host time is not measured).
+        summary = self.summary
+        for mid, op, redop, gid, step, n, nbytes in con.execute(
+                "SELECT module_id, op, reduce_op, group_id, step, COUNT(*), SUM(bytes) FROM collectives "
+                "WHERE proc = ? AND (flags & ?) != 0 GROUP BY module_id, op, reduce_op, group_id, step",
+                (proc, schema.FLAG_REPLAYED)):
+            a = summary.get((mid, op, redop, gid))
+            if a is None:
+                summary[(mid, op, redop, gid)] = a = [0, 0, 0, {}, step * 1000000]
+            a[0] += n
+            a[1] += nbytes or 0
+            a[3][step] = a[3].get(step, 0) + n
 
     def _add_range(self, step, first, last):
         old = self.span_ranges.get(step)
@@ -246,8 +288,14 @@ class _FileLoader:
                     n += 1
                 elif kind == schema.COLL_DEVICE:
                     # Written once the CUDA events completed: after the collective, often after
-                    # its step ended, so applied to the stored rows at the end.
-                    self.coll_device.append((int(rec[3]), proc, rec[1], rec[2]))
+                    # its step ended, so applied to the stored rows at the end. Index -1 is the
+                    # step's CUDA-graph replay.
+                    if rec[2] < 0:
+                        self.step_device.append((int(rec[3]), proc, rec[1]))
+                    else:
+                        self.coll_device.append((int(rec[3]), proc, rec[1], rec[2]))
+                elif kind == schema.REPLAY:
+                    self.replays.append(tuple(rec[1:8]))
                 elif kind == S_STR:
                     strings[rec[1]] = rec[2]
                     self.modules.pop(rec[1], None)
@@ -295,14 +343,18 @@ class _FileLoader:
         if cur_step is not None:
             self._add_range(cur_step, cur_first, rowid)
         self.flush()
+        if self.replays:
+            self._expand_replays(rowid)
         if not self.header:
             raise BadInput(f"{self.path}: no header (damaged at its start)")
         steps = self.steps
         for step in ranges:
             steps.setdefault(step, ["", None, None, 0, 0, "{}"])
-        self.con.executemany("INSERT INTO steps VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+        self.con.executemany("INSERT INTO steps VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                              [(proc, k, *v, *ranges.get(k, (None, None)),
-                               int(k in self.interrupted or v[2] is None)) for k, v in sorted(steps.items())])
+                               int(k in self.interrupted or v[2] is None), None) for k, v in sorted(steps.items())])
+        if self.step_device:
+            self.con.executemany("UPDATE steps SET device_ns=? WHERE proc=? AND step=?", self.step_device)
         self.con.executemany("INSERT INTO collective_summary VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", [
             (mid, op, redop, gid, proc, a[0], a[1], a[2], json.dumps(sorted(a[3].items())), a[4], None, 0)
             for (mid, op, redop, gid), a in self.summary.items()])
@@ -492,21 +544,25 @@ def align_collectives(con) -> list:
             continue
         # Compare only the range every present rank covered (a killed rank stops early, and a
         # --steps window starts late).
-        bounds = con.execute("SELECT proc, MIN(seq), MAX(seq) FROM collectives WHERE group_id=? GROUP BY proc",
-                             (gid,)).fetchall()
+        # Replayed copies repeat their capture's sequence numbers: the captured call stands for them.
+        bounds = con.execute("SELECT proc, MIN(seq), MAX(seq) FROM collectives WHERE group_id=? AND (flags & ?) = 0 "
+                             "GROUP BY proc", (gid, schema.FLAG_REPLAYED)).fetchall()
         if len(bounds) < len(procs):
             continue
         lo, hi = max(b[1] for b in bounds), min(b[2] for b in bounds)
         row = con.execute(
             "SELECT c.seq, COUNT(*), COUNT(DISTINCT c.op || '|' || COALESCE(c.reduce_op, '') || '|' || l.signature) "
             "FROM collectives c JOIN layouts l USING(layout_id) WHERE c.group_id=? AND c.seq BETWEEN ? AND ? "
+            "AND (c.flags & ?) = 0 "
             "GROUP BY c.seq HAVING COUNT(*) != ? OR COUNT(DISTINCT c.op || '|' || COALESCE(c.reduce_op, '') "
-            "|| '|' || l.signature) > 1 ORDER BY c.seq LIMIT 1", (gid, lo, hi, len(procs))).fetchone()
+            "|| '|' || l.signature) > 1 ORDER BY c.seq LIMIT 1",
+            (gid, lo, hi, schema.FLAG_REPLAYED, len(procs))).fetchone()
         if row is None:
             continue
         seq = row[0]
         rows = con.execute("SELECT c.proc, c.op, c.reduce_op, l.signature FROM collectives c JOIN layouts l "
-                           "USING(layout_id) WHERE c.group_id=? AND c.seq=?", (gid, seq)).fetchall()
+                           "USING(layout_id) WHERE c.group_id=? AND c.seq=? AND (c.flags & ?) = 0",
+                           (gid, seq, schema.FLAG_REPLAYED)).fetchall()
         have = {p for p, *_ in rows}
         missing = [rank_of[p] for p in procs if p not in have]
         if missing:
@@ -557,7 +613,8 @@ def estimate_clock_offsets(con) -> list:
     cur = con.execute(
         "SELECT c.proc, c.group_id, c.seq, st.t_begin + c.t0 + c.dur FROM collectives c "
         "JOIN steps st ON st.proc = c.proc AND st.step = c.step WHERE c.step <= ? AND (c.flags & ?) = 0 "
-        "AND c.op NOT IN ('send','recv','isend','irecv')", (last, schema.FLAG_ASYNC | schema.FLAG_CAPTURED))
+        "AND c.op NOT IN ('send','recv','isend','irecv')",
+        (last, schema.FLAG_ASYNC | schema.FLAG_CAPTURED | schema.FLAG_REPLAYED))
     for proc, gid, seq, end in cur:
         if end is not None:  # a step whose begin record was lost has no time base
             ends.setdefault(proc, {})[(gid, seq)] = end

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+from tensor_trace import schema
 from tensor_trace.errors import BadInput
 from tensor_trace.exporters.base import ExportResult, SpanExporter
 from tensor_trace.exporters.merge import open_store
@@ -131,6 +132,8 @@ def readable_spans(con):
                         if parent >= 0 else None)
                 a = {"module.path": path, "module.class": classes.get(path) or "", "module.call": call,
                      "step": step, **sattrs}
+                if fl & REPLAYED:  # a CUDA-graph replay's span: the capture's times, the replay's values
+                    a["tensor_trace.replayed"] = True
                 slots = tensors(lid)
                 outs = [s for s in slots if s[0].startswith("output")] or slots
                 if outs:
@@ -164,6 +167,9 @@ def readable_spans(con):
                 yield ReadableSpan(name=op, context=ctx, parent=pctx, resource=resource, attributes=a,
                                    kind=SpanKind.INTERNAL, start_time=base + t0, end_time=base + t0 + dur,
                                    instrumentation_scope=scope)
+
+
+REPLAYED = schema.FLAG_REPLAYED
 
 
 def export_otlp(trace_dir: str, endpoint: str, protocol: str = "grpc", batch: int = 512,

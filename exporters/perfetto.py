@@ -13,6 +13,7 @@ import gzip
 import json
 import os
 
+from tensor_trace import schema
 from tensor_trace.exporters.base import ExportResult, SpanExporter
 from tensor_trace.exporters.merge import open_store
 
@@ -83,10 +84,14 @@ def timeline_events(con):
         origin = t if origin is None else min(origin, t)
     if origin is None:
         return
-    for proc, step, t_begin, t_end, attrs in con.execute(
-            "SELECT proc, step, t_begin, t_end, attrs FROM steps WHERE t_begin IS NOT NULL ORDER BY proc, step"):
+    for proc, step, t_begin, t_end, attrs, dev in con.execute(
+            "SELECT proc, step, t_begin, t_end, attrs, device_ns FROM steps WHERE t_begin IS NOT NULL "
+            "ORDER BY proc, step"):
         a = json.loads(attrs or "{}")
-        name = f"step {step}" + (f" {a['forward_mode']}" if a.get("forward_mode") else "")
+        if dev is not None:
+            a["device_us"] = _us(dev)
+        name = (f"step {step}" + (f" {a['forward_mode']}" if a.get("forward_mode") else "")
+                + (f" (replay of {a['replay_of']})" if a.get("replay_of") is not None else ""))
         t = step_start[(proc, step)]
         dur = (t_end - t_begin) if t_end is not None else 0
         yield dict(ph="X", pid=procs[proc]["pid"], tid=TID_STEPS, name=name, ts=_us(t - origin), dur=_us(dur),
@@ -107,7 +112,9 @@ def timeline_events(con):
             "SELECT module, call, slot, placement, reduction FROM points WHERE slot LIKE 'output%' ORDER BY sort_key"):
         verdicts.setdefault((module, call), (placement, reduction))
     for proc, step, idx, mid, call, t0, dur, lid, flags in con.execute(
-            "SELECT proc, step, idx, module_id, call, t0, dur, layout_id, flags FROM spans ORDER BY rowid"):
+            "SELECT proc, step, idx, module_id, call, t0, dur, layout_id, flags FROM spans "
+            f"WHERE (flags & {schema.FLAG_REPLAYED}) = 0 ORDER BY rowid"):
+        # A CUDA-graph replay's module spans have no measured times: its step event stands for them.
         start = step_start.get((proc, step))
         if start is None:
             continue
@@ -124,7 +131,7 @@ def timeline_events(con):
         "SELECT group_id, name, ranks FROM groups")}
     for proc, step, op, redop, gid, seq, t0, dur, lid, nbytes, mid, dev in con.execute(
             "SELECT proc, step, op, reduce_op, group_id, seq, t0, dur, layout_id, bytes, module_id, "
-            "device_ns FROM collectives ORDER BY proc, step, idx"):
+            f"device_ns FROM collectives WHERE (flags & {schema.FLAG_REPLAYED}) = 0 ORDER BY proc, step, idx"):
         start = step_start.get((proc, step))
         if start is None:
             continue

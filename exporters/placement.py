@@ -551,7 +551,7 @@ def sample_steps(con, procs) -> list:
     kinds: dict = {}
     for step, root, attrs in rows:
         a = json.loads(attrs or "{}")
-        kind = (root, a.get("forward_mode"), a.get("captured"))
+        kind = (root, a.get("forward_mode"), a.get("captured"), a.get("replay_of") is not None)
         kinds.setdefault(kind, [])
         if len(kinds[kind]) < MAX_SAMPLE_STEPS:
             kinds[kind].append(step)

@@ -138,7 +138,8 @@ def _placement_at_step(con, pattern, step) -> list[dict]:
             out.append(dict(point=name, module=module, call=call, slot=slot, placement=v["placement"],
                             reduction=v["reduction"], shapes=v["shapes"],
                             dtype=next(iter(set(v["dtypes"].values()))) if len(set(v["dtypes"].values())) == 1 else None,
-                            evidence=v["evidence"] + [f"step {step}"], collective=v["collective"], steps=1))
+                            evidence=v["evidence"] + [f"step {step}"], collective=v["collective"], steps=1,
+                            fingerprint=v["fp"]))
     if pattern:
         keep = {p["point"] for p in match_points(con, pattern)}
         out = [p for p in out if p["point"] in keep]

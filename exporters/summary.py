@@ -13,7 +13,7 @@ def summarize(trace_dir: str) -> dict:
     """Counts over every rank file of a trace folder."""
     files = rank_files(trace_dir)
     out = dict(dir=os.path.abspath(trace_dir), processes=0, ranks=[], spans=0, collectives=0,
-               steps=0, bytes=0, errors=0, graph_replays=0, live_sent=0, live_dropped=0, live=False,
+               steps=0, bytes=0, errors=0, graph_replays=0, graph_replays_untraced=0, live_sent=0, live_dropped=0, live=False,
                problems=[], per_rank=[])
     for path in files:
         try:
@@ -32,6 +32,7 @@ def summarize(trace_dir: str) -> dict:
         out["errors"] += len(rt.errors)
         end_stats = (rt.end or {}).get("stats") or {}
         out["graph_replays"] += end_stats.get("graph_replays", 0)
+        out["graph_replays_untraced"] += end_stats.get("graph_replays_untraced", 0)
         if "live_otlp_sent" in end_stats:
             out["live"] = True
             out["live_sent"] += end_stats["live_otlp_sent"]
@@ -62,7 +63,11 @@ def format_summary(s: dict) -> str:
     if s["live"]:
         lines.append(f"  live OTLP: {s['live_sent']} spans sent, {s['live_dropped']} dropped")
     if s["graph_replays"]:
-        lines.append(f"  {s['graph_replays']} CUDA-graph replay(s) not traced (run without CUDA graphs to trace every step)")
+        lines.append(f"  {s['graph_replays']} CUDA-graph replay(s) traced as steps (values from the graph's "
+                     f"own fingerprint kernels)")
+    if s["graph_replays_untraced"]:
+        lines.append(f"  {s['graph_replays_untraced']} replay(s) of CUDA graphs captured without tracing: "
+                     f"counted only (keep the capture inside the traced steps)")
     for p in s["problems"][:5]:
         lines.append(f"  warning: {p}")
     lines.append(f"  files: {s['dir']}")

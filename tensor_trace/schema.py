@@ -57,7 +57,12 @@ PARAMS_STEP = -1
 CAPTURE_INFO = 16  # path string id of a named capture point ("capture:NAME"), info (dict)
 MODULE_ATTRS = 17  # module path string id, dict: what a framework says the layer does
 #                    (class, gather_output, reduce_results, input_is_parallel, group, ...)
-COLL_DEVICE = 18  # step, collective index, device time in ns (CUDA events around the call)
+COLL_DEVICE = 18  # step, collective index (-1: the step's CUDA-graph replay), device time in ns
+#                   (CUDA events around the call)
+REPLAY = 19  # step, captured step, span base, collective base, fingerprint base (-1 none), t0, dur:
+#              a CUDA-graph replay of the captured step; the step holds that step's spans and
+#              collectives again, their indices shifted by the bases, with the replay's
+#              fingerprints (written as FINGERPRINTS of this step from the fingerprint base)
 
 RECORD_NAMES = {
     HEADER: "header",
@@ -79,6 +84,7 @@ RECORD_NAMES = {
     CAPTURE_INFO: "capture_info",
     MODULE_ATTRS: "module_attrs",
     COLL_DEVICE: "coll_device",
+    REPLAY: "replay",
 }
 
 # SPAN / COLLECTIVE flags.
@@ -87,6 +93,8 @@ FLAG_ASYNC = 2  # async collective: the span ends when its work was waited on
 FLAG_ERROR = 4  # the module or collective raised
 FLAG_NO_FP = 8  # fingerprints off for this span
 FLAG_UNWAITED = 16  # async collective whose work was never waited on before the step ended
+FLAG_REPLAYED = 32  # (merged store only) a CUDA-graph replay's copy of a captured span or collective:
+#                     values are the replay's, times are the capture's (a replay is one launch)
 
 # Slot names of a span's tensors: "input.0", "input.NAME", "output", "output.0", "output.0.key".
 # Collective slots: "input.0" ..., "output.0" ...

@@ -417,13 +417,13 @@ class CollectiveInterceptor:
         index = tracer.coll_count
         tracer.coll_count = index + 1
         fp_pre = -1
-        if inputs and tracer.fingerprint and not tracer.capturing:
+        if inputs and tracer.fp_now:
             tracer.busy = True
             try:
                 # A deferred fingerprint of a tensor this collective may update in place must
                 # be taken now.
                 tracer.fps.materialize(inputs)
-                fp_pre = tracer.fps.add(inputs, store=False)
+                fp_pre = tracer.fps.add(inputs, store=False, immediate=True)
             finally:
                 tracer.busy = False
         gid, seq = group_seq
@@ -458,7 +458,7 @@ class CollectiveInterceptor:
             writer = tracer.writer
             fps = tracer.fps
             fp_post = -1
-            if outputs and tracer.fingerprint and not tracer.capturing and step == tracer.step and not unwaited:
+            if outputs and tracer.fp_now and step == tracer.step and not unwaited:
                 fps.forget(outputs)
                 fp_post = fps.add(outputs)
             slots = [(f"input.{i}", t) for i, t in enumerate(inputs)]

@@ -30,7 +30,7 @@ from tensor_trace import schema
 from tensor_trace.tracer import structures
 from tensor_trace.tracer.config import TraceConfig
 from tensor_trace.tracer.device_time import CollectiveDeviceTimes
-from tensor_trace.tracer.fingerprint import StepFingerprints
+from tensor_trace.tracer.fingerprint import GRAPH_DEFER_BYTES, StepFingerprints
 from tensor_trace.tracer.writer import RankWriter
 
 _now = time.monotonic_ns
@@ -107,12 +107,13 @@ class Tracer:
         self.step_frame = None  # the frame running the step root's _call_impl (stale detection)
         self.identity: dict = {}
         self.collectives = None
-        self.graph_replays = None
+        self.graphs = None  # GraphTracker: CUDA-graph captures and replays
         self.live = None  # live OTLP sink of the current rank file, when --otlp-endpoint
         self.after_fork_callbacks: list = []
         self.root_classes: list = []  # prefixes given to roots, in order (the first has none)
         self._capture_info: dict = {}
         self.external_steps = False  # a framework integration delimits steps itself
+        self.step_info = ("", "", {})  # (root path, root class, attrs) of the current step
         self._fork_registered = False
 
     def _new_fingerprints(self) -> StepFingerprints:
@@ -131,11 +132,11 @@ class Tracer:
         self.collectives = CollectiveInterceptor(self)
         self.collectives.install()
         from tensor_trace.tracer import integrations
-        from tensor_trace.tracer.cuda_graphs import GraphReplayCounter
+        from tensor_trace.tracer.cuda_graphs import GraphTracker
 
         integrations.apply_loaded()
-        self.graph_replays = GraphReplayCounter(self)
-        self.graph_replays.install()
+        self.graphs = GraphTracker(self)
+        self.graphs.install()
         self._install_global_hooks()
         self.enabled = True
         if not self._fork_registered:
@@ -186,8 +187,8 @@ class Tracer:
         self.roots = weakref.WeakKeyDictionary()
         if self.collectives is not None:
             self.collectives.uninstall()
-        if self.graph_replays is not None:
-            self.graph_replays.uninstall()
+        if self.graphs is not None:
+            self.graphs.uninstall()
         if self.in_step and self.tracing_step and self.writer is not None:
             self._end_step(error=True)
         writer = self.writer
@@ -410,7 +411,12 @@ class Tracer:
         t0 = _now()
         self.step_t0_raw = t0  # span times are offsets from this, on the raw clock
         self.step_t0 = t0 + self.clock_offset
-        self.fp_now = self.fingerprint and not self.capturing
+        # Under a capture, fingerprint kernels become part of the graph (tracer/cuda_graphs.py);
+        # only a capture begun through CUDAGraph.capture_begin can hand its buffer to replays.
+        graph_fp = self.capturing and self.graphs is not None and self.graphs.capturing is not None
+        self.fp_now = self.fingerprint and (not self.capturing or graph_fp)
+        if graph_fp:
+            self.fps.defer_bytes = GRAPH_DEFER_BYTES
         self.span_flags = schema.FLAG_CAPTURED if self.capturing else 0
         entry = self.names.get(root)
         if entry is None:
@@ -424,6 +430,7 @@ class Tracer:
             if dev is not None:
                 self.update_identity(device=dev)
         self.writer.add((schema.STEP_BEGIN, self.step, path_id, self.step_t0, attrs))
+        self.step_info = (entry[0], entry[1], attrs)
         self._push(root, args, entry, t0)
 
     def begin_external_step(self, root, args, attrs=None) -> bool:
@@ -496,14 +503,17 @@ class Tracer:
                 self.collectives.end_step()
             t1 = self.now()
             self.writer.add((schema.STEP_END, step, t1, self.span_count, self.coll_count))
-            if self.fingerprint and not self.capturing:
+            if self.capturing:
+                self._end_captured_step(step)
+            elif self.fp_now:
                 self.fps.finish_step(step)
                 for rec in self.fps.collect():
                     self.writer.add(rec)
             else:
                 self.fps.reset()
-            for rec in self.device_times.collect():
-                self.writer.add(rec)
+            if not self.capturing:  # no event may be queried while a stream is being captured
+                for rec in self.device_times.collect():
+                    self.writer.add(rec)
             self.stats["spans"] += self.span_count
             self.stats["collectives"] += self.coll_count
         self.stack.clear()
@@ -514,6 +524,110 @@ class Tracer:
         self.capturing = False
         if not self.config.in_window(step + 1) and self.global_handles:
             self._remove_global_hooks()
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _end_captured_step(self, step: int) -> None:
+        """The step that just ended was captured into a CUDA graph: its fingerprint kernels go
+        into the graph, and the graph remembers the step for its replays."""
+        from tensor_trace.tracer.cuda_graphs import CapturedStep
+
+        fps = self.fps.finish_capture() if self.fp_now else None
+        if not self.fp_now:
+            self.fps.reset()
+        if self.graphs is not None and self.graphs.capturing is not None:
+            path, cls, attrs = self.step_info
+            self.graphs.add_captured(CapturedStep(step, (path, cls), attrs, self.span_count,
+                                                  self.coll_count, fps))
+
+    def run_replay(self, captured: list, fn, *args, **kwargs):
+        """Run ``fn`` (the real ``CUDAGraph.replay``) as a traced replay of ``captured`` steps:
+        a step of its own, or part of the step a framework has open."""
+        if self.busy or (self.in_step and (not self.tracing_step or _get_ident() != self.step_thread)):
+            return fn(*args, **kwargs)
+        own = not self.in_step
+        started = None
+        self.busy = True
+        try:
+            if own and not self._begin_replay_step(captured[0]):
+                own = None
+            else:
+                static = next((c.fps.static for c in captured if c.fps is not None and c.fps.static is not None), None)
+                if static is not None and static.is_cuda:
+                    started = self.device_times.start(static.device)
+        except Exception as exc:
+            self._on_error("graph replay", exc)
+            own = None if not self.in_step else own
+        finally:
+            self.busy = False
+        if own is None:
+            return fn(*args, **kwargs)
+        t0 = _now()
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException:
+            if own:
+                self._end_replay_step()
+            raise
+        t1 = _now()
+        self.busy = True
+        try:
+            step = self.step
+            if started is not None:
+                self.device_times.end(step, -1, started)
+            writer = self.writer
+            for c in captured:
+                span_base, coll_base = self.span_count, self.coll_count
+                self.span_count += c.n_spans
+                self.coll_count += c.n_colls
+                fp_base = -1
+                if c.fps is not None and self.fp_now:
+                    fp_base = self.fps.reserve(c.fps.count)
+                    self.fps.add_replay(step, fp_base, c.fps)
+                writer.add((schema.REPLAY, step, c.step, span_base, coll_base, fp_base,
+                            t0 - self.step_t0_raw, t1 - t0))
+            self.stats["graph_replays"] = self.stats.get("graph_replays", 0) + 1
+        except Exception as exc:
+            self._on_error("graph replay", exc)
+        finally:
+            self.busy = False
+        if own:
+            self._end_replay_step()
+        return result
+
+    def _begin_replay_step(self, c) -> bool:
+        self.step += 1
+        if not self.config.in_window(self.step):
+            self.stats["steps_skipped"] += 1
+            return False
+        self.ensure_writer()
+        self.in_step = self.tracing_step = True
+        self.stats["steps"] += 1
+        self.capturing = False
+        self.step_thread = _get_ident()
+        self.span_count = self.coll_count = 0
+        self.calls = {}
+        t0 = _now()
+        self.step_t0_raw = t0
+        self.step_t0 = t0 + self.clock_offset
+        self.fp_now = self.fingerprint
+        self.span_flags = 0
+        self.step_root = self.step_frame = None
+        path, cls = c.root
+        attrs = {k: v for k, v in (c.attrs or {}).items() if k != "captured"}
+        attrs["replay_of"] = c.step
+        self.step_info = (path, cls, attrs)
+        self.writer.add((schema.STEP_BEGIN, self.step, self.writer.module(path, cls), self.step_t0, attrs))
+        return True
+
+    def _end_replay_step(self) -> None:
+        self.busy = True
+        try:
+            self._end_step()
+        except Exception as exc:
+            self._on_error("graph replay", exc)
+            self.in_step = self.tracing_step = False
+        finally:
+            self.busy = False
 
     # ------------------------------------------------------------------ global hooks
     def _global_pre(self, module, args):

@@ -1,68 +1,150 @@
-"""CUDA-graph replays: counted and announced, since they run no Python hook.
+"""CUDA graphs: a traced forward captured into a graph makes every replay a traced step.
 
-A replay launches the kernels captured earlier and runs none of the forward hooks, so a replayed
-step leaves no span. The step that was captured is recorded once, its spans marked captured
-(``FLAG_CAPTURED``) and without fingerprints (nothing may synchronise or allocate during a
-capture). Every replay is counted (``graph_replays`` in the END record and in the summary), and
-the first one prints a one-line warning that says how to trace every step instead.
+Forward hooks run while a graph is captured, never while it is replayed. So the tracer does
+its work at capture time and leaves the rest to the graph:
+
+- *Capture* (``CUDAGraph.capture_begin`` .. ``capture_end``, which ``torch.cuda.graph`` and
+  SGLang's graph runner use): the step is recorded once, as usual, its spans marked captured
+  (``FLAG_CAPTURED``): module paths, shapes, dtypes, collectives with their groups. Its
+  fingerprints are not computed then (a capture executes nothing): the fingerprint kernels are
+  appended to the graph instead: tensors of one shape stacked and reduced together, in buckets
+  of at most ``GRAPH_DEFER_BYTES`` held tensors (so the extra graph-pool memory is bounded), and
+  all values gathered into one static ``[n, 2]`` fp32 buffer the tracer keeps.
+- *Replay* (``CUDAGraph.replay``): a replay of such a graph is recorded as a step (or, inside a
+  framework's own step such as SGLang's ``ModelRunner.forward``, as part of it): which capture
+  it replays, host time, device time from two CUDA events, and the static buffer copied to
+  pinned host memory without waiting, read once its event has completed. The merge gives the
+  replayed step the captured step's spans with the replay's fingerprints, so placement and
+  reduction are judged as for an eager step.
+
+Not traced in graph mode: module timings inside a replay (a replay is one launch; its spans
+keep the captured step's order, not measured times); a graph captured while tracing was off or
+outside the ``--steps`` window (its replays are counted, and the first prints a warning); tensors
+a graph reads that no module boundary shows.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+import weakref
 
-WARNING = ("tensor-trace: CUDA-graph replays are not traced (forward hooks do not run in a replay); "
-           "the captured step is recorded once, marked captured. To trace every step, run without "
-           "CUDA graphs (SGLang: --disable-cuda-graph).\n")
+WARNING = ("tensor-trace: a CUDA graph captured without tracing is being replayed: its replays are "
+           "counted, not traced (trace the capture, e.g. keep SGLang's graph capture inside the "
+           "--steps window, or run without CUDA graphs: SGLang --disable-cuda-graph).\n")
 
 
-class GraphReplayCounter:
-    """Wraps ``torch.cuda.CUDAGraph.replay`` for one Tracer."""
+class CapturedStep:
+    """One traced step captured into a graph: its step number and fingerprint buffer."""
 
-    def __init__(self, tracer):
+    __slots__ = ("step", "root", "attrs", "n_spans", "n_colls", "fps")
+
+    def __init__(self, step, root, attrs, n_spans, n_colls, fps):
+        self.step, self.root, self.attrs = step, root, attrs
+        self.n_spans, self.n_colls, self.fps = n_spans, n_colls, fps
+
+
+class GraphTracker:
+    """Wraps ``CUDAGraph.capture_begin``, ``capture_end`` and ``replay`` for one Tracer.
+
+    ``graph_cls`` defaults to ``torch.cuda.CUDAGraph`` as found at install time (tests put a
+    stand-in class with the same three methods there to exercise the bookkeeping on a CPU)."""
+
+    def __init__(self, tracer, graph_cls=None):
         self.tracer = tracer
-        self.orig = None
+        self.graph_cls = graph_cls
+        self.origs: dict = {}
         self.warned = False
+        self.capturing = None  # the graph being captured (a weak reference)
+        self.pending: list = []  # CapturedStep of the capture in progress
+        self.graphs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     def install(self) -> None:
-        try:
-            import torch
+        cls = self.graph_cls
+        if cls is None:
+            try:
+                import torch
 
-            cls = torch.cuda.CUDAGraph
-        except Exception:
-            return
-        orig = cls.__dict__.get("replay")
-        if orig is None or getattr(orig, "__tensor_trace_original__", None) is not None:
-            return
-        counter = self
+                cls = torch.cuda.CUDAGraph
+            except Exception:
+                return
+            self.graph_cls = cls
+        for name, make in (("capture_begin", self._wrap_begin), ("capture_end", self._wrap_end),
+                           ("replay", self._wrap_replay)):
+            orig = getattr(cls, name, None)
+            if orig is None or getattr(orig, "__tensor_trace_original__", None) is not None:
+                continue
+            wrapper = functools.wraps(orig)(make(orig))
+            wrapper.__tensor_trace_original__ = orig
+            self.origs[name] = orig
+            setattr(cls, name, wrapper)
 
-        @functools.wraps(orig)
+    def uninstall(self) -> None:
+        for name, orig in self.origs.items():
+            try:
+                setattr(self.graph_cls, name, orig)
+            except Exception:
+                pass
+        self.origs = {}
+
+    # ------------------------------------------------------------------ wrappers
+    def _wrap_begin(self, orig):
+        tracker = self
+
+        def capture_begin(graph, *args, **kwargs):
+            result = orig(graph, *args, **kwargs)
+            try:
+                tracker.capturing = weakref.ref(graph)
+                tracker.pending = []
+            except Exception:
+                tracker.capturing = None
+            return result
+
+        return capture_begin
+
+    def _wrap_end(self, orig):
+        tracker = self
+
+        def capture_end(graph, *args, **kwargs):
+            result = orig(graph, *args, **kwargs)
+            try:
+                if tracker.pending:
+                    tracker.graphs[graph] = tracker.pending
+            except Exception as exc:
+                tracker.tracer._on_error("graph capture end", exc)
+            tracker.pending = []
+            tracker.capturing = None
+            return result
+
+        return capture_end
+
+    def _wrap_replay(self, orig):
+        tracker = self
+
         def replay(graph, *args, **kwargs):
-            counter.count()
-            return orig(graph, *args, **kwargs)
+            tracer = tracker.tracer
+            try:
+                captured = tracker.graphs.get(graph) if tracker.graphs else None
+            except TypeError:  # not a graph object we could have captured
+                captured = None
+            if captured is None or not tracer.enabled:
+                tracker.count_untraced()
+                return orig(graph, *args, **kwargs)
+            return tracer.run_replay(captured, orig, graph, *args, **kwargs)
 
-        replay.__tensor_trace_original__ = orig
-        self.orig = orig
-        cls.replay = replay
+        return replay
 
-    def count(self) -> None:
+    # ------------------------------------------------------------------ bookkeeping
+    def add_captured(self, captured: CapturedStep) -> None:
+        """A traced step ended while a graph was being captured: its replays will be traced."""
+        self.pending.append(captured)
+
+    def count_untraced(self) -> None:
         try:
             stats = self.tracer.stats
-            stats["graph_replays"] = stats.get("graph_replays", 0) + 1
+            stats["graph_replays_untraced"] = stats.get("graph_replays_untraced", 0) + 1
             if not self.warned and self.tracer.enabled:
                 self.warned = True
                 sys.stderr.write(WARNING)
         except Exception:
             pass
-
-    def uninstall(self) -> None:
-        if self.orig is None:
-            return
-        try:
-            import torch
-
-            torch.cuda.CUDAGraph.replay = self.orig
-        except Exception:
-            pass
-        self.orig = None

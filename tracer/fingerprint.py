@@ -45,6 +45,20 @@ _NAN = float("nan")
 
 DEFER_MAX_NUMEL = 1 << 20  # larger CUDA tensors are reduced at once: never held past their module
 DEFER_BYTES = 256 << 20  # held deferred tensors past this are reduced mid-step
+# While a CUDA graph is captured, held tensors cannot give their memory back to the graph's pool
+# until their bucket is reduced: a smaller bucket bounds that extra pool memory.
+GRAPH_DEFER_BYTES = 64 << 20
+
+
+class CapturedFingerprints:
+    """What a captured step leaves for its replays: a static ``[n, 2]`` fp32 device buffer that
+    the graph's own kernels rewrite at every replay, the fingerprint index of each row, and the
+    fingerprints that repeat another (same tensor seen twice)."""
+
+    __slots__ = ("indices", "static", "dups", "count")
+
+    def __init__(self, indices, static, dups, count):
+        self.indices, self.static, self.dups, self.count = indices, static, dups, count
 
 
 class StepFingerprints:
@@ -55,6 +69,7 @@ class StepFingerprints:
         self.defer_cpu = defer_cpu  # for tests: the deferred path without a GPU
         self.stale = 0  # deferred tensors updated in place before they could be reduced
         self._pending: list = []  # (step, blocks, dups) waiting for their copies to finish
+        self.defer_bytes = DEFER_BYTES
         self.reset()
 
     def reset(self) -> None:
@@ -69,11 +84,13 @@ class StepFingerprints:
         self._dups: list = []  # (index, index it repeats)
         self._seen: dict = {}
 
-    def add(self, tensors, store: bool = True) -> int:
+    def add(self, tensors, store: bool = True, immediate: bool = False) -> int:
         """Fingerprint ``tensors``; return the index of the first.
 
         ``store`` says whether later calls may reuse these values: true for module outputs,
         false for inputs that the module is about to receive (it may update them in place).
+        ``immediate`` reduces now even where deferral applies (a collective's inputs, which it
+        may overwrite in place).
         Tensors created under ``inference_mode`` have no version counter, so their cached
         value is reused at most once (an output reused as the next module's input).
         """
@@ -81,16 +98,16 @@ class StepFingerprints:
         if grad:  # never build autograd graphs (they would keep activations alive)
             _set_grad(False)
         try:
-            return self._add(tensors, store)
+            return self._add(tensors, store, immediate)
         finally:
             if grad:
                 _set_grad(True)
 
-    def _add(self, tensors, store: bool) -> int:
+    def _add(self, tensors, store: bool, immediate: bool = False) -> int:
         base = idx = self.count
         seen = self._seen
-        defer_all = self.defer_cpu
-        defer_cuda = self.defer_cuda
+        defer_all = self.defer_cpu and not immediate
+        defer_cuda = self.defer_cuda and not immediate
         for t in tensors:
             key = id(t)
             hit = seen.get(key)
@@ -127,7 +144,7 @@ class StepFingerprints:
                     pass
             idx += 1
         self.count = idx
-        if self._def_bytes > DEFER_BYTES:
+        if self._def_bytes > self.defer_bytes:
             self._flush_deferred()
         return base
 
@@ -186,10 +203,56 @@ class StepFingerprints:
             if grad:
                 _set_grad(True)
 
-    def _finish_step(self, step: int) -> None:
+    def finish_capture(self) -> CapturedFingerprints | None:
+        """End a step that is being captured into a CUDA graph: reduce what is left and gather
+        every value into one static buffer, all as kernels of the graph (nothing runs now).
+        Each replay then rewrites the buffer; ``add_replay`` copies it out."""
+        grad = _grad_enabled()
+        if grad:
+            _set_grad(False)
+        try:
+            self._reduce_rest()
+            indices, vals = [], []
+            for idx, v in self._blocks:
+                indices += idx
+                vals.append(v if v.dtype == _F32 else v.to(_F32))
+            static = torch.cat(vals) if len(vals) > 1 else (vals[0] if vals else None)
+            captured = CapturedFingerprints(indices, static, list(self._dups), self.count)
+        finally:
+            self.reset()
+            self.defer_bytes = DEFER_BYTES
+            if grad:
+                _set_grad(True)
+        return captured if (captured.indices or captured.dups) else None
+
+    def reserve(self, n: int) -> int:
+        """Reserve ``n`` fingerprint indices of the current step (a replayed graph's); return the first."""
+        base = self.count
+        self.count = base + n
+        return base
+
+    def add_replay(self, step: int, base: int, captured: CapturedFingerprints) -> None:
+        """After a replay: copy the graph's static buffer to pinned host memory without waiting,
+        as fingerprints ``base + i`` of ``step``; collected like any step's."""
+        blocks = []
+        static = captured.static
+        if static is not None:
+            idx = [base + i for i in captured.indices]
+            if static.is_cuda:
+                host = torch.empty(static.shape, dtype=_F32, pin_memory=True)
+                host.copy_(static, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                blocks.append((idx, host, event))
+            else:
+                blocks.append((idx, static.clone(), None))
+        dups = [(base + i, base + j) for i, j in captured.dups]
+        self._pending.append((step, blocks, dups))
+
+    def _reduce_rest(self) -> None:
+        """Deferred tensors and immediate values of this step become blocks (on their devices)."""
         if self._def_ts:
             self._flush_deferred()
-        blocks = self._blocks
         if self._imm_vals:
             by_device: dict = {}
             for index, (s, q) in zip(self._imm_idx, self._imm_vals):
@@ -198,7 +261,12 @@ class StepFingerprints:
                 items.append(s)
                 items.append(q if q is not None else s.new_full((), _NAN))
             for idx, items in by_device.values():
-                blocks.append((idx, torch.stack(items).view(-1, 2)))
+                self._blocks.append((idx, torch.stack(items).view(-1, 2)))
+            self._imm_idx, self._imm_vals = [], []
+
+    def _finish_step(self, step: int) -> None:
+        self._reduce_rest()
+        blocks = self._blocks
         out = []
         for idx, vals in blocks:
             if vals.is_cuda:

@@ -84,3 +84,24 @@ def test_every_collective_is_a_span(tmp_path, fake_world):
     assert seqs1[0] == seqs0[-1] + 1 and seqs1 == list(range(seqs1[0], seqs1[0] + 9))
     # Input fingerprints are taken before the collective runs, outputs after.
     assert ar.tensors[0].fp is not None and ar.tensors[1].fp is not None
+
+
+class UpdatesAfterCollective(nn.Module):
+    def forward(self, x):
+        t = x * 2  # not a module output: seen first by the collective
+        dist.all_reduce(t)
+        t.mul_(3)  # changed in place later in the step
+        return t.sum(dim=0)
+
+
+def test_collective_inputs_are_fingerprinted_when_the_call_begins_even_when_deferring(tmp_path, fake_world):
+    x = torch.randn(4, 3)
+    tracer.start(out_dir=str(tmp_path), fingerprint_mode="deferred")
+    try:
+        with torch.inference_mode():  # no version counter: only an early reduction is right
+            UpdatesAfterCollective()(x)
+    finally:
+        tracer.stop()
+    rt = load_rank_file(rank_files(str(tmp_path))[0])
+    (c,) = rt.steps[0].collectives
+    assert c.tensors[0].fp[0] == pytest.approx((x * 2).sum().item(), rel=1e-5)

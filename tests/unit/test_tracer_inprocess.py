@@ -158,7 +158,7 @@ def test_inference_mode_and_in_place_updates(tmp_path):
     assert abs(b_out[0] - out.sum().item()) < 1e-4
 
 
-def test_cuda_graph_replays_are_counted_and_announced_once(tmp_path, monkeypatch, capsys):
+def test_replays_of_graphs_captured_untraced_are_counted_and_announced_once(tmp_path, monkeypatch, capsys):
     calls = []
 
     def fake_replay(graph):  # stands in for the real method, which needs a GPU
@@ -169,12 +169,12 @@ def test_cuda_graph_replays_are_counted_and_announced_once(tmp_path, monkeypatch
     Net()(torch.randn(2, 8))
     for _ in range(3):
         torch.cuda.CUDAGraph.replay("g")
-    assert calls == ["g", "g", "g"] and tr.stats["graph_replays"] == 3
+    assert calls == ["g", "g", "g"] and tr.stats["graph_replays_untraced"] == 3
     tracer.stop()
     assert torch.cuda.CUDAGraph.replay is fake_replay  # restored
-    assert capsys.readouterr().err.count("CUDA-graph replays are not traced") == 1
+    assert capsys.readouterr().err.count("captured without tracing is being replayed") == 1
     rt = load_rank_file(rank_files(str(tmp_path))[0])
-    assert rt.end["stats"]["graph_replays"] == 3
+    assert rt.end["stats"]["graph_replays_untraced"] == 3
 
 
 def test_a_step_that_raised_is_marked_interrupted_in_the_store(tmp_path):

@@ -1,0 +1,243 @@
+"""CUDA-graph replay benchmark: plain replay, traced replay, eager and traced eager, side by side.
+
+    python bench/cuda_graph_replay.py --json OUT.json            # needs a GPU
+
+Workload: the Llama-8B-shaped eager decode step of bench/overhead.py (bf16, one token per
+sequence, a fixed KV cache read by SDPA), batches 8 and 64. Variants, interleaved in a shuffled
+order for R rounds after one discarded warm-up round, each block W warm-up + N timed steps:
+
+- ``replay``         a graph captured untraced, replayed;
+- ``traced-replay``  tracing on (fingerprints on); the graph is captured while traced, so
+                     its fingerprint kernels are in it; each replay is a traced step;
+- ``eager``          the model called eagerly;
+- ``traced-eager``   the same, traced (fingerprints on, deferred for small tensors).
+
+Every step copies the next of 4 input-id tensors into the input (the graph's static buffer for
+the replays) and ends with ``torch.cuda.synchronize()``. Reported: median step time, p10..p90,
+min..max of the round medians, ratios to ``replay`` and to ``eager``; the extra graph-pool
+memory of a traced capture (peak allocated during capture, traced minus untraced) and the static
+fingerprint buffer; and, read back from a traced-replay block's rank file, how many of a replay's
+fingerprints changed when its input ids changed.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib.util
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+from tensor_trace import tracer
+from tensor_trace.exporters.reader import load_rank_file, rank_files
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = ("replay", "traced-replay", "eager", "traced-eager")
+
+
+def _load_overhead():
+    spec = importlib.util.spec_from_file_location("_graph_bench_overhead", os.path.join(ROOT, "bench", "overhead.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _pct(vals, q):
+    vals = sorted(vals)
+    if not vals:
+        return float("nan")
+    k = (len(vals) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
+
+
+def capture(model, static_ids):
+    """Capture one forward of ``model`` on ``static_ids`` (warmed up already)."""
+    g = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        out = model(static_ids)
+    torch.cuda.synchronize()
+    return g, out
+
+
+def capture_memory(model, static_ids) -> tuple:
+    """(peak bytes allocated by a capture, the graph, its output) for the current tracing state."""
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    g, out = capture(model, static_ids)
+    return torch.cuda.max_memory_allocated() - base, g, out
+
+
+def run_block(variant, model, ids, static_ids, plain_graph, tmp, warmup, steps, block):
+    tr = None
+    graph = plain_graph
+    out_dir = None
+    if variant.startswith("traced"):
+        out_dir = os.path.join(tmp, f"b{block:04d}-{variant}")
+        tr = tracer.start(out_dir=out_dir, fingerprint=True)
+    try:
+        if variant == "traced-replay":
+            graph, _ = capture(model, static_ids)  # traced capture: not timed
+        times = []
+        pc = time.perf_counter_ns
+        torch.cuda.synchronize()
+        for i in range(warmup + steps):
+            t0 = pc()
+            if variant.endswith("replay"):
+                static_ids.copy_(ids[i % len(ids)], non_blocking=True)
+                graph.replay()
+            else:
+                model(ids[i % len(ids)])
+            torch.cuda.synchronize()
+            t1 = pc()
+            if i >= warmup:
+                times.append(t1 - t0)
+    finally:
+        stats = dict(tr.stats) if tr is not None else {}
+        if tr is not None:
+            tracer.stop()
+    if variant == "traced-replay":
+        del graph
+    return times, out_dir, stats
+
+
+def fingerprint_change(out_dir) -> dict:
+    """Between consecutive replays (different input ids), the share of fingerprints that changed."""
+    files = rank_files(out_dir)
+    if not files:
+        return {}
+    rt = load_rank_file(files[0])
+    reps = [rt.steps[s] for s in sorted(rt.steps) if rt.steps[s].attrs.get("replay_of") is not None]
+    changed = total = 0
+    for a, b in zip(reps, reps[1:]):
+        for k, v in a.fingerprints.items():
+            if k in b.fingerprints:
+                total += 1
+                changed += b.fingerprints[k] != v
+    n = len(reps[0].fingerprints) if reps else 0
+    return dict(replayed_steps=len(reps), fingerprints_per_replay=n, pairs_compared=total,
+                changed=changed, share_changed=round(changed / total, 4) if total else None)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--kv-len", type=int, default=512)
+    ap.add_argument("--llama-shape", default="8b")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="FILE")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: this benchmark needs a GPU")
+        return 2
+    ov = _load_overhead()
+    dev = torch.device("cuda")
+    shape = dict(ov.LLAMA_SHAPES[args.llama_shape], kv_len=args.kv_len)
+    torch.manual_seed(args.seed)
+    model = ov.LlamaForCausalLM(shape, dev, torch.bfloat16).eval()
+    header = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  device=torch.cuda.get_device_name(), torch=torch.__version__, argv=sys.argv,
+                  shape=shape, rounds=args.rounds, warmup=args.warmup, steps=args.steps)
+    print(f"# CUDA-graph replay benchmark | {header['date']} | {header['device']} | torch {header['torch']}")
+    results = []
+    tmp = tempfile.mkdtemp(prefix="tt-graph-")
+    block = 0
+    try:
+        for batch in args.batch:
+            model.set_batch(batch)
+            gen = torch.Generator().manual_seed(args.seed + batch)
+            ids = [torch.randint(0, shape["vocab"], (batch, 1), generator=gen).to(dev) for _ in range(4)]
+            static_ids = ids[0].clone()
+            with torch.inference_mode():
+                for _ in range(3):
+                    model(static_ids)
+                calls = ov.count_module_calls(lambda: model(static_ids))
+                mem_plain, plain_graph, _ = capture_memory(model, static_ids)
+                tr = tracer.start(out_dir=os.path.join(tmp, f"mem-{batch}"), fingerprint=True)
+                try:
+                    mem_traced, g_traced, _ = capture_memory(model, static_ids)
+                    (cap,) = tr.graphs.graphs[g_traced]
+                    static_bytes = cap.fps.static.numel() * 4 if cap.fps and cap.fps.static is not None else 0
+                    n_fp = len(cap.fps.indices) if cap.fps else 0
+                finally:
+                    tracer.stop()
+                del g_traced
+                rng = random.Random(args.seed + batch)
+                acc = {v: dict(times=[], round_medians=[]) for v in VARIANTS}
+                change = {}
+                for r in range(-1, args.rounds):
+                    order = list(VARIANTS)
+                    rng.shuffle(order)
+                    for v in order:
+                        block += 1
+                        times, out_dir, stats = run_block(v, model, ids, static_ids, plain_graph, tmp,
+                                                          args.warmup, args.steps, block)
+                        if r >= 0:
+                            acc[v]["times"] += times
+                            acc[v]["round_medians"].append(_pct(times, 50))
+                            if v == "traced-replay" and not change:
+                                change = fingerprint_change(out_dir)
+                                change["tracer_errors"] = stats.get("errors")
+                        if out_dir:
+                            shutil.rmtree(out_dir, ignore_errors=True)
+                    if r >= 0:
+                        print(f"  [b{batch}] round {r + 1}/{args.rounds}: " + "  ".join(
+                            f"{v}={acc[v]['round_medians'][-1] / 1e6:.3f}" for v in VARIANTS), flush=True)
+            med = {v: _pct(acc[v]["times"], 50) for v in VARIANTS}
+            res = dict(batch=batch, module_calls_per_step=calls, graph_fingerprints=n_fp,
+                       capture_peak_bytes=dict(plain=mem_plain, traced=mem_traced, extra=mem_traced - mem_plain),
+                       static_buffer_bytes=static_bytes, fingerprint_change=change, variants={})
+            for v in VARIANTS:
+                t = acc[v]["times"]
+                res["variants"][v] = dict(
+                    median_ms=med[v] / 1e6, p10_ms=_pct(t, 10) / 1e6, p90_ms=_pct(t, 90) / 1e6,
+                    round_median_min_ms=min(acc[v]["round_medians"]) / 1e6,
+                    round_median_max_ms=max(acc[v]["round_medians"]) / 1e6,
+                    vs_replay=med[v] / med["replay"], vs_eager=med[v] / med["eager"],
+                    paired_vs_base=[a / b for a, b in zip(
+                        acc[v]["round_medians"],
+                        acc["replay" if v.endswith("replay") else "eager"]["round_medians"])])
+            results.append(res)
+            print(f"\n== batch {batch}: {calls} module calls/step, {n_fp} fingerprinted tensors per replay ==")
+            print(f"{'variant':<14} {'median ms':>9} {'p10..p90 ms':>17} {'round med min..max':>19} "
+                  f"{'x replay':>8} {'x eager':>8} {'paired min..max':>16}")
+            for v in VARIANTS:
+                x = res["variants"][v]
+                pr = x["paired_vs_base"]
+                print(f"{v:<14} {x['median_ms']:9.3f} {x['p10_ms']:8.3f}..{x['p90_ms']:<8.3f} "
+                      f"{x['round_median_min_ms']:9.3f}..{x['round_median_max_ms']:<9.3f} "
+                      f"x{x['vs_replay']:<7.3f} x{x['vs_eager']:<7.3f} {min(pr):.3f}..{max(pr):.3f}")
+            print(f"   capture peak allocated: untraced {mem_plain / 2**20:.1f} MiB, traced "
+                  f"{mem_traced / 2**20:.1f} MiB (extra {(mem_traced - mem_plain) / 2**20:.1f} MiB); "
+                  f"static fingerprint buffer {static_bytes} bytes")
+            print(f"   fingerprints across replays with different ids: {change}")
+            tr_ratio = res["variants"]["traced-replay"]["vs_replay"]
+            print(f"   target traced replay <= x1.05 of replay: x{tr_ratio:.3f} "
+                  f"{'PASS' if tr_ratio <= 1.05 else 'FAIL'}")
+            del plain_graph
+            torch.cuda.empty_cache()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(header=header, results=results), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
