@@ -418,7 +418,10 @@ class CudaGraphStep:
             out = self.model(self.static_ids)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # With NCCL in the graph, ProcessGroupNCCL's watchdog thread keeps querying events while
+        # this thread captures: "thread_local" confines the capture's restrictions to this thread.
+        mode = "thread_local" if dist.is_initialized() and dist.get_world_size() > 1 else "global"
+        with torch.cuda.graph(self.graph, capture_error_mode=mode):
             self.static_out = self.model(self.static_ids)
         return out
 
