@@ -2,7 +2,7 @@
 # One device-tool call that runs every GPU measurement of bench/RESULTS.md:
 #   run: bash bench/gpu_session.sh   (OUT is the tool's output folder)
 # Makes the import name tensor_trace resolve without installing (the GPU machine has no
-# registry), then runs the hook-cost, CUDA-graph and overhead measurements.
+# registry), then runs the hook-cost and overhead measurements (CUDA graphs: bench/gpu_graphs.sh).
 set -uo pipefail
 REPO=$PWD
 OUT=${OUT:-/tmp/tt-out}
@@ -16,9 +16,5 @@ python3 -c "import tensor_trace.tracer.core, torch; print(torch.__version__, tor
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 nproc; date -u
 echo "== hook cost (cuda)"; python3 "$REPO/bench/hook_cost.py" --device cuda --json "$OUT/hook-cuda.json" | tee "$OUT/hook-cuda.txt"
-echo "== CUDA graph capture under tracing"
-python3 "$REPO/examples/tp_llama.py" --device cuda --cuda-graph --steps 6 --out "$OUT/graph-plain.json" > /dev/null
-python3 -m tensor_trace record -o /tmp/tt-graph -- python3 "$REPO/examples/tp_llama.py" --device cuda --cuda-graph --steps 6 --out "$OUT/graph-traced.json" > /dev/null
-python3 "$REPO/bench/cuda_graph_check.py" /tmp/tt-graph "$OUT/graph-plain.json" "$OUT/graph-traced.json" | tee "$OUT/graph-check.txt"
 echo "== overhead, Llama-8B-shaped decode"
 python3 "$REPO/bench/overhead.py" --workload llama8b-decode --rounds ${ROUNDS:-5} --json "$OUT/bench-gpu.json" 2>&1 | grep -v '^USDT' | tee "$OUT/bench-gpu.txt"

@@ -469,6 +469,11 @@ def run(args) -> list:
                 json.dump({"tp": world, "steps": records}, f, indent=1)
         return records
     finally:
+        if args.cuda_graph and device.type == "cuda":
+            # A graph holding NCCL kernels must go before its communicator: tearing the process
+            # group down under a live graph hung at exit at TP=2 on the H200s.
+            step_fn = None
+            torch.cuda.synchronize()
         if dist.is_initialized():
             dist.destroy_process_group()
 
