@@ -26,8 +26,13 @@ demo: venv
 	$(TT) query placement 'model.layers.0.*' --trace $(DEMO_OUT)
 	@echo; echo "== Collectives per module"
 	$(TT) query collectives --trace $(DEMO_OUT)
-	@echo; echo "== What feeds the EAGLE-3 draft head"
-	$(TT) query shapes 'draft.fc:input.*' --trace $(DEMO_OUT)
+	@echo; echo "== What feeds the EAGLE-3 draft head, and from where"
+	$(TT) query lineage draft.fc:input.0 --trace $(DEMO_OUT)
+	@echo; echo "== Keep it that way: a capture contract, then a run wired like the bug in DEVELOPERS.md"
+	$(TT) contract save draft.fc:input.0 -o $(DEMO_OUT)/eagle3-contract.json --trace $(DEMO_OUT)
+	OMP_NUM_THREADS=1 $(TT) record --replace -o $(DEMO_OUT)-miswired -- \
+		$(VENV)/bin/torchrun --nproc-per-node 2 examples/tp_llama.py --steps 2 --aux-layer-ids=-1,0,2 > /dev/null
+	-$(TT) contract check $(DEMO_OUT)/eagle3-contract.json --trace $(DEMO_OUT)-miswired
 	@echo; echo "== One timeline of both ranks, for https://ui.perfetto.dev"
 	$(TT) export perfetto --trace $(DEMO_OUT)
 

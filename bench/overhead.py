@@ -5,6 +5,8 @@ Variants, measured in one process, interleaved and repeated:
 - ``plain``        no tracing;
 - ``traced-nofp``  ``tracer.start(out_dir=..., fingerprint=False)``;
 - ``traced-fp``    ``tracer.start(out_dir=..., fingerprint=True)``;
+- ``traced-fp-nolin`` the same with tensor lineage off (``lineage=False``); the two traced
+                   variants above have lineage on (the default);
 - ``profiler``     ``torch.profiler.profile(record_shapes=True)`` (CPU activity, plus CUDA on GPU).
 
 For each of R rounds the variants run in a shuffled order; each variant block starts its tracer
@@ -62,7 +64,7 @@ from tensor_trace import tracer
 from tensor_trace.exporters.reader import load_rank_file, rank_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("plain", "traced-nofp", "traced-fp", "profiler")
+VARIANTS = ("plain", "traced-nofp", "traced-fp", "traced-fp-nolin", "profiler")
 
 
 def _load_example():
@@ -339,7 +341,8 @@ class Bench:
         t_start = time.perf_counter()
         if variant.startswith("traced"):
             out_dir = os.path.join(self.tmp_root, f"b{self.block_id:04d}-{variant}-r{TP['rank']}")
-            tr = tracer.start(out_dir=out_dir, fingerprint=variant == "traced-fp")
+            tr = tracer.start(out_dir=out_dir, fingerprint=variant.startswith("traced-fp"),
+                              lineage=variant != "traced-fp-nolin")
         elif variant == "profiler":
             acts = [torch.profiler.ProfilerActivity.CPU]
             if self.cuda:
@@ -534,7 +537,7 @@ def print_table(res):
               f"{d['paired_ratio_min']:>7.3f}..{d['paired_ratio_max']:<7.3f} "
               f"{'x%.3f' % d['best_round_ratio']:>8} "
               f"{ms(d['host_median_ns']):>9.3f} {bps:>8} {kps:>9}")
-    for v in ("traced-nofp", "traced-fp"):
+    for v in ("traced-nofp", "traced-fp", "traced-fp-nolin"):
         d = c["variants"][v]
         if "failed" in d:
             continue

@@ -27,7 +27,7 @@ import msgpack
 from tensor_trace.exporters.reader import ReadReport, iter_chunks, rank_files
 
 STORE_NAME = "merged.sqlite"
-STORE_VERSION = 6
+STORE_VERSION = 7
 BATCH = 20_000
 CLOCK_SAMPLE_STEPS = 64
 
@@ -59,6 +59,10 @@ CREATE TABLE collectives(proc INTEGER, step INTEGER, idx INTEGER, parent INTEGER
 CREATE TABLE fingerprints(proc INTEGER, step INTEGER, first INTEGER, data BLOB, indices BLOB);
 CREATE TABLE params(proc INTEGER, module_id INTEGER, name TEXT, shape TEXT, dtype TEXT, fp_index INTEGER);
 CREATE TABLE captures(point TEXT PRIMARY KEY, info TEXT);
+CREATE TABLE lineage(proc INTEGER, step INTEGER, node INTEGER, op TEXT, attrs TEXT, inputs TEXT, shape TEXT,
+    PRIMARY KEY(proc, step, node)) WITHOUT ROWID;
+CREATE TABLE slot_sources(proc INTEGER, step INTEGER, span INTEGER, slot INTEGER, ref TEXT,
+    PRIMARY KEY(proc, step, span, slot)) WITHOUT ROWID;
 CREATE TABLE module_attrs(module TEXT PRIMARY KEY, attrs TEXT);
 CREATE TABLE errors(proc INTEGER, t INTEGER, location TEXT, message TEXT);
 CREATE TABLE collective_issues(group_id INTEGER, seq INTEGER, kind TEXT, ranks TEXT, detail TEXT);
@@ -144,6 +148,8 @@ class _FileLoader:
         self.errors: list = []
         self.params: list = []
         self.coll_device: list = []  # (device ns, proc, step, idx)
+        self.lineage: list = []  # LINEAGE rows
+        self.slot_sources: list = []  # SLOT_SRC rows
         self.step_device: list = []  # (device ns, proc, step) of CUDA-graph replays
         self.replays: list = []  # REPLAY records: (step, captured step, span base, coll base, fp base, t0, dur)
         self.step_colls: list = []  # this step's collectives, until their modules are known
@@ -175,6 +181,12 @@ class _FileLoader:
         if self.fps:
             con.executemany("INSERT INTO fingerprints VALUES (?,?,?,?,?)", self.fps)
             self.fps.clear()
+        if self.lineage:
+            con.executemany("INSERT OR REPLACE INTO lineage VALUES (?,?,?,?,?,?,?)", self.lineage)
+            self.lineage.clear()
+        if self.slot_sources:
+            con.executemany("INSERT OR REPLACE INTO slot_sources VALUES (?,?,?,?,?)", self.slot_sources)
+            self.slot_sources.clear()
 
     def _close_step(self):
         span_module = self.span_module
@@ -296,6 +308,12 @@ class _FileLoader:
                         self.coll_device.append((int(rec[3]), proc, rec[1], rec[2]))
                 elif kind == schema.REPLAY:
                     self.replays.append(tuple(rec[1:8]))
+                elif kind == schema.LINEAGE:
+                    self.lineage.append((proc, rec[1], rec[2], strings.get(rec[3], "?"),
+                                         json.dumps(rec[4]) if rec[4] else None, json.dumps(rec[5]),
+                                         json.dumps(rec[6])))
+                elif kind == schema.SLOT_SRC:
+                    self.slot_sources.append((proc, rec[1], rec[2], rec[3], json.dumps(rec[4])))
                 elif kind == S_STR:
                     strings[rec[1]] = rec[2]
                     self.modules.pop(rec[1], None)
@@ -470,7 +488,8 @@ def merge_ranks(trace_dir: str, warn=None) -> dict:
             except BadInput as exc:
                 warn(f"skipping {exc}")
                 report["problems"].append(str(exc))
-                for table in ("spans", "collectives", "fingerprints", "steps", "errors", "params"):
+                for table in ("spans", "collectives", "fingerprints", "steps", "errors", "params", "lineage",
+                              "slot_sources"):
                     con.execute(f"DELETE FROM {table} WHERE proc=?", (proc,))
                 continue
             file_run = loader.header.get("run_id")

@@ -241,6 +241,21 @@ def diff(con_a, con_b) -> dict:
         if per(x) != per(y):
             changed.append(dict(point=f"collectives:{key[0] or '<root>'}:{key[1]}", fields=[
                 dict(field="count_per_step", a=per(x), b=per(y))]))
+    from tensor_trace.exporters import lineage as lin
+
+    for name in sorted(set(lin.points_with_lineage(con_a)) | set(lin.points_with_lineage(con_b))):
+        if name not in a or name not in b:
+            continue
+        la, lb = lin.lineage(con_a, name), lin.lineage(con_b, name)
+        problems = lin.compare(la, lb)
+        if problems:
+            entry = next((c for c in changed if c["point"] == name), None)
+            if entry is None:
+                entry = dict(point=name, fields=[])
+                changed.append(entry)
+            entry["fields"].append(dict(field="lineage", a=[s["point"] for s in la["sources"]],
+                                        b=[s["point"] for s in lb["sources"]],
+                                        mismatches=[m["message"] for m in problems]))
     return dict(added=added, removed=removed, changed=changed)
 
 

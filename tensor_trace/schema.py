@@ -64,6 +64,10 @@ REPLAY = 19  # step, captured step, span base, collective base, fingerprint base
 #              collectives again, their indices shifted by the bases, with the replay's
 #              fingerprints (written as FINGERPRINTS of this step from the fingerprint base)
 
+LINEAGE = 20  # step, node, op string id, attrs (dict or None), input refs, output shape: an op
+#               that built a tensor out of others (tracer/lineage.py says what a ref is)
+SLOT_SRC = 21  # step, span index, slot position in its layout, ref: that slot's tensor is a node's result
+
 RECORD_NAMES = {
     HEADER: "header",
     IDENTITY: "identity",
@@ -85,6 +89,8 @@ RECORD_NAMES = {
     MODULE_ATTRS: "module_attrs",
     COLL_DEVICE: "coll_device",
     REPLAY: "replay",
+    LINEAGE: "lineage",
+    SLOT_SRC: "slot_src",
 }
 
 # SPAN / COLLECTIVE flags.

@@ -28,6 +28,8 @@ class TraceConfig:
     # "auto": deferred (batched at the end of the step) for small CUDA tensors, immediate on CPU;
     # "immediate" or "deferred" everywhere (see tracer/fingerprint.py for what each guarantees).
     fingerprint_mode: str = "auto"
+    # Tensor lineage (tracer/lineage.py): ops that combine recorded tensors, during traced steps.
+    lineage: bool = True
     otlp_endpoint: str | None = None
     flush_interval_s: float = 1.0
     max_errors: int = 20  # after this many hook errors tracing turns itself off in the process

@@ -87,6 +87,11 @@ class Tracer:
         self.calls: dict = {}
         self.fps = self._new_fingerprints()
         self.device_times = CollectiveDeviceTimes()
+        self.lineage = None  # LineageRecorder, when config.lineage
+        if config.lineage:
+            from tensor_trace.tracer.lineage import LineageRecorder
+
+            self.lineage = LineageRecorder(self)
         self.busy = False
         self.in_collective = False
         # modules
@@ -278,10 +283,21 @@ class Tracer:
     def _install_global_hooks(self) -> None:
         if self.global_handles:
             return
+        pre, post = self._global_pre, self._global_post
+        if self.lineage is not None:  # the hooks' own tensor accesses must not go through it
+            pre, post = self._global_pre_quiet, self._global_post_quiet
         self.global_handles = [
-            _nn_module.register_module_forward_pre_hook(self._global_pre),
-            _nn_module.register_module_forward_hook(self._global_post, with_kwargs=True, always_call=True),
+            _nn_module.register_module_forward_pre_hook(pre),
+            _nn_module.register_module_forward_hook(post, with_kwargs=True, always_call=True),
         ]
+
+    def _global_pre_quiet(self, module, args):
+        with _DisableTorchFunction():
+            return self._global_pre(module, args)
+
+    def _global_post_quiet(self, module, args, *rest):
+        with _DisableTorchFunction():
+            return self._global_post(module, args, *rest)
 
     def _remove_global_hooks(self) -> None:
         for h in self.global_handles:
@@ -432,6 +448,8 @@ class Tracer:
         self.writer.add((schema.STEP_BEGIN, self.step, path_id, self.step_t0, attrs))
         self.step_info = (entry[0], entry[1], attrs)
         self._push(root, args, entry, t0)
+        if self.lineage is not None:
+            self.lineage.begin_step()
 
     def begin_external_step(self, root, args, attrs=None) -> bool:
         """Start a step whose root a framework calls with ``root.forward(...)`` directly (so the
@@ -494,6 +512,8 @@ class Tracer:
 
     def _end_step(self, error: bool = False, result=None, kwargs=None) -> None:
         step = self.step
+        if self.lineage is not None:
+            self.lineage.end_step()
         if self.tracing_step:
             while len(self.stack) > 1:  # calls left open by an exception
                 self._pop_record(self.stack[-1][_F_MODULE], None, None, True)
@@ -792,6 +812,11 @@ class Tracer:
         layout = writer._layouts.get(key)
         if layout is None:
             layout = writer.layout(key)
+        lineage = self.lineage
+        if lineage is not None:
+            if type(slots) is tuple:  # the fast path kept no slot list
+                slots = [(_IN0, slots[0]), (_OUT, result)]
+            lineage.link_span(self.step, frame[_F_INDEX], slots)
         flags = self.span_flags | _FLAG_ERROR if error else self.span_flags
         t0 = frame[_F_T0]
         buf = writer._buf
@@ -824,6 +849,8 @@ class Tracer:
             layout = writer.layout(((_OUT, tensor.shape, tensor.dtype, tensor.device),))
             writer.add((_SPAN, self.step, index, parent, path_id, call, t - self.step_t0_raw, 0, layout,
                         -1, fp, 0, self.span_flags))
+            if self.lineage is not None:
+                self.lineage.link_span(self.step, index, [(_OUT, tensor)])
         except Exception as exc:
             self._on_error("capture", exc)
         finally:
@@ -875,6 +902,7 @@ class Tracer:
 
 
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
+_DisableTorchFunction = torch._C.DisableTorchFunction  # modes and subclasses both
 
 
 def _root_call_frame():

@@ -29,12 +29,13 @@ def main():
 
 
 def _register():
-    from tensor_trace.cli import export, merge, query, record
+    from tensor_trace.cli import contract, export, merge, query, record
 
     main.add_command(record.record)
     main.add_command(merge.merge)
     main.add_command(query.query)
     main.add_command(export.export)
+    main.add_command(contract.contract)
 
 
 _register()

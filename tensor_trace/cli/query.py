@@ -1,4 +1,4 @@
-"""tensor-trace query placement|reduction|collectives|shapes|diff|sql"""
+"""tensor-trace query placement|reduction|collectives|shapes|lineage|diff|sql"""
 
 from __future__ import annotations
 
@@ -110,6 +110,32 @@ def shapes(point, trace_dir, as_json):
 
 
 @query.command()
+@click.argument("point")
+@_trace
+@_json
+def lineage(point, trace_dir, as_json):
+    """What POINT's tensor was built from: the ordered sources and the op that combined them."""
+    from tensor_trace.exporters import lineage as lin
+
+    res = lin.lineage(_store(trace_dir), point)
+    if as_json:
+        return echo_json(res)
+    echo_lineage(res)
+
+
+def echo_lineage(res) -> None:
+    head = f"{res['point']} {fmt_shapes(res['shapes'])} {res['dtype'] or ''} {res['placement']}".rstrip()
+    if not res["sources"]:
+        click.echo(f"{head}: no recorded op built it (computed inside its module)")
+        return
+    via = f" <- {' <- '.join(res['via'])}" if res.get("via") else ""
+    click.echo(f"{head} = {res['op']}{via} of:")
+    echo_table(["#", "source", "shape", "placement", "via"],
+               [[i, s["point"], fmt_shapes(s["shapes"]) if s["shapes"] else "-", s["placement"],
+                 " <- ".join(s.get("via") or []) or "-"] for i, s in enumerate(res["sources"])])
+
+
+@query.command()
 @click.argument("dir_a")
 @click.argument("dir_b")
 @_json
@@ -127,6 +153,8 @@ def diff(dir_a, dir_b, as_json):
     for p in d["changed"]:
         for f in p["fields"]:
             click.echo(f"~ {p['point']}  {f['field']}: {f['a']} -> {f['b']}")
+            for m in f.get("mismatches", []):
+                click.echo(f"    {m}")
     if not any(d.values()):
         click.echo("no differences")
 

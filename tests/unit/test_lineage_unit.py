@@ -1,0 +1,74 @@
+"""The lineage watcher: active only inside traced steps, gone after them, off when asked."""
+
+import torch
+import torch.nn as nn
+from torch.overrides import _get_current_function_mode_stack
+
+from tensor_trace import schema, tracer
+from tensor_trace.exporters.reader import iter_records, rank_files
+
+
+class Cat(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        seen.append(len(_get_current_function_mode_stack()))
+        return torch.cat([self.a(x), self.b(x).clone()], dim=-1)
+
+
+seen = []
+
+
+def _records(path, kind):
+    return [r for f in rank_files(path) for r in iter_records(f) if r[0] == kind]
+
+
+def test_mode_only_inside_traced_steps_and_nothing_outside(tmp_path):
+    seen.clear()
+    m = Cat()
+    torch.cat([torch.ones(1), torch.ones(1)])
+    tracer.start(out_dir=str(tmp_path), steps=(1, 2))
+    try:
+        for _ in range(3):
+            m(torch.randn(2, 4))  # steps 0 and 2 are outside the window
+        torch.cat([torch.ones(1), torch.ones(1)])  # between steps: not recorded
+    finally:
+        tracer.stop()
+    assert seen == [0, 1, 0]
+    assert _get_current_function_mode_stack() == []
+    nodes = _records(str(tmp_path), schema.LINEAGE)
+    assert {r[1] for r in nodes} == {1}
+    cat = [r for r in nodes if r[4] == {"dim": -1}]
+    assert len(cat) == 1
+    refs = cat[0][5]
+    assert refs[0][0] == 0 and refs[1][0] == 1  # a's output by identity, b's through its clone
+
+
+def test_lineage_off(tmp_path):
+    seen.clear()
+    tracer.start(out_dir=str(tmp_path), lineage=False)
+    try:
+        Cat()(torch.randn(2, 4))
+    finally:
+        tracer.stop()
+    assert seen == [0]
+    assert _records(str(tmp_path), schema.LINEAGE) == []
+
+
+def test_a_step_that_raises_leaves_no_mode_behind(tmp_path):
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise ValueError("boom")
+
+    tracer.start(out_dir=str(tmp_path))
+    try:
+        try:
+            Boom()(torch.randn(2))
+        except ValueError:
+            pass
+        assert _get_current_function_mode_stack() == []
+    finally:
+        tracer.stop()
