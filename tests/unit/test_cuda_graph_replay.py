@@ -5,7 +5,7 @@ yes, so the captured step goes down the graph path (fingerprint kernels into a s
 the graph remembered for its replays). On a CPU the captured computation also executes, so the
 static buffer holds the values of the capture's input, and a replay that changes nothing must
 give fingerprints equal to an eager step on the same input. The GPU half (real capture, real
-replays with new inputs) is tests/gpu/test_cuda_graph_replay.py and bench/cuda_graph_replay.py.
+replays with new inputs) is tests/gpu/test_gpu_graph_replay.py and bench/cuda_graph_replay.py.
 """
 
 import json
