@@ -393,6 +393,7 @@ class Tracer:
                 return None
         elif self.step_root is not module:
             return None
+        self.busy = True  # the tracer's own tensor ops below are nobody's lineage
         try:
             self._end_step(error=len(rest) == 1 and sys.exc_info()[0] is not None, result=rest[-1],
                            kwargs=rest[0] if len(rest) == 2 else None)
@@ -400,6 +401,8 @@ class Tracer:
             self._on_error("step end", exc)
             self.stack.clear()
             self.in_step = False
+        finally:
+            self.busy = False
             self.tracing_step = False
         return None
 
@@ -512,13 +515,14 @@ class Tracer:
 
     def _end_step(self, error: bool = False, result=None, kwargs=None) -> None:
         step = self.step
-        if self.lineage is not None:
-            self.lineage.end_step()
         if self.tracing_step:
             while len(self.stack) > 1:  # calls left open by an exception
                 self._pop_record(self.stack[-1][_F_MODULE], None, None, True)
             if self.stack:
                 self._pop_record(self.stack[0][_F_MODULE], kwargs, result, error)
+        if self.lineage is not None:  # after the root's record (its outputs may be nodes)
+            self.lineage.end_step()
+        if self.tracing_step:
             if self.collectives is not None:
                 self.collectives.end_step()
             t1 = self.now()

@@ -92,11 +92,15 @@ class LineageRecorder:
         self.tracer = tracer
         self.producers: dict = {}  # id(tensor) -> (weak reference, ref list)
         self.nodes = 0  # node ids of the current step
+        self.pending: list = []
+        self.used: list = []
         self.mode = None
 
     # ------------------------------------------------------------------ step
     def begin_step(self) -> None:
         self.nodes = 0
+        self.pending = []  # this step's nodes, written at its end if a module boundary uses them
+        self.used = []  # node refs that SLOT_SRC records point at
         if len(self.producers) > MAX_PRODUCERS:
             self.producers = {}
         mode = LineageMode(self)
@@ -104,12 +108,40 @@ class LineageRecorder:
         self.mode = mode
 
     def end_step(self) -> None:
+        """Leave the mode; write the nodes a module boundary depends on, and no others: most
+        watched ops (rotary halves, views inside attention) lead nowhere recorded."""
         mode, self.mode = self.mode, None
-        if mode is not None:
-            try:
-                mode.__exit__(None, None, None)
-            except Exception:
-                pass
+        if mode is None:
+            return
+        try:
+            mode.__exit__(None, None, None)
+        except Exception:
+            pass
+        pending, self.pending = self.pending, []
+        used, self.used = self.used, []
+        if not pending:
+            return
+        step = self.tracer.step
+        keep = set()
+        todo = [r[2] for r in used if r[1] == step]
+        while todo:
+            n = todo.pop()
+            if n in keep or n >= len(pending):
+                continue
+            keep.add(n)
+            todo += [r[2] for r in pending[n][3] if r[0] == 1 and r[1] == step]
+        tracer = self.tracer
+        writer = tracer.writer
+        producers = self.producers
+        for node, (name, attrs, shape, refs, unknown, out_id) in enumerate(pending):
+            if node not in keep:
+                producers.pop(out_id, None)  # a later step must not point at a node never written
+                continue
+            for i, t in unknown:
+                # Concatenations are where captures get combined: an input made by an op not
+                # watched here (a copy) is matched back by its values (deferred: no launch).
+                refs[i] = [2, tracer.fps.add([t], store=False), list(t.shape)] if tracer.fp_now else [3, list(t.shape)]
+            writer.add((schema.LINEAGE, step, node, writer.string(name), attrs, refs, shape))
 
     # ------------------------------------------------------------------ producers
     def note(self, t, ref) -> None:
@@ -134,6 +166,7 @@ class LineageRecorder:
             if hit is not None and hit[1][0] == 1 and hit[0]() is t:
                 writer = writer or self.tracer.writer
                 writer.add((schema.SLOT_SRC, step, span, i, hit[1]))
+                self.used.append(hit[1])
             if name[0] == "o":  # "output..."
                 # The innermost call that produced a tensor names it: an outer module that
                 # passes it on (a model returning its layers' hidden states) does not.
@@ -186,16 +219,15 @@ class LineageRecorder:
             attrs = {"dim": int(dim) if isinstance(dim, int) else 0}
         elif name == "to" and isinstance(out, Tensor):
             attrs = {"dtype": str(out.dtype).replace("torch.", "")}
+        unknown = []
         for i, r in enumerate(refs):
             if r is None:
                 t = ins[i]
-                # Concatenations are where captures get combined: an input made by an op not
-                # watched here (a copy) is matched back by its values. Deferred: no launch.
-                if kind == "many" and tracer.fp_now:
-                    refs[i] = [2, tracer.fps.add([t], store=False), list(t.shape)]
-                else:
-                    refs[i] = [3, list(t.shape)]
+                refs[i] = [3, list(t.shape)]
+                if kind == "many":
+                    unknown.append((i, t))
         outs = list(out) if kind == "split" and isinstance(out, (tuple, list)) else [out]
+        pending = self.pending
         for k, o in enumerate(outs):
             if not isinstance(o, torch.Tensor):
                 continue
@@ -204,5 +236,5 @@ class LineageRecorder:
             a = attrs
             if kind == "split":
                 a = dict(attrs or {}, index=k, of=len(outs))
-            writer.add((schema.LINEAGE, step, node, writer.string(name), a, refs, list(o.shape)))
+            pending.append((name, a, list(o.shape), refs, unknown, id(o)))
             self.note(o, [1, step, node])
