@@ -58,6 +58,7 @@ for _f, _name, _kind in [
 ]:
     _TRACKED[_f] = (_name, _kind)
 _get_ident = __import__("threading").get_ident
+_tracked_get = _TRACKED.get
 
 
 class LineageMode(TorchFunctionMode):
@@ -68,20 +69,22 @@ class LineageMode(TorchFunctionMode):
         self.recorder = recorder
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # Runs for every torch call of a traced step: the common case is one lookup and the call.
+        hit = _tracked_get(func)
+        if hit is None:
+            return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        hit = _TRACKED.get(func)
-        if hit is not None:
-            rec = self.recorder
-            tracer = rec.tracer
-            if tracer.tracing_step and not tracer.busy and _get_ident() == tracer.step_thread:
-                tracer.busy = True
-                try:
-                    rec.node(hit[0], hit[1], args, kwargs, out)
-                except Exception as exc:
-                    tracer._on_error("lineage", exc)
-                finally:
-                    tracer.busy = False
+        rec = self.recorder
+        tracer = rec.tracer
+        if tracer.tracing_step and not tracer.busy and _get_ident() == tracer.step_thread:
+            tracer.busy = True
+            try:
+                rec.node(hit[0], hit[1], args, kwargs, out)
+            except Exception as exc:
+                tracer._on_error("lineage", exc)
+            finally:
+                tracer.busy = False
         return out
 
 
