@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import importlib.util
 import json
 import math
 import os
@@ -39,16 +38,9 @@ import torch
 from tensor_trace import tracer
 from tensor_trace.exporters.reader import load_rank_file, rank_files
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import overhead as ov  # bench/ is this script's folder, first on sys.path
+
 VARIANTS = ("replay", "traced-replay", "eager", "traced-eager")
-
-
-def _load_overhead():
-    spec = importlib.util.spec_from_file_location("_graph_bench_overhead", os.path.join(ROOT, "bench", "overhead.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _pct(vals, q):
@@ -145,7 +137,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark needs a GPU")
         return 2
-    ov = _load_overhead()
     dev = torch.device("cuda")
     shape = dict(ov.LLAMA_SHAPES[args.llama_shape], kv_len=args.kv_len)
     torch.manual_seed(args.seed)

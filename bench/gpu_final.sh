@@ -2,16 +2,7 @@
 # Device-tool call: the GPU overhead benchmark with lineage on and off (Llama-8B-shaped decode),
 # and the example's CUDA-graph run at TP=2 exiting cleanly.   run: bash bench/gpu_final.sh
 set -uo pipefail
-REPO=$PWD
-OUT=${OUT:-/tmp/tt-out}
-mkdir -p "$OUT" /tmp/ttpkg/tensor_trace
-cp -r tensor_trace/* /tmp/ttpkg/tensor_trace/
-ln -sfn "$REPO/tracer" /tmp/ttpkg/tensor_trace/tracer
-ln -sfn "$REPO/exporters" /tmp/ttpkg/tensor_trace/exporters
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=/tmp/ttpkg PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-exec > >(tee "$OUT/final-session.txt") 2>&1
-cd /tmp
+source "$(dirname "$0")/gpu_env.sh" final-session.txt
 date -u
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   echo "== example with --cuda-graph at TP=2: exits by itself (limit 90 s)"

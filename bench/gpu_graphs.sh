@@ -6,16 +6,7 @@
 # 2. tests/gpu (the same at TP=1, fp32 and bf16, as pytest);
 # 3. the replay benchmark (bench/cuda_graph_replay.py).
 set -uo pipefail
-REPO=$PWD
-OUT=${OUT:-/tmp/tt-out}
-mkdir -p "$OUT" /tmp/ttpkg/tensor_trace
-cp -r tensor_trace/* /tmp/ttpkg/tensor_trace/
-ln -sfn "$REPO/tracer" /tmp/ttpkg/tensor_trace/tracer
-ln -sfn "$REPO/exporters" /tmp/ttpkg/tensor_trace/exporters
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=/tmp/ttpkg PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-exec > >(tee "$OUT/graphs-session.txt") 2>&1
-cd /tmp
+source "$(dirname "$0")/gpu_env.sh" graphs-session.txt
 python3 -c "import tensor_trace.tracer.core, torch; print(torch.__version__, torch.cuda.device_count(), torch.cuda.get_device_name())"
 date -u
 TT="python3 -m tensor_trace"

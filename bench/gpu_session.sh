@@ -4,14 +4,7 @@
 # Makes the import name tensor_trace resolve without installing (the GPU machine has no
 # registry), then runs the hook-cost and overhead measurements (CUDA graphs: bench/gpu_graphs.sh).
 set -uo pipefail
-REPO=$PWD
-OUT=${OUT:-/tmp/tt-out}
-mkdir -p "$OUT" /tmp/ttpkg/tensor_trace
-cp -r tensor_trace/* /tmp/ttpkg/tensor_trace/
-ln -sfn "$REPO/tracer" /tmp/ttpkg/tensor_trace/tracer
-ln -sfn "$REPO/exporters" /tmp/ttpkg/tensor_trace/exporters
-export PYTHONPATH=/tmp/ttpkg PYTHONUNBUFFERED=1
-cd /tmp
+source "$(dirname "$0")/gpu_env.sh"
 python3 -c "import tensor_trace.tracer.core, torch; print(torch.__version__, torch.cuda.get_device_name())"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 nproc; date -u

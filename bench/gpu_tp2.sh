@@ -7,18 +7,8 @@
 # 3. no synchronisation inside traced steps (set_sync_debug_mode + profiler, bench/sync_check.py);
 # 4. the overhead benchmark at TP=2 (Llama-8B-shaped decode, one H200 per rank).
 set -uo pipefail
-REPO=$PWD
-OUT=${OUT:-/tmp/tt-out}
-mkdir -p "$OUT" /tmp/ttpkg/tensor_trace
-cp -r tensor_trace/* /tmp/ttpkg/tensor_trace/
-ln -sfn "$REPO/tracer" /tmp/ttpkg/tensor_trace/tracer
-ln -sfn "$REPO/exporters" /tmp/ttpkg/tensor_trace/exporters
-# NVLink multicast stays off (device README): NCCL, PyTorch symmetric memory, NVSHMEM.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=/tmp/ttpkg PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-cd /tmp
+source "$(dirname "$0")/gpu_env.sh" tp2-session.txt
 SECTIONS=${SECTIONS:-"1 2 3 4"}
-exec > >(tee "$OUT/tp2-session.txt") 2>&1
 python3 -c "import tensor_trace.tracer.core, torch; print(torch.__version__, torch.cuda.device_count(), torch.cuda.get_device_name())"
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
 nproc; date -u

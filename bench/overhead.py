@@ -67,7 +67,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ("plain", "traced-nofp", "traced-fp", "traced-fp-nolin", "profiler")
 
 
-def _load_example():
+def load_example():
     """examples/tp_llama.py, by file path (examples/ is not an installed package)."""
     path = os.path.join(ROOT, "examples", "tp_llama.py")
     spec = importlib.util.spec_from_file_location("_bench_tp_llama", path)
@@ -649,7 +649,7 @@ def breakdown(bench: Bench, step_fn, label, steps=10, warmup=3):
 # ---------------------------------------------------------------- workloads
 
 def workload_example_cpu(args, bench: Bench):
-    ex = _load_example()
+    ex = load_example()
     cfg = ex.TinyLlamaConfig()
     model = ex.build_model(cfg, 0, 1, None, device="cpu", dtype=torch.float32)
     batch, seq = 2, 8

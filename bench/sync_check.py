@@ -19,7 +19,6 @@ Rank 0 prints; every rank's figures go to the JSON.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -30,16 +29,9 @@ import torch.distributed as dist
 
 from tensor_trace import tracer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from overhead import load_example  # bench/ is this script's folder, first on sys.path
+
 SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy")
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("_sync_tp_llama", os.path.join(ROOT, "examples", "tp_llama.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _sync_calls(prof) -> dict:
@@ -116,7 +108,7 @@ def main(argv=None) -> int:
     if world > 1:
         dist.init_process_group("nccl")
         group = dist.group.WORLD
-    ex = _load_example()
+    ex = load_example()
     exargs = ex.parse_args(["--dtype", "bfloat16", "--device", "cuda", "--batch", "8", "--seq", "16"])
     model = ex.build_model(exargs, rank, world, group, device=torch.device("cuda", local), dtype=torch.bfloat16)
     ids_list = [ex.make_input_ids(exargs, s).cuda() for s in range(6)]

@@ -237,15 +237,9 @@ class StepFingerprints:
         blocks = []
         static = captured.static
         if static is not None:
-            idx = [base + i for i in captured.indices]
-            if static.is_cuda:
-                host = torch.empty(static.shape, dtype=_F32, pin_memory=True)
-                host.copy_(static, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                blocks.append((idx, host, event))
-            else:
-                blocks.append((idx, static.clone(), None))
+            # A CPU buffer is rewritten by the next "replay": copy it (a CUDA one is copied anyway).
+            blocks.append(_to_host([base + i for i in captured.indices],
+                                   static if static.is_cuda else static.clone()))
         dups = [(base + i, base + j) for i, j in captured.dups]
         self._pending.append((step, blocks, dups))
 
@@ -266,17 +260,7 @@ class StepFingerprints:
 
     def _finish_step(self, step: int) -> None:
         self._reduce_rest()
-        blocks = self._blocks
-        out = []
-        for idx, vals in blocks:
-            if vals.is_cuda:
-                host = torch.empty(vals.shape, dtype=_F32, pin_memory=True)
-                host.copy_(vals, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                out.append((idx, host, event))
-            else:
-                out.append((idx, vals, None))
+        out = [_to_host(idx, vals) for idx, vals in self._blocks]
         if out or self._dups:
             self._pending.append((step, out, self._dups))
         self.reset()
@@ -306,6 +290,18 @@ class StepFingerprints:
                     records.append(_record(step, idx, data))
         self._pending = keep
         return records
+
+
+def _to_host(idx, vals) -> tuple:
+    """(indices, host values, event or None): a device block is copied to pinned memory without
+    waiting; its event says when the copy is done."""
+    if not vals.is_cuda:
+        return (idx, vals, None)
+    host = torch.empty(vals.shape, dtype=_F32, pin_memory=True)
+    host.copy_(vals, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return (idx, host, event)
 
 
 def _pair(t):
