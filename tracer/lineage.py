@@ -59,6 +59,7 @@ for _f, _name, _kind in [
     _TRACKED[_f] = (_name, _kind)
 _get_ident = __import__("threading").get_ident
 _tracked_get = _TRACKED.get
+_is_compiling = torch.compiler.is_compiling
 
 
 class LineageMode(TorchFunctionMode):
@@ -70,6 +71,10 @@ class LineageMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # Runs for every torch call of a traced step: the common case is one lookup and the call.
+        if _is_compiling():
+            # torch.compile (SGLang compiles small helpers) traces modes into its graphs: inside
+            # one this mode must be a plain pass-through, with no Python side effects to trace.
+            return func(*args, **kwargs) if kwargs else func(*args)
         hit = _tracked_get(func)
         if hit is None:
             return func(*args, **kwargs) if kwargs else func(*args)

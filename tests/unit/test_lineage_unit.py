@@ -72,3 +72,38 @@ def test_a_step_that_raises_leaves_no_mode_behind(tmp_path):
         assert _get_current_function_mode_stack() == []
     finally:
         tracer.stop()
+
+
+@torch.compile(dynamic=True, backend="aot_eager")
+def _masked(ids, lo: int, hi: int):
+    # The shape of SGLang's compiled get_masked_input_and_mask (CPU SGLang compiles it too).
+    mask = (ids >= lo) & (ids < hi)
+    return mask * (ids - lo * mask), ~mask
+
+
+class UsesCompiled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(4, 3)
+
+    def forward(self, ids):
+        local, outside = _masked(ids, 2, 6)
+        out = self.emb(local)
+        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        return torch.cat([out, out.clone()], dim=-1)
+
+
+def test_compiled_regions_inside_traced_steps_compute_the_same(tmp_path):
+    torch.manual_seed(0)
+    m = UsesCompiled()
+    ids = torch.tensor([[0, 2, 3, 5, 7]])
+    with torch.no_grad():
+        want = m(ids)
+        tracer.start(out_dir=str(tmp_path))
+        try:
+            got = [m(ids) for _ in range(3)]
+        finally:
+            tracer.stop()
+    for g in got:
+        assert torch.equal(g, want)
+    assert _records(str(tmp_path), schema.ERROR) == []
