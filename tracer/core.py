@@ -88,6 +88,7 @@ class Tracer:
         self.fps = self._new_fingerprints()
         self.device_times = CollectiveDeviceTimes()
         self.lineage = None  # LineageRecorder, when config.lineage
+        self.leaf_quiet: list = []  # (leaf module, torch-function-off context) while it runs
         if config.lineage:
             from tensor_trace.tracer.lineage import LineageRecorder
 
@@ -291,11 +292,24 @@ class Tracer:
             _nn_module.register_module_forward_hook(post, with_kwargs=True, always_call=True),
         ]
 
+    # With lineage on, the hooks run with the lineage mode off, and so does the body of every
+    # leaf module (no submodules: Linear, norms, embeddings, activations): that is where most
+    # torch calls of a step happen, and none of them can combine two recorded tensors, since a
+    # leaf's inputs and output are recorded at its boundary anyway.
     def _global_pre_quiet(self, module, args):
         with _DisableTorchFunction():
-            return self._global_pre(module, args)
+            result = self._global_pre(module, args)
+        if (not module._modules and self.tracing_step and self.lineage.mode is not None
+                and _get_ident() == self.step_thread):
+            quiet = _DisableTorchFunction()
+            quiet.__enter__()
+            self.leaf_quiet.append((module, quiet))
+        return result
 
     def _global_post_quiet(self, module, args, *rest):
+        quiet = self.leaf_quiet
+        if quiet and quiet[-1][0] is module:
+            quiet.pop()[1].__exit__(None, None, None)
         with _DisableTorchFunction():
             return self._global_post(module, args, *rest)
 

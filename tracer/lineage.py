@@ -121,6 +121,12 @@ class LineageRecorder:
         mode, self.mode = self.mode, None
         if mode is None:
             return
+        quiet = self.tracer.leaf_quiet
+        while quiet:  # leaf calls an exception left open
+            try:
+                quiet.pop()[1].__exit__(None, None, None)
+            except Exception:
+                pass
         try:
             mode.__exit__(None, None, None)
         except Exception:
@@ -166,7 +172,8 @@ class LineageRecorder:
 
     def link_span(self, step, span, slots) -> None:
         """A module call's slots ([(name, tensor)], inputs then outputs): an input or output that
-        is a node's result links its slot to the node; outputs become that span's tensors."""
+        is a node's result links its slot to the node; outputs, and inputs not seen before,
+        become that span's tensors."""
         producers = self.producers
         writer = None
         for i, (name, t) in enumerate(slots):
@@ -180,6 +187,10 @@ class LineageRecorder:
                 # passes it on (a model returning its layers' hidden states) does not.
                 if hit is not None and hit[1][0] == 0 and hit[1][1] == step and hit[0]() is t:
                     continue
+                self.note(t, [0, step, span, i])
+            elif hit is None or hit[0]() is not t:
+                # An input nobody recorded making (the step's input ids, a cache) is named by
+                # the first call that receives it.
                 self.note(t, [0, step, span, i])
 
     # ------------------------------------------------------------------ nodes

@@ -107,3 +107,36 @@ def test_compiled_regions_inside_traced_steps_compute_the_same(tmp_path):
     for g in got:
         assert torch.equal(g, want)
     assert _records(str(tmp_path), schema.ERROR) == []
+
+
+class Leaf(nn.Module):
+    def forward(self, x):
+        states.append(("leaf", torch._C._is_torch_function_mode_enabled()))
+        return x * 2
+
+
+class Parent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.leaf = Leaf()
+
+    def forward(self, x):
+        states.append(("parent", torch._C._is_torch_function_mode_enabled()))
+        y = self.leaf(x)
+        states.append(("parent after", torch._C._is_torch_function_mode_enabled()))
+        return torch.cat([y, x], dim=-1)
+
+
+states = []
+
+
+def test_leaf_module_bodies_run_without_the_mode(tmp_path):
+    states.clear()
+    tracer.start(out_dir=str(tmp_path))
+    try:
+        Parent()(torch.randn(2, 3))
+    finally:
+        tracer.stop()
+    assert states == [("parent", True), ("leaf", False), ("parent after", True)]
+    (cat,) = [r for r in _records(str(tmp_path), schema.LINEAGE) if r[4] == {"dim": -1}]
+    assert [ref[0] for ref in cat[5]] == [0, 0]  # both inputs are recorded tensors: leaf's output, parent's input
