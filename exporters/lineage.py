@@ -76,8 +76,9 @@ class _Resolver:
         op, attrs, inputs, shape = row
         return op, json.loads(attrs) if attrs else {}, json.loads(inputs), json.loads(shape)
 
-    def by_values(self, fp_index, shape) -> dict | None:
-        """The recorded tensor of this step whose fingerprint equals fingerprint ``fp_index``."""
+    def by_values(self, fp_index, shape, before=None) -> dict | None:
+        """The latest recorded output of this step (ending by ``before``, ns from the step's
+        start, if given) whose fingerprint equals fingerprint ``fp_index``."""
         from tensor_trace.exporters import placement as pl
 
         if self._view is None:
@@ -105,7 +106,11 @@ class _Resolver:
             probe = pl.T(shape, t.dtype, fp)
             if t.numel == probe.numel and pl.fp_equal(t, probe):
                 order = view.times.get(key, (0, 0, 0))
-                if best is None or order > best[0]:  # the latest such tensor before the copy
+                if before is not None and order[0] > before:
+                    continue
+                # The call entered last (highest span index) made it: outer modules that
+                # pass the same tensor on entered earlier.
+                if best is None or order[1] > best[0][1]:
                     best = (order, key)
         if best is None:
             return None
@@ -215,6 +220,21 @@ def lineage(con, point: str) -> dict:
     if found is None:
         return out
     res, (span, slot_i), ref = found
+    if ref is None and slot.startswith("input"):
+        # A module input that no watched op built is, as a rule, an earlier call's output: found
+        # by its values (same fingerprint), since identity is only written where ops combine.
+        row = con.execute("SELECT s.fp_pre, s.n_pre, s.t0 FROM steps st JOIN spans s ON s.rowid BETWEEN "
+                          "st.span_first AND st.span_last WHERE st.proc=? AND st.step=? AND s.proc=st.proc "
+                          "AND s.step=st.step AND s.idx=? LIMIT 1", (res.proc, res.step, span)).fetchone()
+        if row is not None and row[0] >= 0 and slot_i < row[1]:
+            hit = res.by_values(row[0] + slot_i, (p["shapes"].get(min(p["shapes"])) or []) if p["shapes"] else [],
+                                before=row[2])
+            if hit is not None:
+                out.update(op="identity", via=["same values"])
+                out["sources"] = [dict(point=hit["point"], op="identity", shapes=hit.get("shapes", {}),
+                                       placement=hit.get("placement", "unknown"), dtype=hit.get("dtype"),
+                                       via=["same values"])]
+        return out
     if ref is None:
         return out  # nothing recorded built it: a module computed it
     kind, payload, via = _follow(res, ref)

@@ -130,3 +130,13 @@ def test_bad_contract_and_unknown_point(copies, tmp_path):
     assert r.returncode == 2 and "not a tensor-trace contract" in r.stderr
     r = tt("query", "lineage", "head.fcc:input.0", "--trace", str(a))
     assert r.returncode == 1 and "nearest" in r.stderr
+
+
+def test_a_module_input_is_traced_to_the_call_that_made_it(example_runs):
+    _, train, _ = example_runs
+    res = lineage_json(train, "model.layers.1:input.0")
+    assert res["op"] == "identity"
+    assert [(s["point"], s["via"]) for s in res["sources"]] == [("model.layers.0:output", ["same values"])]
+    # Passed through unchanged by an outer module: the innermost maker is named.
+    res = lineage_json(train, "lm_head:input.0")
+    assert [s["point"] for s in res["sources"]] == ["model.norm:output"]
