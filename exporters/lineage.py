@@ -24,19 +24,26 @@ MAX_DEPTH = 64
 MAX_STEPS = 16
 
 
+def _shared(con) -> tuple:
+    """What every resolver of one store reads: module paths, points, a layout cache."""
+    modules = dict(con.execute("SELECT module_id, path FROM modules"))
+    points = {}
+    for point, module, call, slot, placement, shapes, dtype in con.execute(
+            "SELECT point, module, call, slot, placement, shapes, dtype FROM points"):
+        points[(module, call, slot)] = dict(point=point, module=module, placement=placement,
+                                            shapes={int(k): v for k, v in json.loads(shapes).items()},
+                                            dtype=dtype)
+    return modules, points, {}
+
+
 class _Resolver:
     """Reads one process's lineage records of one step and names what refs point at."""
 
-    def __init__(self, con, proc: int, step: int):
+    def __init__(self, con, proc: int, step: int, shared=None):
         self.con, self.proc, self.step = con, proc, step
-        self.modules = dict(con.execute("SELECT module_id, path FROM modules"))
-        self.layouts: dict = {}
-        self.points: dict = {}
-        for point, module, call, slot, placement, shapes, dtype in con.execute(
-                "SELECT point, module, call, slot, placement, shapes, dtype FROM points"):
-            self.points[(module, call, slot)] = dict(point=point, module=module, placement=placement,
-                                                     shapes={int(k): v for k, v in json.loads(shapes).items()},
-                                                     dtype=dtype)
+        if shared is None:
+            shared = _shared(con)
+        self.modules, self.points, self.layouts = shared
         self._view = None
 
     def slots(self, layout_id) -> list:
@@ -199,11 +206,12 @@ def lineage(con, point: str) -> dict:
     mid = row[0]
     procs = [r[0] for r in con.execute("SELECT proc FROM processes ORDER BY rank IS NULL, rank, proc")]
     found = None
+    shared = _shared(con)
     for proc in procs:
         steps = [r[0] for r in con.execute(
             "SELECT step FROM steps WHERE proc=? AND span_first IS NOT NULL ORDER BY step LIMIT ?", (proc, MAX_STEPS))]
         for step in steps:
-            res = _Resolver(con, proc, step)
+            res = _Resolver(con, proc, step, shared)
             where = _slot_index(res, proc, step, mid, call, slot)
             if where is None:
                 continue
