@@ -29,6 +29,7 @@ import time
 import torch
 
 from tensor_trace import schema
+from tensor_trace.tracer.patching import is_wrapped
 
 _ACTIVE = None  # the Tracer whose wrappers are installed
 _now = time.monotonic_ns
@@ -181,14 +182,14 @@ class CollectiveInterceptor:
         _ACTIVE = self.tracer
         for name, spec in _C10D_SPECS.items():
             orig = getattr(c10d, name, None)
-            if orig is None or getattr(orig, "__tensor_trace_original__", None) is not None:
+            if orig is None or is_wrapped(orig):
                 continue
             wrapper = self._c10d_wrapper(name, orig, spec)
             self.originals[name] = orig
             self.wrappers[name] = wrapper
         for name in ("init_process_group", "new_group"):
             orig = getattr(c10d, name, None)
-            if orig is not None and getattr(orig, "__tensor_trace_original__", None) is None:
+            if orig is not None and not is_wrapped(orig):
                 self.originals[name] = orig
                 self.wrappers[name] = self._identity_wrapper(orig)
         by_original = {id(o): (n, o) for n, o in self.originals.items()}

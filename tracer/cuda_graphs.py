@@ -25,9 +25,10 @@ a graph reads that no module boundary shows.
 
 from __future__ import annotations
 
-import functools
 import sys
 import weakref
+
+from tensor_trace.tracer.patching import wrap_method
 
 WARNING = ("tensor-trace: a CUDA graph captured without tracing is being replayed: its replays are "
            "counted, not traced (trace the capture, e.g. keep SGLang's graph capture inside the "
@@ -71,13 +72,9 @@ class GraphTracker:
             self.graph_cls = cls
         for name, make in (("capture_begin", self._wrap_begin), ("capture_end", self._wrap_end),
                            ("replay", self._wrap_replay)):
-            orig = getattr(cls, name, None)
-            if orig is None or getattr(orig, "__tensor_trace_original__", None) is not None:
-                continue
-            wrapper = functools.wraps(orig)(make(orig))
-            wrapper.__tensor_trace_original__ = orig
-            self.origs[name] = orig
-            setattr(cls, name, wrapper)
+            orig = wrap_method(cls, name, make)
+            if orig is not None:
+                self.origs[name] = orig
 
     def uninstall(self) -> None:
         for name, orig in self.origs.items():

@@ -22,6 +22,7 @@ import functools
 import inspect
 
 from tensor_trace.tracer import current
+from tensor_trace.tracer.patching import wrap_method
 
 # method -> (input argument names, output argument names, reduce op)
 _GROUP_METHODS = {
@@ -64,13 +65,13 @@ def patch_graph_capture(cls, mode: str) -> None:
     """SGLang's graph runners call ``model.forward`` themselves (warm-up runs, then the run under
     ``torch.cuda.graph``), outside ``ModelRunner.forward``: each call becomes a step of its own,
     rooted at the model so paths keep SGLang's names. The step run under capture is marked
-    captured (structure only: nothing may synchronise or allocate in a capture); replays of the
-    graph run no hook and are only counted (tracer/cuda_graphs.py)."""
-    orig = cls.__dict__.get("capture_one_shape")
-    if orig is None or getattr(orig, "__tensor_trace_original__", None) is not None:
-        return
+    captured, and its fingerprint kernels go into the graph; each replay (inside a later
+    ``ModelRunner.forward`` step) then carries that step's spans with fresh values
+    (tracer/cuda_graphs.py)."""
+    wrap_method(cls, "capture_one_shape", lambda orig: _capture_one_shape(orig, mode))
 
-    @functools.wraps(orig)
+
+def _capture_one_shape(orig, mode):
     def capture_one_shape(self, size, forward, *args, **kwargs):
         runner = getattr(self, "model_runner", None)
         model = getattr(runner, "model", None)
@@ -89,8 +90,7 @@ def patch_graph_capture(cls, mode: str) -> None:
 
         return orig(self, size, traced_forward, *args, **kwargs)
 
-    capture_one_shape.__tensor_trace_original__ = orig
-    cls.capture_one_shape = capture_one_shape
+    return capture_one_shape
 
 
 def _patch_aux_capture(cls) -> None:
@@ -101,11 +101,10 @@ def _patch_aux_capture(cls) -> None:
     it, i.e. the hidden state after layer i-1 (the embedding output for i = 0). K counts the
     captures of the step in order, which is the order the draft model concatenates them in.
     """
-    orig = cls.__dict__.get("capture")
-    if orig is None or getattr(orig, "__tensor_trace_original__", None) is not None:
-        return
+    wrap_method(cls, "capture", _aux_capture)
 
-    @functools.wraps(orig)
+
+def _aux_capture(orig):
     def capture(self, hidden, *args, **kwargs):
         tr = current()
         if tr is not None and tr.tracing_step:
@@ -116,8 +115,7 @@ def _patch_aux_capture(cls) -> None:
                 tr._on_error("eagle3 aux capture", exc)
         return orig(self, hidden, *args, **kwargs)
 
-    capture.__tensor_trace_original__ = orig
-    cls.capture = capture
+    return capture
 
 
 def _capture_info(tr) -> dict:
@@ -151,16 +149,13 @@ def group_name(gc) -> str:
 
 def _patch_group_coordinator(cls) -> None:
     for method, (in_args, out_args, reduce_op) in _GROUP_METHODS.items():
-        orig = cls.__dict__.get(method)
-        if orig is None or getattr(orig, "__tensor_trace_original__", None) is not None:
-            continue
-        setattr(cls, method, _wrap_group_method(method, orig, in_args, out_args, reduce_op))
+        wrap_method(cls, method, functools.partial(_wrap_group_method, method, in_args=in_args,
+                                                   out_args=out_args, reduce_op=reduce_op))
 
 
 def _wrap_group_method(method, orig, in_args, out_args, reduce_op):
     signature = inspect.signature(orig)
 
-    @functools.wraps(orig)
     def wrapper(self, *args, **kwargs):
         tr = current()
         if (tr is None or not tr.enabled or tr.in_collective or tr.busy or tr.collectives is None
@@ -187,16 +182,14 @@ def _wrap_group_method(method, orig, in_args, out_args, reduce_op):
             ic.finish(token)
         return result
 
-    wrapper.__tensor_trace_original__ = orig
     return wrapper
 
 
 def _patch_model_runner(cls) -> None:
-    orig = cls.__dict__.get("forward")
-    if orig is None or getattr(orig, "__tensor_trace_original__", None) is not None:
-        return
+    wrap_method(cls, "forward", _model_runner_forward)
 
-    @functools.wraps(orig)
+
+def _model_runner_forward(orig):
     def forward(self, forward_batch, *args, **kwargs):
         tr = current()
         model = getattr(self, "model", None)
@@ -209,8 +202,7 @@ def _patch_model_runner(cls) -> None:
             attrs["draft"] = True
         return tr.run_external_step(model, (forward_batch,), attrs, orig, self, forward_batch, *args, **kwargs)
 
-    forward.__tensor_trace_original__ = orig
-    cls.forward = forward
+    return forward
 
 
 def _record_tp_identity(tr) -> None:
