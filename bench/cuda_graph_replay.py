@@ -11,6 +11,12 @@ order for R rounds after one discarded warm-up round, each block W warm-up + N t
                      its fingerprint kernels are in it; each replay is a traced step;
 - ``eager``          the model called eagerly;
 - ``traced-eager``   the same, traced (fingerprints on, deferred for small tensors).
+- ``traced-replay-<M>m`` (with ``--graph-defer-mib M ...``): traced replay with captures that
+                     hold at most M MiB of tensors before fingerprinting them (the default
+                     is ``GRAPH_DEFER_BYTES``);
+- ``traced-replay-stacked``, ``traced-eager-stacked``: the same two with the multi-tensor
+                     kernel (tracer/multi_tensor.py) turned off: same-shape tensors stacked and
+                     reduced, as before that kernel existed.
 
 Every step copies the next of 4 input-id tensors into the input (the graph's static buffer for
 the replays) and ends with ``torch.cuda.synchronize()``. Reported: median step time, p10..p90,
@@ -40,7 +46,11 @@ from tensor_trace.exporters.reader import load_rank_file, rank_files
 
 import overhead as ov  # bench/ is this script's folder, first on sys.path
 
-VARIANTS = ("replay", "traced-replay", "eager", "traced-eager")
+from tensor_trace.tracer import fingerprint as fp_mod
+from tensor_trace.tracer import multi_tensor
+
+VARIANTS = ("replay", "traced-replay", "traced-replay-stacked", "eager", "traced-eager",
+            "traced-eager-stacked")
 
 
 def _pct(vals, q):
@@ -76,18 +86,24 @@ def run_block(variant, model, ids, static_ids, plain_graph, tmp, warmup, steps, 
     tr = None
     graph = plain_graph
     out_dir = None
+    usable = multi_tensor.usable
+    defer_bytes = fp_mod.GRAPH_DEFER_BYTES
+    if variant.endswith("-stacked"):
+        multi_tensor.usable = lambda t: False
+    if variant.startswith("traced-replay-") and variant.endswith("m"):
+        fp_mod.GRAPH_DEFER_BYTES = int(variant[len("traced-replay-"):-1]) << 20
     if variant.startswith("traced"):
         out_dir = os.path.join(tmp, f"b{block:04d}-{variant}")
         tr = tracer.start(out_dir=out_dir, fingerprint=True)
     try:
-        if variant == "traced-replay":
+        if variant.startswith("traced-replay"):
             graph, _ = capture(model, static_ids)  # traced capture: not timed
         times = []
         pc = time.perf_counter_ns
         torch.cuda.synchronize()
         for i in range(warmup + steps):
             t0 = pc()
-            if variant.endswith("replay"):
+            if "replay" in variant:
                 static_ids.copy_(ids[i % len(ids)], non_blocking=True)
                 graph.replay()
             else:
@@ -97,10 +113,12 @@ def run_block(variant, model, ids, static_ids, plain_graph, tmp, warmup, steps, 
             if i >= warmup:
                 times.append(t1 - t0)
     finally:
+        multi_tensor.usable = usable
+        fp_mod.GRAPH_DEFER_BYTES = defer_bytes
         stats = dict(tr.stats) if tr is not None else {}
         if tr is not None:
             tracer.stop()
-    if variant == "traced-replay":
+    if variant.startswith("traced-replay"):
         del graph
     return times, out_dir, stats
 
@@ -132,8 +150,12 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-len", type=int, default=512)
     ap.add_argument("--llama-shape", default="8b")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--graph-defer-mib", type=int, nargs="*", default=[])
+    ap.add_argument("--variants", nargs="*", default=None, help="a subset of the variants")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
+    global VARIANTS
+    VARIANTS = tuple(args.variants or VARIANTS) + tuple(f"traced-replay-{m}m" for m in args.graph_defer_mib)
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark needs a GPU")
         return 2
@@ -199,20 +221,21 @@ def main(argv=None) -> int:
                     median_ms=med[v] / 1e6, p10_ms=_pct(t, 10) / 1e6, p90_ms=_pct(t, 90) / 1e6,
                     round_median_min_ms=min(acc[v]["round_medians"]) / 1e6,
                     round_median_max_ms=max(acc[v]["round_medians"]) / 1e6,
-                    vs_replay=med[v] / med["replay"], vs_eager=med[v] / med["eager"],
+                    vs_replay=med[v] / med["replay"], vs_eager=med[v] / med.get("eager", float("nan")),
                     paired_vs_base=[a / b for a, b in zip(
                         acc[v]["round_medians"],
-                        acc["replay" if v.endswith("replay") else "eager"]["round_medians"])])
+                        acc["replay" if "replay" in v else "eager"]["round_medians"])]
+                    if acc["replay" if "replay" in v else "eager"]["round_medians"] else [])
             results.append(res)
             print(f"\n== batch {batch}: {calls} module calls/step, {n_fp} fingerprinted tensors per replay ==")
-            print(f"{'variant':<14} {'median ms':>9} {'p10..p90 ms':>17} {'round med min..max':>19} "
+            print(f"{'variant':<21} {'median ms':>9} {'p10..p90 ms':>17} {'round med min..max':>19} "
                   f"{'x replay':>8} {'x eager':>8} {'paired min..max':>16}")
             for v in VARIANTS:
                 x = res["variants"][v]
                 pr = x["paired_vs_base"]
-                print(f"{v:<14} {x['median_ms']:9.3f} {x['p10_ms']:8.3f}..{x['p90_ms']:<8.3f} "
+                print(f"{v:<21} {x['median_ms']:9.3f} {x['p10_ms']:8.3f}..{x['p90_ms']:<8.3f} "
                       f"{x['round_median_min_ms']:9.3f}..{x['round_median_max_ms']:<9.3f} "
-                      f"x{x['vs_replay']:<7.3f} x{x['vs_eager']:<7.3f} {min(pr):.3f}..{max(pr):.3f}")
+                      f"x{x['vs_replay']:<7.3f} x{x['vs_eager']:<7.3f} {min(pr or [math.nan]):.3f}..{max(pr or [math.nan]):.3f}")
             print(f"   capture peak allocated: untraced {mem_plain / 2**20:.1f} MiB, traced "
                   f"{mem_traced / 2**20:.1f} MiB (extra {(mem_traced - mem_plain) / 2**20:.1f} MiB); "
                   f"static fingerprint buffer {static_bytes} bytes")

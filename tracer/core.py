@@ -30,7 +30,7 @@ from tensor_trace import schema
 from tensor_trace.tracer import structures
 from tensor_trace.tracer.config import TraceConfig
 from tensor_trace.tracer.device_time import CollectiveDeviceTimes
-from tensor_trace.tracer.fingerprint import GRAPH_DEFER_BYTES, StepFingerprints
+from tensor_trace.tracer.fingerprint import StepFingerprints
 from tensor_trace.tracer.writer import RankWriter
 
 _now = time.monotonic_ns
@@ -448,8 +448,8 @@ class Tracer:
         # only a capture begun through CUDAGraph.capture_begin can hand its buffer to replays.
         graph_fp = self.capturing and self.graphs is not None and self.graphs.capturing is not None
         self.fp_now = self.fingerprint and (not self.capturing or graph_fp)
-        if graph_fp:
-            self.fps.defer_bytes = GRAPH_DEFER_BYTES
+        if graph_fp and self.fp_now:
+            self.fps.begin_capture()
         self.span_flags = schema.FLAG_CAPTURED if self.capturing else 0
         entry = self.names.get(root)
         if entry is None:
@@ -569,9 +569,9 @@ class Tracer:
         into the graph, and the graph remembers the step for its replays."""
         from tensor_trace.tracer.cuda_graphs import CapturedStep
 
-        fps = self.fps.finish_capture() if self.fp_now else None
+        fps = self.fps.finish_capture()  # also ends begin_capture's settings
         if not self.fp_now:
-            self.fps.reset()
+            fps = None
         if self.graphs is not None and self.graphs.capturing is not None:
             path, cls, attrs = self.step_info
             self.graphs.add_captured(CapturedStep(step, (path, cls), attrs, self.span_count,

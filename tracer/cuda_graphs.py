@@ -35,6 +35,14 @@ WARNING = ("tensor-trace: a CUDA graph captured without tracing is being replaye
            "--steps window, or run without CUDA graphs: SGLang --disable-cuda-graph).\n")
 
 
+def _cuda_graph_cls():
+    torch = sys.modules.get("torch")
+    try:
+        return torch.cuda.CUDAGraph
+    except Exception:
+        return None
+
+
 class CapturedStep:
     """One traced step captured into a graph: its step number and fingerprint buffer."""
 
@@ -77,6 +85,13 @@ class GraphTracker:
                 self.origs[name] = orig
 
     def uninstall(self) -> None:
+        try:  # a replay after this point is not wrapped: order the tables' copies before it now
+            for captured in list(self.graphs.values()):
+                for c in captured:
+                    if c.fps is not None:
+                        c.fps.before_replay()
+        except Exception:
+            pass
         for name, orig in self.origs.items():
             try:
                 setattr(self.graph_cls, name, orig)
@@ -89,7 +104,12 @@ class GraphTracker:
         tracker = self
 
         def capture_begin(graph, *args, **kwargs):
-            result = orig(graph, *args, **kwargs)
+            tracker.warm_up()
+            try:
+                result = orig(graph, *args, **kwargs)
+            except BaseException:
+                tracker.end_arena()
+                raise
             try:
                 tracker.capturing = weakref.ref(graph)
                 tracker.pending = []
@@ -106,11 +126,24 @@ class GraphTracker:
             result = orig(graph, *args, **kwargs)
             try:
                 if tracker.pending:
+                    keep = [c.fps for c in tracker.pending if c.fps is not None]
+                    for fps in keep:
+                        fps.prepare()
+                    if keep:
+                        # The graph's kernels write the static buffer and read the tables at
+                        # every replay, traced or not, also after the tracer has stopped: they
+                        # live as long as the graph (freed, their graph-pool memory could be
+                        # handed to another capture sharing the pool).
+                        try:
+                            graph._tensor_trace_buffers = keep
+                        except AttributeError:
+                            pass
                     tracker.graphs[graph] = tracker.pending
             except Exception as exc:
                 tracker.tracer._on_error("graph capture end", exc)
             tracker.pending = []
             tracker.capturing = None
+            tracker.end_arena()
             return result
 
         return capture_end
@@ -124,6 +157,11 @@ class GraphTracker:
                 captured = tracker.graphs.get(graph) if tracker.graphs else None
             except TypeError:  # not a graph object we could have captured
                 captured = None
+            for fps in getattr(graph, "_tensor_trace_buffers", ()):
+                try:
+                    fps.before_replay()
+                except Exception as exc:
+                    tracer._on_error("graph replay", exc)
             if captured is None or not tracer.enabled:
                 tracker.count_untraced()
                 return orig(graph, *args, **kwargs)
@@ -132,6 +170,28 @@ class GraphTracker:
         return replay
 
     # ------------------------------------------------------------------ bookkeeping
+    def warm_up(self) -> None:
+        """Before a capture: compile the fingerprint kernel (compiling must not happen inside a
+        capture) and allocate the capture's table arena outside the graph's pool."""
+        tracer = self.tracer
+        if not (tracer.enabled and tracer.fingerprint) or self.graph_cls is not _cuda_graph_cls():
+            return
+        try:
+            import torch
+
+            from tensor_trace.tracer import multi_tensor
+
+            device = torch.device("cuda", torch.cuda.current_device())
+            if multi_tensor.warm_up(device):
+                multi_tensor.begin_capture(device)  # the capture's kernel tables live there
+        except Exception as exc:
+            tracer._on_error("fingerprint kernel warm-up", exc)
+
+    def end_arena(self) -> None:
+        mt = sys.modules.get("tensor_trace.tracer.multi_tensor")
+        if mt is not None:
+            mt.end_capture()
+
     def add_captured(self, captured: CapturedStep) -> None:
         """A traced step ended while a graph was being captured: its replays will be traced."""
         self.pending.append(captured)

@@ -35,6 +35,7 @@ import weakref
 import torch
 
 from tensor_trace import schema
+from tensor_trace.tracer import multi_tensor
 
 _F32 = torch.float32
 _sum = torch.sum
@@ -46,8 +47,11 @@ _NAN = float("nan")
 DEFER_MAX_NUMEL = 1 << 20  # larger CUDA tensors are reduced at once: never held past their module
 DEFER_BYTES = 256 << 20  # held deferred tensors past this are reduced mid-step
 # While a CUDA graph is captured, held tensors cannot give their memory back to the graph's pool
-# until their bucket is reduced: a smaller bucket bounds that extra pool memory.
-GRAPH_DEFER_BYTES = 64 << 20
+# until their bucket is reduced: a smaller bucket bounds that extra pool memory, but each bucket
+# adds its own launches to every replay. Measured on the H200 (Llama-8B-shaped decode, batch 64,
+# bench/cuda_graph_replay.py --graph-defer-mib): 4 MiB x1.39 of a plain replay, 16 MiB x1.25,
+# 64 MiB x1.085, 256 MiB x1.044.
+GRAPH_DEFER_BYTES = 256 << 20
 
 
 class CapturedFingerprints:
@@ -55,10 +59,22 @@ class CapturedFingerprints:
     the graph's own kernels rewrite at every replay, the fingerprint index of each row, and the
     fingerprints that repeat another (same tensor seen twice)."""
 
-    __slots__ = ("indices", "static", "dups", "count")
+    __slots__ = ("indices", "static", "dups", "count", "fills")
 
-    def __init__(self, indices, static, dups, count):
+    def __init__(self, indices, static, dups, count, fills=()):
         self.indices, self.static, self.dups, self.count = indices, static, dups, count
+        self.fills = list(fills)  # multi-tensor kernel tables, filled once the capture has ended
+
+    def prepare(self) -> None:
+        """Fill the tables the graph's fingerprint kernels read (after ``capture_end``, before
+        the first replay). The tables stay referenced here: every replay reads them."""
+        for fill in self.fills:
+            fill.run()
+
+    def before_replay(self) -> None:
+        """Make the replaying stream wait for the tables' copies (once; no host wait)."""
+        for fill in self.fills:
+            fill.before_replay()
 
 
 class StepFingerprints:
@@ -70,6 +86,8 @@ class StepFingerprints:
         self.stale = 0  # deferred tensors updated in place before they could be reduced
         self._pending: list = []  # (step, blocks, dups) waiting for their copies to finish
         self.defer_bytes = DEFER_BYTES
+        self.capturing = False  # between begin_capture and finish_capture
+        self._fills: list = []
         self.reset()
 
     def reset(self) -> None:
@@ -83,6 +101,12 @@ class StepFingerprints:
         self._blocks: list = []  # (indices, [k, 2] device tensor of (sum, l2)) ready this step
         self._dups: list = []  # (index, index it repeats)
         self._seen: dict = {}
+
+    def begin_capture(self) -> None:
+        """The step is being captured into a CUDA graph: every floating tensor the kernel can read
+        is deferred (its values exist only at replay), in buckets of ``GRAPH_DEFER_BYTES``."""
+        self.capturing = True
+        self.defer_bytes = GRAPH_DEFER_BYTES
 
     def add(self, tensors, store: bool = True, immediate: bool = False) -> int:
         """Fingerprint ``tensors``; return the index of the first.
@@ -126,7 +150,8 @@ class StepFingerprints:
             version = t._version if tracked else None
             if ((defer_cuda and t.is_cuda) or defer_all) and t.is_floating_point():
                 n = t.numel()
-                if n <= DEFER_MAX_NUMEL:
+                if n <= DEFER_MAX_NUMEL or (self.capturing and multi_tensor.usable(t)
+                                            and multi_tensor.supported(t)):
                     self._def_pos[key] = len(self._def_ts)
                     self._def_idx.append((idx, version))
                     self._def_ts.append(t)
@@ -167,21 +192,46 @@ class StepFingerprints:
             seen.pop(id(t), None)
 
     def _flush_deferred(self) -> None:
-        # Tensors of one shape and dtype are stacked (one copy kernel) and reduced along the
-        # stacked dimension (two kernels): a decode step has a handful of distinct shapes, so
-        # a few launches and a few Python calls cover hundreds of tensors.
+        # Where Triton is available (tracer/multi_tensor.py), contiguous tensors are reduced
+        # where they are, one kernel per dtype. Otherwise tensors of one shape and dtype are
+        # stacked (one copy kernel) and reduced along the stacked dimension (two kernels): a
+        # decode step has a handful of distinct shapes, so a few launches and a few Python
+        # calls cover hundreds of tensors.
         groups: dict = {}
+        in_place: dict = {}
+        usable = None
         for (index, version), t in zip(self._def_idx, self._def_ts):
             if t is None:
                 continue
             if version is not None and t._version != version:
                 self.stale += 1  # updated in place since it was seen: no honest value left
                 continue
+            if usable is None:
+                usable = multi_tensor.usable(t)
+            if usable and multi_tensor.supported(t):
+                entry = in_place.get((t.dtype, t.device))
+                if entry is None:
+                    in_place[(t.dtype, t.device)] = entry = ([], [])
+                entry[0].append(index)
+                entry[1].append(t)
+                continue
             entry = groups.get((t.shape, t.dtype, t.device))
             if entry is None:
                 groups[(t.shape, t.dtype, t.device)] = entry = ([], [])
             entry[0].append(index)
             entry[1].append(t)
+        for indices, ts in in_place.values():
+            res = multi_tensor.sum_l2(ts, capturing=self.capturing)
+            if res is None:  # no room for its table in this capture: stack these
+                for index, t in zip(indices, ts):
+                    entry = groups.setdefault((t.shape, t.dtype, t.device), ([], []))
+                    entry[0].append(index)
+                    entry[1].append(t)
+                continue
+            order, values, fill = res
+            if fill is not None:
+                self._fills.append(fill)
+            self._blocks.append(([indices[i] for i in order], values))
         for indices, ts in groups.values():
             flat = torch.stack(ts).view(len(ts), -1)
             sums = torch.sum(flat, dim=1, dtype=_F32)
@@ -217,10 +267,13 @@ class StepFingerprints:
                 indices += idx
                 vals.append(v if v.dtype == _F32 else v.to(_F32))
             static = torch.cat(vals) if len(vals) > 1 else (vals[0] if vals else None)
-            captured = CapturedFingerprints(indices, static, list(self._dups), self.count)
+            captured = CapturedFingerprints(indices, static, list(self._dups), self.count,
+                                            self._fills)
         finally:
             self.reset()
             self.defer_bytes = DEFER_BYTES
+            self.capturing = False
+            self._fills = []
             if grad:
                 _set_grad(True)
         return captured if (captured.indices or captured.dups) else None

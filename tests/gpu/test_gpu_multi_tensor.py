@@ -1,0 +1,65 @@
+"""The multi-tensor fingerprint kernel on a real GPU: eager values equal torch's, and a captured
+kernel whose table is filled after the capture gives fresh values at every replay."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU; tests/unit/test_multi_tensor.py runs the "
+                                       "kernel under Triton's interpreter on a CPU")
+
+
+def _expect(ts):
+    return [(t.double().sum().item(), t.double().pow(2).sum().item()) for t in ts]
+
+
+def _check(values, ts):
+    for (s, l2), (es, eq), t in zip(values.tolist(), _expect(ts), ts):
+        assert abs(s - es) <= 1e-5 * (eq * max(t.numel(), 1)) ** 0.5 + 1e-6, (t.shape, s, es)
+        assert abs(l2 * l2 - eq) <= 1e-5 * max(eq, 1e-6), (t.shape, l2 * l2, eq)
+
+
+def test_eager_values():
+    from tensor_trace.tracer import multi_tensor
+
+    dev = torch.device("cuda")
+    assert multi_tensor.usable(torch.ones(1, device=dev))
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        ts = [torch.randn(s, device=dev).to(dtype) for s in ((8, 4096), (64, 14336), (48,), (1 << 20,))]
+        ts.append(torch.empty(0, device=dev, dtype=dtype))
+        order, values, fill = multi_tensor.sum_l2(ts)
+        assert fill is None
+        _check(values, [ts[i] for i in order])
+
+
+def test_captured_kernel_reads_each_replays_values():
+    """Intermediates freed during the capture leave graph-pool memory that later kernels of the
+    same graph rewrite at each replay: the tables live in an arena outside that pool (a table
+    placed there was overwritten on the H200: an illegal address at the first replay)."""
+    from tensor_trace.tracer import multi_tensor
+
+    dev = torch.device("cuda")
+    multi_tensor.warm_up(dev)
+    static_in = torch.randn(64, 4096, device=dev, dtype=torch.bfloat16)
+    g = torch.cuda.CUDAGraph()
+    multi_tensor.begin_capture(dev)
+    with torch.cuda.graph(g):
+        a = static_in * 2
+        for _ in range(3):
+            tmp = torch.relu(a) + 1  # freed: its memory goes back to the graph's pool
+            del tmp
+        b = torch.relu(static_in)
+        order, values, fill = multi_tensor.sum_l2([a, b, static_in], capturing=True)
+        scratch = torch.empty(1 << 20, device=dev)  # may reuse freed memory, rewritten at replay
+        scratch.fill_(3.0)
+    multi_tensor.end_capture()
+    assert fill is not None
+    fill.run()
+    fill.before_replay()
+    for seed in range(3):
+        torch.manual_seed(seed)
+        static_in.copy_(torch.randn(64, 4096, device=dev))
+        g.replay()
+        torch.cuda.synchronize()
+        _check(values, [[a, b, static_in][i] for i in order])

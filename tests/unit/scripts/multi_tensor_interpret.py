@@ -1,0 +1,102 @@
+"""Run under TRITON_INTERPRET=1 TENSOR_TRACE_MULTI_TENSOR=interpret: the multi-tensor fingerprint
+kernel on CPU tensors (Triton's interpreter), checked against torch. Prints one JSON line."""
+import json
+import math
+import struct
+
+import torch
+
+from tensor_trace import schema
+from tensor_trace.tracer import multi_tensor
+from tensor_trace.tracer.fingerprint import StepFingerprints
+
+torch.manual_seed(0)
+report = {}
+x = torch.randn(2, 3)
+assert multi_tensor.usable(x), "kernel not usable under the interpreter"
+
+# 1. The kernel itself: sizes below, at and across chunk boundaries, an empty tensor, bf16
+#    and odd sizes and offsets.
+C = multi_tensor.CHUNK
+fp32 = [torch.randn(3, 5), torch.randn(C), torch.randn(C + 7), torch.randn(3 * C - 1) * 100,
+        torch.empty(0)]
+bf16 = [torch.randn(8, 96).bfloat16(), torch.randn(2 * C + 3).bfloat16()[1:]]
+assert all(multi_tensor.supported(t) for t in fp32 + bf16)
+assert not multi_tensor.supported(torch.randn(16, 16).t())  # not contiguous
+assert not multi_tensor.supported(torch.arange(16))  # not floating
+worst = 0.0
+for group in (fp32, bf16):
+    order, values, fill = multi_tensor.sum_l2(group)
+    assert fill is None and sorted(order) == list(range(len(group)))
+    for (s, l2), t in zip(values.tolist(), [group[i] for i in order]):
+        f = t.double()
+        es, eq = f.sum().item(), f.pow(2).sum().item()
+        tol = 1e-5 * math.sqrt(max(eq, 1.0) * max(t.numel(), 1))
+        assert abs(s - es) <= tol, (t.shape, s, es)
+        assert abs(l2 * l2 - eq) <= 1e-5 * max(eq, 1.0), (t.shape, l2 * l2, eq)
+        worst = max(worst, abs(s - es) / tol if tol else 0.0)
+report["kernel_tensors"] = len(fp32) + len(bf16)
+report["worst_sum_error_over_tolerance"] = worst
+
+
+def values(records):
+    out = {}
+    for _, step, first, data, indices in records:
+        n = len(data) // 8
+        idx = range(first, first + n) if indices is None else struct.unpack(f"<{n}I", indices)
+        out.update({(step, i): p for i, p in zip(idx, schema.FP_PAIR.iter_unpack(data))})
+    return out
+
+
+# 2. Deferred fingerprints through the kernel equal immediate ones; a non-contiguous tensor and
+#    an integer tensor take the other paths.
+ts = [torch.randn(4, 8), torch.randn(16, 3).t(), torch.randn(5, 7).half(), torch.arange(6),
+      torch.randn(5, 16).half(),
+      torch.randn(2, 96).bfloat16()]
+got = {}
+for defer in (False, True):
+    fps = StepFingerprints(defer_cuda=False, defer_cpu=defer)
+    fps.add(ts)
+    fps.finish_step(3)
+    got[defer] = values(fps.collect(wait=True))
+assert got[True].keys() == got[False].keys() == {(3, i) for i in range(len(ts))}
+for k, (s, q) in got[False].items():
+    s2, q2 = got[True][k]
+    assert math.isclose(s, s2, rel_tol=1e-4, abs_tol=1e-4) and math.isclose(q, q2, rel_tol=1e-4), (k, s, s2, q, q2)
+report["deferred_equal_immediate"] = len(ts)
+
+# 3. Capture bookkeeping: the kernel's table is left for after the capture, then filled with
+#    each tensor's (address, element count); large tensors are deferred too.
+fps = StepFingerprints(defer_cuda=False, defer_cpu=True)
+assert multi_tensor.sum_l2([torch.ones(16)], capturing=True) is None, \
+    "a capture without an arena must fall back"
+multi_tensor.begin_capture(torch.device("cpu"))  # GraphTracker does this before capture_begin
+arena = multi_tensor._state["arena"]
+fps.begin_capture()
+big = torch.randn(multi_tensor.CHUNK * 40)  # above DEFER_MAX_NUMEL
+group = [torch.randn(4, 8), torch.randn(3, 16), big]
+fps.add(group)
+captured = fps.finish_capture()
+assert not fps.capturing and fps.defer_bytes > (64 << 20)
+assert len(captured.fills) == 1, captured.fills
+table = captured.fills[0].table
+assert table.data_ptr() == arena.buf.data_ptr(), "the table is a slice of the arena"
+assert table.tolist() == [0] * 6, table  # not filled during the "capture"
+captured.prepare()
+multi_tensor.end_capture()
+# in size classes: the two small tensors, then the large one
+assert table.tolist() == [v for t in group for v in (t.data_ptr(), t.numel())], table.tolist()
+assert arena.buf[6:].eq(0).all()
+# A full arena: the tensors are stacked instead, with the same values.
+multi_tensor.begin_capture(torch.device("cpu"))
+multi_tensor._state["arena"].used = multi_tensor.ARENA_ENTRIES - 2
+fps.begin_capture()
+fps.add(group[:2])
+captured = fps.finish_capture()
+multi_tensor.end_capture()
+assert captured.fills == [] and captured.static.shape == (2, 2)
+expect = [(t.sum().item(), t.norm().item()) for t in group[:2]]
+for (s, l2), (es, el2) in zip(captured.static.tolist(), expect):
+    assert math.isclose(s, es, rel_tol=1e-5, abs_tol=1e-5) and math.isclose(l2, el2, rel_tol=1e-5)
+report["capture_table_filled"] = len(group)
+print(json.dumps(report))

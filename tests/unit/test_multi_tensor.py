@@ -1,0 +1,34 @@
+"""The multi-tensor fingerprint kernel (tracer/multi_tensor.py), run by Triton's interpreter on
+CPU tensors: a GPU's kernel, checked here without a GPU (tests/gpu checks it on one)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "scripts" / "multi_tensor_interpret.py"
+
+
+def test_kernel_values_and_bookkeeping_under_interpreter():
+    pytest.importorskip("triton", reason="Triton is in the dev extra on Linux x86-64 only")
+    env = dict(os.environ, TRITON_INTERPRET="1", TENSOR_TRACE_MULTI_TENSOR="interpret")
+    proc = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["kernel_tensors"] == 7
+    assert report["deferred_equal_immediate"] == 6
+    assert report["capture_table_filled"] == 3
+
+
+def test_kernel_not_used_without_opt_in_on_cpu():
+    import torch
+
+    from tensor_trace.tracer import multi_tensor
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter is on in this process")
+    assert not multi_tensor.usable(torch.ones(3))

@@ -1,0 +1,256 @@
+"""One kernel that fingerprints many tensors in place: (sum, l2 norm) of each, in fp32.
+
+The deferred fingerprints of a step (and, under CUDA-graph capture, every fingerprint of the
+captured step) used to be computed by stacking tensors of one shape into a copy and reducing the
+copy: a copy of every activation, plus a few kernels per shape. Here one Triton kernel per dtype
+reads the tensors where they are, through a table of (address, element count) pairs, and adds
+each tensor's sum and sum of squares into a ``[k, 2]`` fp32 buffer with atomics. No copy, three
+launches (zero, reduce, square root) per dtype, whatever the number of tensors.
+
+The table must be on the device. Eagerly it is copied from pinned memory without waiting (the
+caching host allocator keeps the pinned block until the copy has run). While a CUDA graph is
+captured, a host-to-device copy cannot be captured safely, and it need not be: the kernel reads
+the table only when it runs, i.e. at replay. So the table is filled once the capture has ended
+(``TableFill.run``), before the first replay. It must not live in the graph's memory pool: a
+block the capture hands out may be one an earlier kernel of the same graph writes at every
+replay (memory of a freed intermediate), which would overwrite the table. So each capture gets a
+``TableArena``, allocated before ``capture_begin`` from the ordinary pool, and tables are slices
+of it (``ARENA_ENTRIES`` int64, 128 KiB per captured graph; a capture that needs more stacks the
+rest).
+
+Tensors must be contiguous, floating (fp32, fp16, bf16) and on one device; the caller falls back
+to stacking for anything else. Triton is imported on first use; without it (or with
+``TENSOR_TRACE_MULTI_TENSOR=0``) ``usable`` says no and nothing here is used. On a CPU the kernel
+runs only under Triton's interpreter (``TRITON_INTERPRET=1`` and ``TENSOR_TRACE_MULTI_TENSOR=
+interpret``), which is how CI tests it without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+# Measured on the H200 (392 MiB of bf16 activations in 385 tensors; torch.sum over the same bytes
+# 107 us): CHUNK 32768 / BLOCK 2048 / 4 warps 271 us, 16384/2048/4 314 us, 32768/4096/8 193 us,
+# 65536/4096/8 166 us, 131072/8192/16 229 us. Alignment hints on the addresses changed nothing.
+CHUNK = 65536  # elements per program: a [8, 4096] activation is one program, [64, 14336] 14
+BLOCK = 4096  # elements per loop iteration of a program
+NUM_WARPS = 8
+
+_state: dict = {}  # "kernel": the jitted function or None; "warm": devices warmed up
+
+
+def _mode() -> str:
+    return os.environ.get("TENSOR_TRACE_MULTI_TENSOR", "1")
+
+
+def _kernel():
+    if "kernel" in _state:
+        return _state["kernel"]
+    kernel = None
+    if _mode() != "0":
+        try:
+            kernel = _build()
+        except Exception:  # no Triton, or one too old for this kernel: the caller stacks
+            kernel = None
+    _state["kernel"] = kernel
+    return kernel
+
+
+def _build():
+    import triton
+    import triton.language as tl
+
+    # ``first`` is not specialised on: one compiled kernel per dtype, whatever the launch (a
+    # second specialisation would compile inside a capture).
+    @triton.jit(do_not_specialize=["first"])
+    def sum_sumsq(table, out, first, CHUNK: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
+        # table holds (address, numel) pairs as int64: program (t, c) reduces chunk c of tensor
+        # first + t.
+        t = first + tl.program_id(0)
+        n = tl.load(table + 2 * t + 1)
+        start = tl.program_id(1).to(tl.int64) * CHUNK
+        if start < n:
+            base = tl.load(table + 2 * t).to(tl.pointer_type(DTYPE))
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            acc2 = tl.zeros([BLOCK], dtype=tl.float32)
+            for i in range(0, CHUNK, BLOCK):
+                offs = start + i + tl.arange(0, BLOCK)
+                x = tl.load(base + offs, mask=offs < n, other=0.0).to(tl.float32)
+                acc += x
+                acc2 += x * x
+            tl.atomic_add(out + 2 * t, tl.sum(acc, axis=0))
+            tl.atomic_add(out + 2 * t + 1, tl.sum(acc2, axis=0))
+
+    _state["tl_dtypes"] = {torch.float32: tl.float32, torch.float16: tl.float16,
+                           torch.bfloat16: tl.bfloat16}
+    return sum_sumsq
+
+
+def usable(t) -> bool:
+    """Whether ``t``'s fingerprint can come from the multi-tensor kernel here: the kernel has
+    been compiled and run for ``t``'s device (compiled now if no capture is under way)."""
+    if t.is_cuda:
+        ok = _state.get("warm", {}).get(t.device)
+        if ok is None:
+            if torch.cuda.is_current_stream_capturing():
+                return False  # compiling inside a capture is not allowed: stack this time
+            ok = warm_up(t.device)
+        return ok
+    return (_mode() == "interpret" and os.environ.get("TRITON_INTERPRET") == "1"
+            and _kernel() is not None)
+
+
+def supported(t) -> bool:
+    """Whether the kernel can read ``t`` where it is: contiguous, of a kernel dtype."""
+    return t.dtype in _DTYPES and t.is_contiguous()
+
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+ARENA_ENTRIES = 16384  # (address, numel) pairs of 8192 tensors per captured graph
+
+
+class TableArena:
+    """Device memory for the tables of one capture, allocated outside the graph's pool."""
+
+    __slots__ = ("buf", "used")
+
+    def __init__(self, device, entries: int = ARENA_ENTRIES):
+        # Zeros: where the kernel runs at once (Triton's interpreter on a CPU) it reads no tensor.
+        self.buf = torch.zeros(entries, dtype=torch.int64, device=device)
+        self.used = 0
+
+    def take(self, n: int):
+        """A slice of ``n`` entries (16-byte aligned, so the kernel's specialisation matches the
+        warm-up's), or None when the arena is full."""
+        start = self.used
+        if start + n > self.buf.numel():
+            return None
+        self.used = start + n + (n & 1)
+        return self.buf[start:start + n]
+
+
+def begin_capture(device) -> None:
+    """A CUDA-graph capture on ``device`` is about to begin: give it an arena for its tables."""
+    _state["arena"] = TableArena(device)
+
+
+def end_capture() -> None:
+    _state.pop("arena", None)
+
+
+class TableFill:
+    """A table allocated during a CUDA-graph capture, to be filled once the capture has ended.
+
+    The copy is not waited for: ``run`` records an event after it, and ``before_replay`` makes
+    the replaying stream wait for that event (a replay may come on another stream than the
+    capture's, before the copy has run)."""
+
+    __slots__ = ("table", "values", "done")
+
+    def __init__(self, table, values):
+        self.table, self.values, self.done = table, values, None
+
+    def run(self) -> None:
+        host = torch.tensor(self.values, dtype=torch.int64)
+        if not self.table.is_cuda:
+            self.table.copy_(host)
+            return
+        self.table.copy_(host.pin_memory(), non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
+
+    def before_replay(self) -> None:
+        done = self.done
+        if done is not None:
+            torch.cuda.current_stream(self.table.device).wait_event(done)
+            self.done = None
+
+
+def sum_l2(tensors, capturing: bool = False):
+    """Launch the fingerprint kernel over ``tensors`` (one dtype, one device, ``supported``).
+
+    Returns ``(order, values, fill)``: ``values`` a ``[k, 2]`` fp32 tensor of (sum, l2 norm) on
+    the tensors' device, computed in stream order, row ``i`` for ``tensors[order[i]]``; ``fill``
+    a ``TableFill`` to run after the capture ends when ``capturing``, else None. Returns None
+    when capturing without room in the capture's arena (the caller stacks them). The tensors
+    must stay alive until the kernel has run (eagerly: stream order covers it; captured: the
+    graph's pool keeps them for replays).
+
+    Tensors are launched in classes of similar size (chunk counts within a factor of two): a
+    grid as wide as the largest tensor for all of them would be mostly programs with nothing to
+    do (a decode step's logits are 250 chunks, most activations 1 to 8)."""
+    kernel = _kernel()
+    first = tensors[0]
+    device = first.device
+    if capturing:
+        arena = _state.get("arena")
+        if arena is None or arena.buf.device != device:
+            return None
+    classes: dict = {}
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        chunks = -(-n // CHUNK) or 1
+        key = chunks.bit_length()
+        entry = classes.get(key)
+        if entry is None:
+            classes[key] = entry = [0, []]
+        if chunks > entry[0]:
+            entry[0] = chunks
+        entry[1].append(i)
+    order: list = []
+    launches = []
+    for chunks, members in classes.values():
+        launches.append((len(order), len(members), chunks))
+        order += members
+    values = []
+    for i in order:
+        t = tensors[i]
+        values.append(t.data_ptr())
+        values.append(t.numel())
+    if capturing:
+        table = arena.take(len(values))
+        if table is None:
+            return None
+        fill = TableFill(table, values)
+    else:
+        host = torch.tensor(values, dtype=torch.int64)
+        if first.is_cuda:
+            table = host.pin_memory().to(device, non_blocking=True)
+        else:
+            table = host
+        fill = None
+    out = torch.zeros((len(tensors), 2), dtype=torch.float32, device=device)
+    dtype = _state["tl_dtypes"][first.dtype]
+    for start, count, chunks in launches:
+        kernel[(count, chunks)](table, out, start, CHUNK=CHUNK, BLOCK=BLOCK, DTYPE=dtype,
+                                num_warps=NUM_WARPS)
+    out[:, 1].sqrt_()
+    return order, out, fill
+
+
+def warm_up(device) -> bool:
+    """Compile and run the kernel for every dtype on ``device``, outside any capture (compiling
+    loads a module, which a capture must not see). Once per device per process; returns whether
+    the kernel can be used there. After a failure (reported once on stderr) the caller stacks."""
+    device = torch.device(device)
+    warm = _state.setdefault("warm", {})
+    if device in warm:
+        return warm[device]
+    warm[device] = False
+    if _kernel() is None:
+        return False
+    try:
+        for dtype in _DTYPES:
+            sum_l2([torch.arange(1, 5, dtype=dtype, device=device)])
+    except Exception as exc:  # e.g. a Triton that cannot compile it: stack instead, say so once
+        _state["kernel"] = None
+        sys.stderr.write(f"tensor-trace: multi-tensor fingerprint kernel unavailable ({exc!r:.200}); "
+                         "fingerprints are computed by stacking instead\n")
+        return False
+    warm[device] = True
+    return True
