@@ -7,9 +7,12 @@ its work at capture time and leaves the rest to the graph:
   SGLang's graph runner use): the step is recorded once, as usual, its spans marked captured
   (``FLAG_CAPTURED``): module paths, shapes, dtypes, collectives with their groups. Its
   fingerprints are not computed then (a capture executes nothing): the fingerprint kernels are
-  appended to the graph instead: tensors of one shape stacked and reduced together, in buckets
-  of at most ``GRAPH_DEFER_BYTES`` held tensors (so the extra graph-pool memory is bounded), and
-  all values gathered into one static ``[n, 2]`` fp32 buffer the tracer keeps.
+  appended to the graph instead: one multi-tensor kernel per dtype reading the tensors in place
+  (tracer/multi_tensor.py; tensors of one shape stacked and reduced together where Triton is
+  missing), in buckets of at most ``GRAPH_DEFER_BYTES`` held tensors (so the extra graph-pool
+  memory is bounded), and all values gathered into one static ``[n, 2]`` fp32 buffer. That
+  buffer and the kernels' address tables live as long as the graph (an attribute of it), since
+  the graph rewrites and reads them at every replay, traced or not.
 - *Replay* (``CUDAGraph.replay``): a replay of such a graph is recorded as a step (or, inside a
   framework's own step such as SGLang's ``ModelRunner.forward``, as part of it): which capture
   it replays, host time, device time from two CUDA events, and the static buffer copied to
