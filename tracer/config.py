@@ -30,6 +30,11 @@ class TraceConfig:
     fingerprint_mode: str = "auto"
     # Tensor lineage (tracer/lineage.py): ops that combine recorded tensors, during traced steps.
     lineage: bool = True
+    # Wiring does not change from one step of a kind to the next, and watching every op costs
+    # (bench/RESULTS.md): lineage is recorded in the first LINEAGE_FIRST traced steps of each
+    # kind (root module, and a framework's forward mode / draft flag), then in every Nth of that
+    # kind. 1 = every step.
+    lineage_every: int = 32
     otlp_endpoint: str | None = None
     flush_interval_s: float = 1.0
     max_errors: int = 20  # after this many hook errors tracing turns itself off in the process

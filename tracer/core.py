@@ -48,6 +48,9 @@ _OUT = "output"
 _F_MODULE, _F_INDEX, _F_PARENT, _F_PATH, _F_CALL, _F_T0, _F_SLOTS, _F_FP_PRE, _F_SELECTED = range(9)
 
 
+LINEAGE_FIRST = 2  # traced steps of each kind that always record lineage
+
+
 def _clock_offset() -> int:
     """A test hook: shift this process's clock by N ns (``N``, or ``RANK:N`` for one rank)."""
     text = os.environ.get(schema.ENV_CLOCK_OFFSET, "")
@@ -88,6 +91,7 @@ class Tracer:
         self.fps = self._new_fingerprints()
         self.device_times = CollectiveDeviceTimes()
         self.lineage = None  # LineageRecorder, when config.lineage
+        self.lineage_steps: dict = {}  # step kind -> traced steps of that kind so far
         self.leaf_quiet: list = []  # (leaf module, torch-function-off context) while it runs
         if config.lineage:
             from tensor_trace.tracer.lineage import LineageRecorder
@@ -297,6 +301,8 @@ class Tracer:
     # torch calls of a step happen, and none of them can combine two recorded tensors, since a
     # leaf's inputs and output are recorded at its boundary anyway.
     def _global_pre_quiet(self, module, args):
+        if self.lineage.mode is None:  # a step without lineage: no mode to keep out
+            return self._global_pre(module, args)
         with _DisableTorchFunction():
             result = self._global_pre(module, args)
         if (not module._modules and self.tracing_step and self.lineage.mode is not None
@@ -310,6 +316,8 @@ class Tracer:
         quiet = self.leaf_quiet
         if quiet and quiet[-1][0] is module:
             quiet.pop()[1].__exit__(None, None, None)
+        elif self.lineage.mode is None:
+            return self._global_post(module, args, *rest)
         with _DisableTorchFunction():
             return self._global_post(module, args, *rest)
 
@@ -420,6 +428,16 @@ class Tracer:
             self.tracing_step = False
         return None
 
+    def _lineage_due(self, path: str, attrs) -> bool:
+        """Whether this step records lineage (``TraceConfig.lineage_every``)."""
+        every = self.config.lineage_every
+        if every <= 1:
+            return True
+        kind = (path, attrs.get("forward_mode"), attrs.get("draft")) if attrs else (path,)
+        n = self.lineage_steps.get(kind, 0)
+        self.lineage_steps[kind] = n + 1
+        return n < LINEAGE_FIRST or n % every == 0
+
     def _begin_step(self, root, args) -> None:
         self.step += 1
         self.in_step = True
@@ -465,7 +483,7 @@ class Tracer:
         self.writer.add((schema.STEP_BEGIN, self.step, path_id, self.step_t0, attrs))
         self.step_info = (entry[0], entry[1], attrs)
         self._push(root, args, entry, t0)
-        if self.lineage is not None:
+        if self.lineage is not None and self._lineage_due(entry[0], attrs):
             self.lineage.begin_step()
 
     def begin_external_step(self, root, args, attrs=None) -> bool:
@@ -831,7 +849,7 @@ class Tracer:
         if layout is None:
             layout = writer.layout(key)
         lineage = self.lineage
-        if lineage is not None:
+        if lineage is not None and lineage.mode is not None:
             if type(slots) is tuple:  # the fast path kept no slot list
                 slots = [(_IN0, slots[0]), (_OUT, result)]
             lineage.link_span(self.step, frame[_F_INDEX], slots)
@@ -867,7 +885,7 @@ class Tracer:
             layout = writer.layout(((_OUT, tensor.shape, tensor.dtype, tensor.device),))
             writer.add((_SPAN, self.step, index, parent, path_id, call, t - self.step_t0_raw, 0, layout,
                         -1, fp, 0, self.span_flags))
-            if self.lineage is not None:
+            if self.lineage is not None and self.lineage.mode is not None:
                 self.lineage.link_span(self.step, index, [(_OUT, tensor)])
         except Exception as exc:
             self._on_error("capture", exc)

@@ -15,9 +15,10 @@ def test_parse_steps():
 
 def test_env_round_trip(tmp_path):
     cfg = TraceConfig(out_dir=str(tmp_path), run_id="abc", modules=["model.*"], exclude=["*.act_fn"],
-                      steps=(1, 4), fingerprint=False)
+                      steps=(1, 4), fingerprint=False, lineage_every=5)
     back = TraceConfig.from_env(cfg.to_env())
     assert back.run_id == "abc" and back.steps == (1, 4) and not back.fingerprint
+    assert back.lineage_every == 5 and TraceConfig().lineage_every == 32
     assert back.modules == ["model.*"] and back.exclude == ["*.act_fn"]
     assert [back.in_window(s) for s in range(6)] == [False, True, True, True, False, False]
     sel = back.module_selector()
@@ -33,3 +34,18 @@ def test_tracer_never_imports_exporters():
     assert len(files) > 5
     for f in files:
         assert not re.search(r"^\s*(from|import)\s+\S*exporters", f.read_text(), re.M), f
+
+
+def test_record_lineage_every_option(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from tensor_trace.cli import main
+    from tensor_trace.tracer import launch
+
+    got = {}
+    monkeypatch.setattr(launch, "run_traced", lambda cmd, config: got.setdefault("cfg", config) and 0)
+    out = str(tmp_path / "t")
+    r = CliRunner().invoke(main, ["record", "-o", out, "--lineage-every", "4", "--", "true"])
+    assert got["cfg"].lineage_every == 4, r.output
+    r = CliRunner().invoke(main, ["record", "-o", out, "--replace", "--lineage-every", "0", "--", "true"])
+    assert r.exit_code == 2 and "lineage-every" in r.output

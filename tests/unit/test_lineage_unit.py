@@ -140,3 +140,34 @@ def test_leaf_module_bodies_run_without_the_mode(tmp_path):
     assert states == [("parent", True), ("leaf", False), ("parent after", True)]
     (cat,) = [r for r in _records(str(tmp_path), schema.LINEAGE) if r[4] == {"dim": -1}]
     assert [ref[0] for ref in cat[5]] == [0, 0]  # both inputs are recorded tensors: leaf's output, parent's input
+
+
+class Wrap(nn.Module):
+    """A second kind of step (another root module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Cat()
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_lineage_sampled_per_step_kind(tmp_path):
+    # lineage_every=3: the first 2 traced steps of each kind, then every 3rd of that kind.
+    seen.clear()
+    cat, wrap = Cat(), Wrap()
+    tracer.start(out_dir=str(tmp_path), lineage_every=3)
+    try:
+        for _ in range(7):
+            cat(torch.randn(2, 4))  # steps 0..6, the first kind
+        wrap(torch.randn(2, 4))  # step 7, a new kind: recorded although step 7 of the process
+    finally:
+        tracer.stop()
+    assert seen == [1, 1, 0, 1, 0, 0, 1, 1]  # the mode is entered only in sampled steps
+    assert _get_current_function_mode_stack() == []
+    with_nodes = {r[1] for r in _records(str(tmp_path), schema.LINEAGE)}
+    assert with_nodes == {0, 1, 3, 6, 7}
+    assert {r[1] for r in _records(str(tmp_path), schema.SLOT_SRC)} <= with_nodes
+    spans = _records(str(tmp_path), schema.SPAN)
+    assert {r[1] for r in spans} == set(range(8))  # every step is still traced
