@@ -725,9 +725,14 @@ class Tracer:
         if self.fp_now:
             self.busy = True
             try:
-                slots = []
-                _flatten_args(args, slots)
-                fp_pre = self.fps.add([t for _, t in slots], store=False) if slots else -1
+                if len(args) == 1 and isinstance(args[0], _Tensor):
+                    # One tensor in: keep the args tuple, so the post-hook can take its fast path.
+                    slots = args
+                    fp_pre = self.fps.add(args, store=False)
+                else:
+                    slots = []
+                    _flatten_args(args, slots)
+                    fp_pre = self.fps.add([t for _, t in slots], store=False) if slots else -1
             except Exception as exc:
                 self._on_error("forward pre-hook", exc)
                 slots, fp_pre = [], -1
@@ -826,12 +831,14 @@ class Tracer:
         fp_post = -1
         if (type(slots) is tuple and not kwargs and len(slots) == 1 and isinstance(slots[0], _Tensor)
                 and isinstance(result, _Tensor)):
-            # The common case, tensor in and tensor out, fingerprints off: no list walking.
+            # The common case, tensor in and tensor out: no list walking.
             a = slots[0]
             n_pre = 1
             key = ((_IN0, a.shape, a.dtype, a.device), (_OUT, result.shape, result.dtype, result.device))
+            if self.fp_now:
+                fp_post = self.fps.add((result,))
         else:
-            if type(slots) is tuple:  # positional args kept as they came (fingerprints off)
+            if type(slots) is tuple:  # positional args kept as they came (one tensor, or no fingerprints)
                 args = slots
                 slots = []
                 _flatten_args(args, slots)
