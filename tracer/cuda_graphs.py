@@ -182,6 +182,9 @@ class GraphTracker:
         try:
             import torch
 
+            if not torch.cuda.is_available():  # a stand-in graph class on a CPU (tests)
+                return
+
             from tensor_trace.tracer import multi_tensor
 
             device = torch.device("cuda", torch.cuda.current_device())

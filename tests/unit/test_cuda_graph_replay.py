@@ -216,3 +216,68 @@ def test_stop_restores_the_graph_methods(graphs):
     assert all(getattr(FakeGraph, n) is not f for n, f in before.items())
     tracer.stop()
     assert all(FakeGraph.__dict__[n] is f for n, f in before.items())
+
+
+class _StubFingerprints:
+    """Stands in for CapturedFingerprints: counts the calls GraphTracker makes."""
+
+    def __init__(self):
+        self.prepared = self.waits = 0
+
+    def prepare(self):
+        self.prepared += 1
+
+    def before_replay(self):
+        self.waits += 1
+
+
+class _StubTracer:
+    enabled, fingerprint = True, True
+
+    def __init__(self):
+        self.stats, self.errors, self.replays = {}, [], 0
+
+    def _on_error(self, where, exc):
+        self.errors.append((where, exc))
+
+    def run_replay(self, captured, fn, *args, **kwargs):
+        self.replays += 1
+        return fn(*args, **kwargs)
+
+
+def test_graph_keeps_its_buffers_and_orders_table_copies_before_replays():
+    from tensor_trace.tracer.cuda_graphs import CapturedStep, GraphTracker
+
+    class Graph:  # its own methods: the tracker wraps a class's own methods only
+        def __init__(self):
+            self.replays = 0
+
+        def capture_begin(self):
+            pass
+
+        def capture_end(self):
+            pass
+
+        def replay(self):
+            self.replays += 1
+
+    tr = _StubTracer()
+    tracker = GraphTracker(tr, graph_cls=Graph)
+    tracker.install()
+    try:
+        g = Graph()
+        fps = _StubFingerprints()
+        g.capture_begin()
+        tracker.add_captured(CapturedStep(1, ("", "Net"), {}, 3, 0, fps))
+        g.capture_end()
+        # Filled once the capture has ended; owned by the graph, which rewrites and reads them
+        # at every replay even after the tracer has stopped.
+        assert fps.prepared == 1 and g._tensor_trace_buffers == [fps]
+        g.replay()
+        assert fps.waits == 1 and tr.replays == 1 and g.replays == 1
+    finally:
+        tracker.uninstall()
+    assert fps.waits == 2  # uninstall orders pending copies before unwrapped replays
+    assert tr.errors == []
+    g.replay()  # unwrapped now
+    assert g.replays == 2 and fps.waits == 2
