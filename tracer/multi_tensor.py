@@ -4,8 +4,9 @@ The deferred fingerprints of a step (and, under CUDA-graph capture, every finger
 captured step) used to be computed by stacking tensors of one shape into a copy and reducing the
 copy: a copy of every activation, plus a few kernels per shape. Here one Triton kernel per dtype
 reads the tensors where they are, through a table of (address, element count) pairs, and adds
-each tensor's sum and sum of squares into a ``[k, 2]`` fp32 buffer with atomics. No copy, three
-launches (zero, reduce, square root) per dtype, whatever the number of tensors.
+each tensor's sum and sum of squares into a ``[k, 2]`` fp32 buffer with atomics. No copy, and a
+handful of launches per dtype (zero, one per size class of tensors, square root), whatever the
+number of tensors.
 
 The table must be on the device. Eagerly it is copied from pinned memory without waiting (the
 caching host allocator keeps the pinned block until the copy has run). While a CUDA graph is
