@@ -106,6 +106,7 @@ class Tracer:
         self.roots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.root_paths: dict[int, int] = {}
         self.global_handles: list = []
+        self.quiet_hooks = False  # the global hooks are the lineage-quiet variants
         # stats and errors
         self.stats = dict(steps=0, steps_skipped=0, spans=0, collectives=0, errors=0,
                           dropped_spans=0, foreign_thread_calls=0)
@@ -288,21 +289,35 @@ class Tracer:
     def _install_global_hooks(self) -> None:
         if self.global_handles:
             return
-        pre, post = self._global_pre, self._global_post
-        if self.lineage is not None:  # the hooks' own tensor accesses must not go through it
-            pre, post = self._global_pre_quiet, self._global_post_quiet
         self.global_handles = [
-            _nn_module.register_module_forward_pre_hook(pre),
-            _nn_module.register_module_forward_hook(post, with_kwargs=True, always_call=True),
+            _nn_module.register_module_forward_pre_hook(self._global_pre),
+            _nn_module.register_module_forward_hook(self._global_post, with_kwargs=True,
+                                                    always_call=True),
         ]
+        self.quiet_hooks = False
+        if self.lineage is not None and self.lineage.mode is not None:
+            self._set_quiet_hooks(True)
+
+    def _set_quiet_hooks(self, quiet: bool) -> None:
+        """Swap the global hooks' functions in place (same handles, same order among other
+        hooks): a step that records lineage gets the quiet variants below; every other step
+        keeps the plain hooks, with no wrapper call and no lineage test on the hot path."""
+        if len(self.global_handles) != 2 or quiet == self.quiet_hooks:
+            return
+        pre, post = ((self._global_pre_quiet, self._global_post_quiet) if quiet
+                     else (self._global_pre, self._global_post))
+        h_pre, h_post = self.global_handles
+        if h_pre.id in _nn_module._global_forward_pre_hooks:
+            _nn_module._global_forward_pre_hooks[h_pre.id] = pre
+        if h_post.id in _nn_module._global_forward_hooks:
+            _nn_module._global_forward_hooks[h_post.id] = post
+        self.quiet_hooks = quiet
 
     # With lineage on, the hooks run with the lineage mode off, and so does the body of every
     # leaf module (no submodules: Linear, norms, embeddings, activations): that is where most
     # torch calls of a step happen, and none of them can combine two recorded tensors, since a
     # leaf's inputs and output are recorded at its boundary anyway.
     def _global_pre_quiet(self, module, args):
-        if self.lineage.mode is None:  # a step without lineage: no mode to keep out
-            return self._global_pre(module, args)
         with _DisableTorchFunction():
             result = self._global_pre(module, args)
         if (not module._modules and self.tracing_step and self.lineage.mode is not None
@@ -316,8 +331,6 @@ class Tracer:
         quiet = self.leaf_quiet
         if quiet and quiet[-1][0] is module:
             quiet.pop()[1].__exit__(None, None, None)
-        elif self.lineage.mode is None:
-            return self._global_post(module, args, *rest)
         with _DisableTorchFunction():
             return self._global_post(module, args, *rest)
 
@@ -325,6 +338,7 @@ class Tracer:
         for h in self.global_handles:
             h.remove()
         self.global_handles = []
+        self.quiet_hooks = False
 
     def _adopt_root(self, module, hooks: bool = True) -> None:
         """Give a newly seen outermost module its own step hooks and name its submodules.
@@ -485,6 +499,7 @@ class Tracer:
         self._push(root, args, entry, t0)
         if self.lineage is not None and self._lineage_due(entry[0], attrs):
             self.lineage.begin_step()
+            self._set_quiet_hooks(True)
 
     def begin_external_step(self, root, args, attrs=None) -> bool:
         """Start a step whose root a framework calls with ``root.forward(...)`` directly (so the
@@ -554,6 +569,7 @@ class Tracer:
                 self._pop_record(self.stack[0][_F_MODULE], kwargs, result, error)
         if self.lineage is not None:  # after the root's record (its outputs may be nodes)
             self.lineage.end_step()
+            self._set_quiet_hooks(False)
         if self.tracing_step:
             if self.collectives is not None:
                 self.collectives.end_step()
@@ -699,36 +715,43 @@ class Tracer:
         if _get_ident() != self.step_thread:
             self.stats["foreign_thread_calls"] += 1
             return None
-        if module is self.step_root and self._step_is_stale():
-            # The last step's root call ended by a BaseException (Ctrl-C): torch runs no
-            # always_call hook for those, so close that step now, marked as failed; this call's
-            # own root hook then starts a new step.
-            self._end_step(error=True)
-            return None
-        entry = self.ids.get(id(module))
-        if entry is None or entry[3] is not self.writer.generation:
-            entry = self._entry_slow(module)
         stack = self.stack
-        top = stack[-1]
-        parent = top[1] if top[8] else top[2]
-        if not entry[2] or self.span_count >= self.max_spans:
-            if entry[2]:
-                self.stats["dropped_spans"] += 1
-            stack.append([module, -1, parent, 0, 0, 0, None, -1, False])
+        try:
+            if module is self.step_root and self._step_is_stale():
+                # The last step's root call ended by a BaseException (Ctrl-C): torch runs no
+                # always_call hook for those, so close that step now, marked as failed; this
+                # call's own root hook then starts a new step.
+                self._end_step(error=True)
+                return None
+            entry = self.ids.get(id(module))
+            if entry is None or entry[3] is not self.writer.generation:
+                entry = self._entry_slow(module)
+            top = stack[-1]
+            parent = top[1] if top[8] else top[2]
+            if not entry[2] or self.span_count >= self.max_spans:
+                if entry[2]:
+                    self.stats["dropped_spans"] += 1
+                stack.append([module, -1, parent, 0, 0, 0, None, -1, False])
+                return None
+            path_id = entry[4]
+            calls = self.calls
+            call = calls.get(path_id, -1) + 1
+            calls[path_id] = call
+            index = self.span_count
+            self.span_count = index + 1
+        except Exception as exc:
+            self._on_error("forward pre-hook", exc)
+            if stack:  # an unrecorded frame, so that this call's post-hook finds its own
+                stack.append([module, -1, -1, 0, 0, 0, None, -1, False])
             return None
-        path_id = entry[4]
-        calls = self.calls
-        call = calls.get(path_id, -1) + 1
-        calls[path_id] = call
-        index = self.span_count
-        self.span_count = index + 1
         if self.fp_now:
-            self.busy = True
+            # No busy flag around these ops: nothing of ours reacts to them (a step with lineage
+            # runs these hooks with torch functions off, see _global_pre_quiet).
             try:
                 if len(args) == 1 and isinstance(args[0], _Tensor):
                     # One tensor in: keep the args tuple, so the post-hook can take its fast path.
                     slots = args
-                    fp_pre = self.fps.add(args, store=False)
+                    fp_pre = self.fps.add_one(args[0], False)
                 else:
                     slots = []
                     _flatten_args(args, slots)
@@ -736,8 +759,6 @@ class Tracer:
             except Exception as exc:
                 self._on_error("forward pre-hook", exc)
                 slots, fp_pre = [], -1
-            finally:
-                self.busy = False
             stack.append([module, index, parent, path_id, call, _now(), slots, fp_pre, True])
         else:
             stack.append([module, index, parent, path_id, call, _now(), args, -1, True])
@@ -795,21 +816,47 @@ class Tracer:
         self.stack.append([module, 0, -1, path_id, 0, t0, slots, fp_pre, True])
 
     def _global_post(self, module, args, *rest):
+        # Hot path: runs after every module call of a traced step. The common case (the call's
+        # frame on top, tensor in and tensor out, no lineage) is recorded inline; everything
+        # else goes through _pop_record.
         if self.busy or not self.tracing_step:
             return None
         stack = self.stack
         if len(stack) <= 1 or _get_ident() != self.step_thread:
             return None  # the root's own post-hook ends the step
-        self.busy = True
         try:
-            if len(rest) == 2:
-                self._pop_record(module, rest[0], rest[1], False)
-            else:  # the always_call path after an exception passes no kwargs
-                self._pop_record(module, None, rest[0], sys.exc_info()[0] is not None)
+            frame = stack[-1]
+            _m, index, parent, path_id, call, t0, slots, fp_pre, selected = frame
+            if (_m is module and selected and len(rest) == 2 and not rest[0]
+                    and type(slots) is tuple and len(slots) == 1 and not self.quiet_hooks):
+                result = rest[1]
+                a = slots[0]
+                if isinstance(result, _Tensor) and isinstance(a, _Tensor):
+                    t1 = _now()
+                    stack.pop()
+                    writer = self.writer
+                    key = (a.shape, a.dtype, a.device, result.shape, result.dtype, result.device)
+                    layout = writer._layouts1.get(key)
+                    if layout is None:
+                        layout = writer._layouts1[key] = writer.layout(
+                            ((_IN0, key[0], key[1], key[2]), (_OUT, key[3], key[4], key[5])))
+                    buf = writer._buf
+                    buf.append((_SPAN, self.step, index, parent, path_id, call, t0 - self.step_t0_raw,
+                                t1 - t0, layout, fp_pre, self.fps.add_one(result) if self.fp_now else -1,
+                                1, self.span_flags))
+                    if len(buf) >= writer.max_buffered:
+                        writer.flush()
+                    return None
+            self.busy = True
+            try:
+                if len(rest) == 2:
+                    self._pop_record(module, rest[0], rest[1], False)
+                else:  # the always_call path after an exception passes no kwargs
+                    self._pop_record(module, None, rest[0], sys.exc_info()[0] is not None)
+            finally:
+                self.busy = False
         except Exception as exc:
             self._on_error("forward hook", exc)
-        finally:
-            self.busy = False
         return None
 
     def _pop_record(self, module, kwargs, result, error) -> None:

@@ -29,6 +29,7 @@ whose id is reused is not mistaken for it) and its version counter (bumped by in
 
 from __future__ import annotations
 
+import math
 import struct
 import weakref
 
@@ -132,13 +133,42 @@ class StepFingerprints:
             if grad:
                 _set_grad(True)
 
+    def add_one(self, t, store: bool = True) -> int:
+        """``add((t,), store)`` for one tensor (the hooks' common case), without the grad-mode
+        switch unless the tensor needs it."""
+        if t.requires_grad and _grad_enabled():
+            return self.add((t,), store)
+        return self._add((t,), store)
+
     def _add(self, tensors, store: bool, immediate: bool = False) -> int:
         base = idx = self.count
         seen = self._seen
         defer_all = self.defer_cpu and not immediate
         defer_cuda = self.defer_cuda and not immediate
+        def_pos = self._def_pos
         for t in tensors:
             key = id(t)
+            size = _FLOAT_SIZE.get(t.dtype) if (defer_cuda and t.is_cuda) or defer_all else None
+            if size is not None:
+                n = t.numel()
+                if n <= DEFER_MAX_NUMEL or (self.capturing and multi_tensor.usable(t)
+                                            and multi_tensor.supported(t)):
+                    # Deferred: the tensor is held until the step's flush, so its id cannot be
+                    # reused before then, and a second sighting is found by id alone.
+                    version = None if t.is_inference() else t._version
+                    pos = def_pos.get(key)
+                    if pos is not None:
+                        first, first_version = self._def_idx[pos]
+                        if first_version == version:
+                            self._dups.append((idx, first))
+                            idx += 1
+                            continue
+                    def_pos[key] = len(self._def_ts)
+                    self._def_idx.append((idx, version))
+                    self._def_ts.append(t)
+                    self._def_bytes += n * size
+                    idx += 1
+                    continue
             hit = seen.get(key)
             if hit is not None and hit[0]() is t:
                 version = hit[1]
@@ -153,21 +183,8 @@ class StepFingerprints:
                     continue
             tracked = not t.is_inference()
             version = t._version if tracked else None
-            size = _FLOAT_SIZE.get(t.dtype) if (defer_cuda and t.is_cuda) or defer_all else None
-            if size is not None:
-                n = t.numel()
-                if n <= DEFER_MAX_NUMEL or (self.capturing and multi_tensor.usable(t)
-                                            and multi_tensor.supported(t)):
-                    self._def_pos[key] = len(self._def_ts)
-                    self._def_idx.append((idx, version))
-                    self._def_ts.append(t)
-                    self._def_bytes += n * size
-                else:
-                    self._imm_idx.append(idx)
-                    self._imm_vals.append(_pair(t))
-            else:
-                self._imm_idx.append(idx)
-                self._imm_vals.append(_pair(t))
+            self._imm_idx.append(idx)
+            self._imm_vals.append(_pair(t))
             if store or tracked:
                 try:
                     seen[key] = (weakref.ref(t), version, idx)
@@ -237,7 +254,8 @@ class StepFingerprints:
             order, values, fill = res
             if fill is not None:
                 self._fills.append(fill)
-            self._blocks.append(([indices[i] for i in order], values))
+            self._blocks.append((indices if type(order) is range else [indices[i] for i in order],
+                                 values))
         for indices, ts in groups.values():
             flat = torch.stack(ts).view(len(ts), -1)
             sums = torch.sum(flat, dim=1, dtype=_F32)
@@ -269,7 +287,12 @@ class StepFingerprints:
         try:
             self._reduce_rest()
             indices, vals = [], []
+            # Only the graph's device can be rewritten by replays: host-side values (a CPU
+            # tensor among a captured step's inputs) would be the capture's, so they are left out.
+            device = next((v.device for _, v in self._blocks if v.is_cuda), None)
             for idx, v in self._blocks:
+                if device is not None and v.device != device:
+                    continue
                 indices += idx
                 vals.append(v if v.dtype == _F32 else v.to(_F32))
             static = torch.cat(vals) if len(vals) > 1 else (vals[0] if vals else None)
@@ -308,13 +331,22 @@ class StepFingerprints:
             self._flush_deferred()
         if self._imm_vals:
             by_device: dict = {}
+            host_idx: list = []
+            host_vals: list = []
             for index, (s, q) in zip(self._imm_idx, self._imm_vals):
+                if type(s) is float:  # computed on the host already (_host_pair)
+                    host_idx.append(index)
+                    host_vals.append(s)
+                    host_vals.append(q)
+                    continue
                 idx, items = by_device.setdefault(s.device, ([], []))
                 idx.append(index)
                 items.append(s)
                 items.append(q if q is not None else s.new_full((), _NAN))
             for idx, items in by_device.values():
                 self._blocks.append((idx, torch.stack(items).view(-1, 2)))
+            if host_idx:
+                self._blocks.append((host_idx, torch.tensor(host_vals, dtype=_F32).view(-1, 2)))
             self._imm_idx, self._imm_vals = [], []
 
     def _finish_step(self, step: int) -> None:
@@ -364,6 +396,10 @@ def _to_host(idx, vals) -> tuple:
 
 
 def _pair(t):
+    if t.is_cpu and t.dtype in _HOST_DTYPES and not t.requires_grad:
+        pair = _host_pair(t)
+        if pair is not None:
+            return pair
     if t.is_floating_point() or t.is_complex():
         return (_sum(t, dtype=_F32), _norm(t, dtype=_F32))
     if t.dtype is torch.bool:
@@ -372,6 +408,42 @@ def _pair(t):
     # to tell ranks apart.
     f = t.to(_F32)
     return (f.sum(), _norm(f))
+
+
+_HOST_DTYPES = (torch.float32, torch.float64)
+_numpy: list = []  # [numpy module] once imported, [None] when unavailable
+_ONES: dict = {}  # (numel, numpy dtype) -> ones vector
+
+
+def _host_pair(t):
+    """(sum, l2) of a CPU float tensor as Python floats, through numpy on the tensor's memory.
+
+    Two torch reductions from Python cost about 7 us on a CPU (``vector_norm`` alone about 4);
+    two BLAS dot products over the same buffer (with ones, with itself) cost about 2 us, and give floats at once, so the
+    step end has no 0-d tensors to stack. Sums accumulate in the tensor's dtype, as torch's do.
+    None when numpy is missing or the tensor is not one numpy can view (the caller uses torch)."""
+    if not _numpy:
+        try:
+            import numpy
+
+            _numpy.append(numpy)
+        except Exception:
+            _numpy.append(None)
+    np = _numpy[0]
+    if np is None:
+        return None
+    try:
+        a = t.numpy()
+        key = (a.size, a.dtype)
+        ones = _ONES.get(key)
+        if ones is None:  # sum as a dot with ones: one BLAS call, half the cost of a ufunc reduce
+            if len(_ONES) >= 256:
+                _ONES.clear()
+            ones = _ONES[key] = np.ones(a.size, dtype=a.dtype)
+        vdot = np.vdot
+        return (float(vdot(a, ones)), math.sqrt(float(vdot(a, a))))
+    except Exception:  # conjugate or negative views, and whatever else numpy cannot view
+        return None
 
 
 def _record(step, idx, data) -> tuple:

@@ -182,9 +182,10 @@ def sum_l2(tensors, capturing: bool = False):
     must stay alive until the kernel has run (eagerly: stream order covers it; captured: the
     graph's pool keeps them for replays).
 
-    Tensors are launched in classes of similar size (chunk counts within a factor of two): a
-    grid as wide as the largest tensor for all of them would be mostly programs with nothing to
-    do (a decode step's logits are 250 chunks, most activations 1 to 8)."""
+    While capturing, tensors are launched in classes of similar size (chunk counts within a
+    factor of two): a grid as wide as the largest tensor for all of them would be mostly programs
+    with nothing to do at every replay (a decode step's logits are 250 chunks, most activations 1
+    to 8). Eagerly there is one launch (see below)."""
     kernel = _kernel()
     first = tensors[0]
     device = first.device
@@ -192,38 +193,52 @@ def sum_l2(tensors, capturing: bool = False):
         arena = _state.get("arena")
         if arena is None or arena.buf.device != device:
             return None
-    classes: dict = {}
-    for i, t in enumerate(tensors):
-        n = t.numel()
-        chunks = -(-n // CHUNK) or 1
-        key = chunks.bit_length()
-        entry = classes.get(key)
-        if entry is None:
-            classes[key] = entry = [0, []]
-        if chunks > entry[0]:
-            entry[0] = chunks
-        entry[1].append(i)
-    order: list = []
-    launches = []
-    for chunks, members in classes.values():
-        launches.append((len(order), len(members), chunks))
-        order += members
-    values = []
-    for i in order:
-        t = tensors[i]
-        values.append(t.data_ptr())
-        values.append(t.numel())
+    if capturing:
+        classes: dict = {}
+        for i, t in enumerate(tensors):
+            n = t.numel()
+            chunks = -(-n // CHUNK) or 1
+            key = chunks.bit_length()
+            entry = classes.get(key)
+            if entry is None:
+                classes[key] = entry = [0, []]
+            if chunks > entry[0]:
+                entry[0] = chunks
+            entry[1].append(i)
+        order: list = []
+        launches = []
+        for chunks, members in classes.values():
+            launches.append((len(order), len(members), chunks))
+            order += members
+        values = []
+        for i in order:
+            t = tensors[i]
+            values.append(t.data_ptr())
+            values.append(t.numel())
+    else:
+        # Eagerly the host is the bottleneck (a Triton launch costs tens of microseconds from
+        # Python) and deferred tensors are small (at most DEFER_MAX_NUMEL elements, 16 chunks):
+        # one launch as wide as the largest, whose surplus programs return at once.
+        values = []
+        most = 1
+        for t in tensors:
+            n = t.numel()
+            values.append(t.data_ptr())
+            values.append(n)
+            if n > most:
+                most = n
+        order = range(len(tensors))
+        launches = [(0, len(tensors), -(-most // CHUNK))]
     if capturing:
         table = arena.take(len(values))
         if table is None:
             return None
         fill = TableFill(table, values)
     else:
-        host = torch.tensor(values, dtype=torch.int64)
         if first.is_cuda:
-            table = host.pin_memory().to(device, non_blocking=True)
+            table = torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
         else:
-            table = host
+            table = torch.tensor(values, dtype=torch.int64)
         fill = None
     out = torch.zeros((len(tensors), 2), dtype=torch.float32, device=device)
     dtype = _state["tl_dtypes"][first.dtype]

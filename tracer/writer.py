@@ -42,6 +42,9 @@ class RankWriter:
         self._strings: dict[str, int] = {}
         self._metas: dict[tuple, int] = {}
         self._layouts: dict[tuple, int] = {}
+        # The hooks' common layout, one tensor in and one out, keyed flat by (shape, dtype,
+        # device) of each: building that key costs half of building the nested one.
+        self._layouts1: dict[tuple, int] = {}
         self._modules: dict[str, int] = {}
         self.generation = object()  # replaced whenever interned ids are forgotten
         self._closed = False
@@ -103,6 +106,7 @@ class RankWriter:
             self._strings.clear()
             self._metas.clear()
             self._layouts.clear()
+            self._layouts1.clear()
             self._modules.clear()
             self.generation = object()
 
