@@ -1,0 +1,79 @@
+"""Where a traced CUDA-graph replay spends its extra device time, by kernel.
+
+    python bench/replay_profile.py [--batch 64] [--replays 5]     # needs a GPU
+
+Captures the Llama-8B-shaped decode step of bench/overhead.py untraced and traced (fingerprints
+on), replays each under torch.profiler (CUDA activity) and prints, per graph, the kernels grouped
+by name with their device time per replay, then the difference: the fingerprint kernels that
+the traced capture added and any change in the model's own kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import tempfile
+
+import torch
+
+import overhead as ov  # bench/ is this script's folder, first on sys.path
+from tensor_trace import tracer
+
+
+def kernels_per_replay(graph, replays: int) -> dict:
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    by_name: dict = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            t = getattr(e, "device_time_total", None) or e.cuda_time_total
+            by_name[e.name][0] += 1
+            by_name[e.name][1] += t
+    return {k: (n / replays, us / replays) for k, (n, us) in by_name.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--replays", type=int, default=5)
+    ap.add_argument("--llama-shape", default="8b")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    shape = dict(ov.LLAMA_SHAPES[args.llama_shape], kv_len=512)
+    with torch.inference_mode():
+        model = ov.LlamaForCausalLM(shape, dev, torch.bfloat16).eval()
+        model.set_batch(args.batch)
+        ids = torch.randint(0, shape["vocab"], (args.batch, 1), device=dev)
+        for _ in range(3):
+            model(ids)
+        graphs = {}
+        for name in ("plain", "traced"):
+            if name == "traced":
+                tracer.start(out_dir=tempfile.mkdtemp(prefix="tt-prof-"), fingerprint=True)
+            g = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(g):
+                model(ids)
+            torch.cuda.synchronize()
+            graphs[name] = kernels_per_replay(g, args.replays)
+            if name == "traced":
+                tracer.stop()
+    for name, ks in graphs.items():
+        total = sum(us for _, us in ks.values())
+        print(f"== {name}: {sum(n for n, _ in ks.values()):.0f} kernels, {total:.0f} us device time per replay")
+        for k, (n, us) in sorted(ks.items(), key=lambda kv: -kv[1][1])[:12]:
+            print(f"   {us:9.1f} us {n:6.1f}x  {k[:110]}")
+    plain, traced = graphs["plain"], graphs["traced"]
+    print("== traced minus plain, by kernel name (us per replay)")
+    diff = {k: (traced.get(k, (0, 0))[0] - plain.get(k, (0, 0))[0], traced.get(k, (0, 0))[1] - plain.get(k, (0, 0))[1])
+            for k in set(plain) | set(traced)}
+    for k, (n, us) in sorted(diff.items(), key=lambda kv: -abs(kv[1][1]))[:20]:
+        print(f"   {us:+9.1f} us {n:+6.1f}x  {k[:110]}")
+    print(f"   total {sum(us for _, us in diff.values()):+.1f} us per replay")
+
+
+if __name__ == "__main__":
+    main()
