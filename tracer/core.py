@@ -66,7 +66,41 @@ def _clock_offset() -> int:
 class Tracer:
     """Records module spans, collectives and fingerprints of one process into its rank file."""
 
+    # ``gate`` folds three tests of every hook call into one: it is the step's thread ident while
+    # a traced step runs and the tracer is not busy, else 0 (no thread has ident 0). The three
+    # attributes it depends on are properties that keep it current.
+    gate = 0
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    @busy.setter
+    def busy(self, value: bool) -> None:
+        self._busy = value
+        self.gate = self._step_thread if (self._tracing_step and not value) else 0
+
+    @property
+    def tracing_step(self) -> bool:
+        return self._tracing_step
+
+    @tracing_step.setter
+    def tracing_step(self, value: bool) -> None:
+        self._tracing_step = value
+        self.gate = self._step_thread if (value and not self._busy) else 0
+
+    @property
+    def step_thread(self) -> int:
+        return self._step_thread
+
+    @step_thread.setter
+    def step_thread(self, value: int) -> None:
+        self._step_thread = value
+        self.gate = value if (self._tracing_step and not self._busy) else 0
+
     def __init__(self, config: TraceConfig):
+        self._busy = self._tracing_step = False
+        self._step_thread = 0
         self.config = config
         self.selector = config.module_selector()
         self.fingerprint = config.fingerprint
@@ -705,16 +739,8 @@ class Tracer:
     def _global_pre(self, module, args):
         # Hot path: runs before every module call of a traced step. Keep it lean: no torch
         # call unless fingerprints are on (inputs must be fingerprinted before the module runs).
-        if self.busy or not self.tracing_step:
-            # Once a framework delimits steps, a module called outside them (a sampler) is not
-            # a step of its own.
-            if (not self.in_step and not self.busy and self.enabled and not self.external_steps
-                    and module not in self.roots):
-                self._discover_root(module, args)
-            return None
-        if _get_ident() != self.step_thread:
-            self.stats["foreign_thread_calls"] += 1
-            return None
+        if _get_ident() != self.gate:
+            return self._pre_outside(module, args)
         stack = self.stack
         try:
             if module is self.step_root and self._step_is_stale():
@@ -753,15 +779,34 @@ class Tracer:
                     slots = args
                     fp_pre = self.fps.add_one(args[0], False)
                 else:
-                    slots = []
-                    _flatten_args(args, slots)
-                    fp_pre = self.fps.add([t for _, t in slots], store=False) if slots else -1
+                    slots = args
+                    for a in args:
+                        if not isinstance(a, _Tensor):
+                            slots = []
+                            _flatten_args(args, slots)
+                            break
+                    if slots is args:  # tensors only: kept as they came, like the one-tensor case
+                        fp_pre = self.fps.add(args, store=False) if args else -1
+                    else:
+                        fp_pre = self.fps.add([t for _, t in slots], store=False) if slots else -1
             except Exception as exc:
                 self._on_error("forward pre-hook", exc)
                 slots, fp_pre = [], -1
             stack.append([module, index, parent, path_id, call, _now(), slots, fp_pre, True])
         else:
             stack.append([module, index, parent, path_id, call, _now(), args, -1, True])
+        return None
+
+    def _pre_outside(self, module, args):
+        """The pre-hook when no traced step runs on this thread, or the tracer is busy."""
+        if self.busy or not self.tracing_step:
+            # Once a framework delimits steps, a module called outside them (a sampler) is not
+            # a step of its own.
+            if (not self.in_step and not self.busy and self.enabled and not self.external_steps
+                    and module not in self.roots):
+                self._discover_root(module, args)
+        else:
+            self.stats["foreign_thread_calls"] += 1
         return None
 
     def _entry_slow(self, module):
@@ -819,16 +864,19 @@ class Tracer:
         # Hot path: runs after every module call of a traced step. The common case (the call's
         # frame on top, tensor in and tensor out, no lineage) is recorded inline; everything
         # else goes through _pop_record.
-        if self.busy or not self.tracing_step:
+        if _get_ident() != self.gate:
             return None
         stack = self.stack
-        if len(stack) <= 1 or _get_ident() != self.step_thread:
+        if len(stack) <= 1:
             return None  # the root's own post-hook ends the step
         try:
             frame = stack[-1]
             _m, index, parent, path_id, call, t0, slots, fp_pre, selected = frame
-            if (_m is module and selected and len(rest) == 2 and not rest[0]
-                    and type(slots) is tuple and len(slots) == 1 and not self.quiet_hooks):
+            if _m is module and not selected:
+                stack.pop()
+                return None
+            if (_m is module and len(rest) == 2 and not rest[0] and type(slots) is tuple
+                    and len(slots) == 1 and not self.quiet_hooks):
                 result = rest[1]
                 a = slots[0]
                 if isinstance(result, _Tensor) and isinstance(a, _Tensor):
@@ -847,6 +895,9 @@ class Tracer:
                     if len(buf) >= writer.max_buffered:
                         writer.flush()
                     return None
+            if (_m is module and len(rest) == 2 and not rest[0] and type(slots) is tuple
+                    and not self.quiet_hooks and self._record_tensors(frame, slots, rest[1])):
+                return None
             self.busy = True
             try:
                 if len(rest) == 2:
@@ -858,6 +909,49 @@ class Tracer:
         except Exception as exc:
             self._on_error("forward hook", exc)
         return None
+
+    def _record_tensors(self, frame, args, result) -> bool:
+        """Record a call whose positional arguments are all tensors and whose result is a tensor
+        or a tuple of tensors (rotary embeddings, attention) without walking structures; False
+        (nothing done) for any other call."""
+        key = []
+        for a in args:
+            if not isinstance(a, _Tensor):
+                return False
+            key += (a.shape, a.dtype, a.device)
+        if isinstance(result, _Tensor):
+            outs = (result,)
+            key.append(-1)
+        elif type(result) is tuple and result:
+            outs = result
+            key.append(len(result))
+        else:
+            return False
+        for r in outs:
+            if not isinstance(r, _Tensor):
+                return False
+            key += (r.shape, r.dtype, r.device)
+        t1 = _now()
+        self.stack.pop()
+        writer = self.writer
+        key = tuple(key)
+        layout = writer._layouts_n.get(key)
+        if layout is None:
+            n = len(args)
+            names = [f"input.{i}" for i in range(n)]
+            names += [_OUT] if key[3 * n] == -1 else [f"output.{i}" for i in range(len(outs))]
+            meta = key[:3 * n] + key[3 * n + 1:]
+            layout = writer._layouts_n[key] = writer.layout(tuple(
+                (name, meta[3 * i], meta[3 * i + 1], meta[3 * i + 2]) for i, name in enumerate(names)))
+        fp_post = self.fps.add(outs) if self.fp_now else -1
+        t0 = frame[_F_T0]
+        buf = writer._buf
+        buf.append((_SPAN, self.step, frame[_F_INDEX], frame[_F_PARENT], frame[_F_PATH], frame[_F_CALL],
+                    t0 - self.step_t0_raw, t1 - t0, layout, frame[_F_FP_PRE], fp_post, len(args),
+                    self.span_flags))
+        if len(buf) >= writer.max_buffered:
+            writer.flush()
+        return True
 
     def _pop_record(self, module, kwargs, result, error) -> None:
         stack = self.stack

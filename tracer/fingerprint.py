@@ -29,8 +29,10 @@ whose id is reused is not mistaken for it) and its version counter (bumped by in
 
 from __future__ import annotations
 
+import ctypes
 import math
 import struct
+import sys
 import weakref
 
 import torch
@@ -107,6 +109,8 @@ class StepFingerprints:
         self._blocks: list = []  # (indices, [k, 2] device tensor of (sum, l2)) ready this step
         self._dups: list = []  # (index, index it repeats)
         self._seen: dict = {}
+        self._last = None  # the tensor add_one deferred last, and its index (see add_one)
+        self._last_idx = -1
 
     def begin_capture(self) -> None:
         """The step is being captured into a CUDA graph: every floating tensor the kernel can read
@@ -135,10 +139,25 @@ class StepFingerprints:
 
     def add_one(self, t, store: bool = True) -> int:
         """``add((t,), store)`` for one tensor (the hooks' common case), without the grad-mode
-        switch unless the tensor needs it."""
+        switch unless the tensor needs it.
+
+        The tensor added last, if deferred, is remembered: a module's output is most often the
+        next module's input, and that second sighting is then a repeat at the cost of an
+        identity test. (A deferred value is the tensor's value at the flush; an in-place update
+        in between makes the first sighting stale at the flush, and with it this repeat.)"""
+        if t is self._last:
+            idx = self.count
+            self.count = idx + 1
+            self._dups.append((idx, self._last_idx))
+            return idx
         if t.requires_grad and _grad_enabled():
             return self.add((t,), store)
-        return self._add((t,), store)
+        n_def = len(self._def_ts)
+        idx = self._add((t,), store)
+        if len(self._def_ts) > n_def:  # deferred now (a flush empties the list: then not)
+            self._last = t
+            self._last_idx = idx
+        return idx
 
     def _add(self, tensors, store: bool, immediate: bool = False) -> int:
         base = idx = self.count
@@ -202,6 +221,8 @@ class StepFingerprints:
         if not pos:
             return
         for t in tensors:
+            if t is self._last:  # its next sighting is not a repeat: the value changes here
+                self._last = None
             k = pos.pop(id(t), None)
             if k is not None and self._def_ts[k] is not None:
                 self._imm_idx.append(self._def_idx[k][0])
@@ -213,6 +234,8 @@ class StepFingerprints:
         seen = self._seen
         for t in tensors:
             seen.pop(id(t), None)
+            if t is self._last:
+                self._last = None
 
     def _flush_deferred(self) -> None:
         # Where Triton is available (tracer/multi_tensor.py), contiguous tensors are reduced
@@ -223,6 +246,7 @@ class StepFingerprints:
         groups: dict = {}
         in_place: dict = {}
         usable = None
+        kernel_dtypes = multi_tensor.DTYPES
         for (index, version), t in zip(self._def_idx, self._def_ts):
             if t is None:
                 continue
@@ -231,16 +255,18 @@ class StepFingerprints:
                 continue
             if usable is None:
                 usable = multi_tensor.usable(t)
-            if usable and multi_tensor.supported(t):
-                entry = in_place.get((t.dtype, t.device))
+            if usable and t.dtype in kernel_dtypes and t.is_contiguous():  # multi_tensor.supported
+                key = (t.dtype, t.get_device())
+                entry = in_place.get(key)
                 if entry is None:
-                    in_place[(t.dtype, t.device)] = entry = ([], [])
+                    in_place[key] = entry = ([], [])
                 entry[0].append(index)
                 entry[1].append(t)
                 continue
-            entry = groups.get((t.shape, t.dtype, t.device))
+            key = (t.shape, t.dtype, t.device)
+            entry = groups.get(key)
             if entry is None:
-                groups[(t.shape, t.dtype, t.device)] = entry = ([], [])
+                groups[key] = entry = ([], [])
             entry[0].append(index)
             entry[1].append(t)
         for indices, ts in in_place.values():
@@ -265,6 +291,7 @@ class StepFingerprints:
         self._def_ts = []
         self._def_pos = {}
         self._def_bytes = 0
+        self._last = None
 
     def finish_step(self, step: int) -> None:
         """Start the device-to-host copy of this step's values; no synchronisation."""
@@ -364,23 +391,44 @@ class StepFingerprints:
             if not wait and any(ev is not None and not ev.query() for _, _, ev in blocks):
                 keep.append((step, blocks, dups))
                 continue
-            known = {}
+            idx_all: list = []
+            parts = []
             for idx, host, event in blocks:
                 if event is not None and wait:
                     event.synchronize()
-                values = host.clone()
-                values[:, 1].square_()  # the l2 norm becomes the sum of squares
-                flat = values.view(-1).tolist()  # no numpy: torch does not require it
-                records.append(_record(step, idx, struct.pack(f"<{len(flat)}f", *flat)))
-                if dups:
-                    known.update(zip(idx, values.tolist()))
+                idx_all += idx
+                parts.append(host)
+            if not parts:
+                continue
+            # One record per step, whatever the blocks, and one more for the repeats: a few
+            # tensor ops and two byte copies, no Python per value.
+            values = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            values[:, 1].square_()  # the l2 norm becomes the sum of squares
+            records.append(_record(step, idx_all, _f32_bytes(values)))
             if dups:
-                idx = [i for i, src in dups if src in known]
-                if idx:
-                    data = b"".join(schema.FP_PAIR.pack(*known[src]) for i, src in dups if src in known)
-                    records.append(_record(step, idx, data))
+                pos = {i: r for r, i in enumerate(idx_all)}
+                dst, rows = [], []
+                for i, src in dups:
+                    r = pos.get(src)
+                    if r is not None:
+                        dst.append(i)
+                        rows.append(r)
+                if dst:
+                    records.append(_record(step, dst, _f32_bytes(values[rows])))
         self._pending = keep
         return records
+
+
+def _f32_bytes(values) -> bytes:
+    """The little-endian float32 bytes of a contiguous fp32 CPU tensor."""
+    values = values.contiguous()
+    if _LITTLE:
+        return ctypes.string_at(values.data_ptr(), values.numel() * 4)
+    flat = values.view(-1).tolist()
+    return struct.pack(f"<{len(flat)}f", *flat)
+
+
+_LITTLE = sys.byteorder == "little"
 
 
 def _to_host(idx, vals) -> tuple:

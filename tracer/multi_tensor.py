@@ -106,10 +106,10 @@ def usable(t) -> bool:
 
 def supported(t) -> bool:
     """Whether the kernel can read ``t`` where it is: contiguous, of a kernel dtype."""
-    return t.dtype in _DTYPES and t.is_contiguous()
+    return t.dtype in DTYPES and t.is_contiguous()
 
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 ARENA_ENTRIES = 16384  # (address, numel) pairs of 8192 tensors per captured graph
@@ -261,7 +261,7 @@ def warm_up(device) -> bool:
     if _kernel() is None:
         return False
     try:
-        for dtype in _DTYPES:
+        for dtype in DTYPES:
             sum_l2([torch.arange(1, 5, dtype=dtype, device=device)])
     except Exception as exc:  # e.g. a Triton that cannot compile it: stack instead, say so once
         _state["kernel"] = None

@@ -45,6 +45,7 @@ class RankWriter:
         # The hooks' common layout, one tensor in and one out, keyed flat by (shape, dtype,
         # device) of each: building that key costs half of building the nested one.
         self._layouts1: dict[tuple, int] = {}
+        self._layouts_n: dict[tuple, int] = {}  # all-tensor calls, keyed flat (Tracer._record_tensors)
         self._modules: dict[str, int] = {}
         self.generation = object()  # replaced whenever interned ids are forgotten
         self._closed = False
@@ -107,6 +108,7 @@ class RankWriter:
             self._metas.clear()
             self._layouts.clear()
             self._layouts1.clear()
+            self._layouts_n.clear()
             self._modules.clear()
             self.generation = object()
 
