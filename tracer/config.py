@@ -35,6 +35,11 @@ class TraceConfig:
     # kind (root module, and a framework's forward mode / draft flag), then in every Nth of that
     # kind. 1 = every step.
     lineage_every: int = 32
+    # How module calls are intercepted. "call": ``torch.nn.Module.__call__`` is wrapped while
+    # steps are traced (one Python frame per call, bench/RESULTS.md); "hooks": global forward
+    # pre/post hooks (``always_call=True``), torch's own mechanism, whose slow path in
+    # ``Module._call_impl`` alone costs more per call than everything the wrapper does.
+    intercept: str = "call"
     otlp_endpoint: str | None = None
     flush_interval_s: float = 1.0
     max_errors: int = 20  # after this many hook errors tracing turns itself off in the process

@@ -141,6 +141,7 @@ class Tracer:
         self.root_paths: dict[int, int] = {}
         self.global_handles: list = []
         self.quiet_hooks = False  # the global hooks are the lineage-quiet variants
+        self.pre_fn = self.post_fn = None  # what the call wrapper calls (plain or quiet)
         # stats and errors
         self.stats = dict(steps=0, steps_skipped=0, spans=0, collectives=0, errors=0,
                           dropped_spans=0, foreign_thread_calls=0)
@@ -323,28 +324,35 @@ class Tracer:
     def _install_global_hooks(self) -> None:
         if self.global_handles:
             return
-        self.global_handles = [
-            _nn_module.register_module_forward_pre_hook(self._global_pre),
-            _nn_module.register_module_forward_hook(self._global_post, with_kwargs=True,
-                                                    always_call=True),
-        ]
+        self.pre_fn, self.post_fn = self._global_pre, self._global_post
+        if self.config.intercept == "hooks":
+            self.global_handles = [
+                _nn_module.register_module_forward_pre_hook(self._global_pre),
+                _nn_module.register_module_forward_hook(self._global_post, with_kwargs=True,
+                                                        always_call=True),
+            ]
+        else:
+            self.global_handles = [_CallWrapper.install(self)]
         self.quiet_hooks = False
         if self.lineage is not None and self.lineage.mode is not None:
             self._set_quiet_hooks(True)
 
     def _set_quiet_hooks(self, quiet: bool) -> None:
-        """Swap the global hooks' functions in place (same handles, same order among other
-        hooks): a step that records lineage gets the quiet variants below; every other step
-        keeps the plain hooks, with no wrapper call and no lineage test on the hot path."""
-        if len(self.global_handles) != 2 or quiet == self.quiet_hooks:
+        """Swap the interception's functions (the hooks in place: same handles, same order
+        among other hooks): a step that records lineage gets the quiet variants below; every
+        other step keeps the plain ones, with no wrapper call and no lineage test on the hot
+        path."""
+        if not self.global_handles or quiet == self.quiet_hooks:
             return
         pre, post = ((self._global_pre_quiet, self._global_post_quiet) if quiet
                      else (self._global_pre, self._global_post))
-        h_pre, h_post = self.global_handles
-        if h_pre.id in _nn_module._global_forward_pre_hooks:
-            _nn_module._global_forward_pre_hooks[h_pre.id] = pre
-        if h_post.id in _nn_module._global_forward_hooks:
-            _nn_module._global_forward_hooks[h_post.id] = post
+        self.pre_fn, self.post_fn = pre, post
+        if len(self.global_handles) == 2:
+            h_pre, h_post = self.global_handles
+            if h_pre.id in _nn_module._global_forward_pre_hooks:
+                _nn_module._global_forward_pre_hooks[h_pre.id] = pre
+            if h_post.id in _nn_module._global_forward_hooks:
+                _nn_module._global_forward_hooks[h_post.id] = post
         self.quiet_hooks = quiet
 
     # With lineage on, the hooks run with the lineage mode off, and so does the body of every
@@ -1108,3 +1116,59 @@ def _first_device(args):
         if isinstance(a, torch.Tensor):
             return str(a.device)
     return None
+
+
+_MODULE_CALL = torch.nn.Module.__call__  # torch's own (Module._wrapped_call_impl)
+
+
+class _CallWrapper:
+    """``--intercept call``: ``torch.nn.Module.__call__`` replaced by a function that runs the
+    tracer's pre- and post-hook bodies around torch's own ``__call__``.
+
+    Same reach as global forward hooks (every ``module(...)``, nothing that calls ``forward``
+    directly), same order (outside any hook a module has), and the post body runs however the
+    call ends, BaseExceptions (Ctrl-C) included. What it saves is torch's hook machinery: with
+    any global hook registered, every module call takes ``_call_impl``'s slow path (a closure,
+    hook-dict copies, a set), which costs more than this wrapper and the hook bodies together
+    (bench/RESULTS.md). Under ``torch.compile`` tracing the wrapper is a plain pass-through.
+    Removal puts torch's function back if the wrapper is still the one installed; if someone
+    patched ``__call__`` on top of it since, it stays in their chain as a pass-through."""
+
+    __slots__ = ("tracer", "active")
+
+    def __init__(self, tracer):
+        self.tracer = tracer
+        self.active = True
+
+    @classmethod
+    def install(cls, tracer) -> "_CallWrapper":
+        handle = cls(tracer)
+        inner = torch.nn.Module.__call__
+        get_ident = _get_ident
+        compiling = torch.compiler.is_compiling
+
+        def __call__(module, *args, **kwargs):
+            t = handle.tracer
+            if get_ident() != t.gate or not handle.active or compiling():
+                if handle.active and t.enabled:
+                    t._pre_outside(module, args)  # finds the first root; a root's hooks begin steps
+                return inner(module, *args, **kwargs)
+            t.pre_fn(module, args)
+            try:
+                result = inner(module, *args, **kwargs)
+            except BaseException:
+                t.post_fn(module, args, None)  # the error path, as always_call hooks get it
+                raise
+            t.post_fn(module, args, kwargs, result)
+            return result
+
+        __call__.__wrapped__ = inner
+        __call__._tensor_trace_wrapper = handle
+        torch.nn.Module.__call__ = __call__
+        return handle
+
+    def remove(self) -> None:
+        self.active = False
+        fn = torch.nn.Module.__call__
+        if getattr(fn, "_tensor_trace_wrapper", None) is self:
+            torch.nn.Module.__call__ = fn.__wrapped__

@@ -22,11 +22,14 @@ from tensor_trace.errors import BadInput
 @click.option("--lineage-every", type=click.IntRange(min=1), default=32, show_default=True,
               help="Watch ops for lineage in the first 2 traced steps of each kind, then in every "
                    "Nth step of that kind (1: every step).")
+@click.option("--intercept", type=click.Choice(["call", "hooks"]), default="call", show_default=True,
+              help="How module calls are seen: 'call' wraps torch.nn.Module.__call__ while steps are "
+                   "traced (cheapest); 'hooks' registers global forward pre/post hooks instead.")
 @click.option("--otlp-endpoint", default=None, help="Also stream spans live to this OTLP endpoint.")
 @click.option("--replace", is_flag=True, help="Overwrite a run already recorded in the folder.")
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED, required=True)
-def record(out_dir, modules, exclude, steps, no_fingerprint, no_lineage, lineage_every, otlp_endpoint,
-           replace, cmd):
+def record(out_dir, modules, exclude, steps, no_fingerprint, no_lineage, lineage_every, intercept,
+           otlp_endpoint, replace, cmd):
     """Run CMD with every Python process it starts traced; print a summary; exit with CMD's code."""
     from tensor_trace.exporters.summary import format_summary, summarize
     from tensor_trace.tracer.config import TraceConfig, parse_steps
@@ -44,7 +47,7 @@ def record(out_dir, modules, exclude, steps, no_fingerprint, no_lineage, lineage
     config = TraceConfig(out_dir=out_dir, run_id=uuid.uuid4().hex[:16], modules=list(modules),
                          exclude=list(exclude), steps=window, fingerprint=not no_fingerprint,
                          lineage=not no_lineage, lineage_every=lineage_every,
-                         otlp_endpoint=otlp_endpoint)
+                         intercept=intercept, otlp_endpoint=otlp_endpoint)
     prepare_out_dir(out_dir, replace)
     code = run_traced(list(cmd), config)
     click.echo(format_summary(summarize(out_dir)), err=True)

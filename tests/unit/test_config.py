@@ -49,3 +49,8 @@ def test_record_lineage_every_option(tmp_path, monkeypatch):
     assert got["cfg"].lineage_every == 4, r.output
     r = CliRunner().invoke(main, ["record", "-o", out, "--replace", "--lineage-every", "0", "--", "true"])
     assert r.exit_code == 2 and "lineage-every" in r.output
+    assert got["cfg"].intercept == "call"  # the default
+    got.clear()
+    r = CliRunner().invoke(main, ["record", "-o", out, "--replace", "--intercept", "hooks", "--", "true"])
+    assert got["cfg"].intercept == "hooks", r.output
+    assert TraceConfig.from_env(got["cfg"].to_env()).intercept == "hooks"

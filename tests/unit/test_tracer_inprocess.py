@@ -1,5 +1,6 @@
 """The tracer inside one process: spans, hook hygiene, error containment, fingerprints."""
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.nn.modules import module as nn_module
@@ -37,6 +38,12 @@ def _hooks_left():
     return (len(nn_module._global_forward_hooks) + len(nn_module._global_forward_pre_hooks))
 
 
+def _interceptions():
+    """Global hooks, plus one for a wrapped ``Module.__call__`` (``intercept="call"``)."""
+    wrapped = getattr(torch.nn.Module.__call__, "_tensor_trace_wrapper", None) is not None
+    return _hooks_left() + wrapped
+
+
 def _run(tmp_path, steps=3, **opts):
     torch.manual_seed(0)
     net = Net()
@@ -49,8 +56,9 @@ def _run(tmp_path, steps=3, **opts):
     return net, plain, traced
 
 
-def test_spans_paths_calls_and_slots(tmp_path):
-    net, plain, traced = _run(tmp_path)
+@pytest.mark.parametrize("intercept", ["call", "hooks"])
+def test_spans_paths_calls_and_slots(tmp_path, intercept):
+    net, plain, traced = _run(tmp_path, intercept=intercept)
     for a, b in zip(plain, traced):
         assert torch.equal(a, b)
     (f,) = rank_files(str(tmp_path))
@@ -76,33 +84,41 @@ def test_spans_paths_calls_and_slots(tmp_path):
     assert by[("blocks.0.up", 0)].tensors[-1].fp == by[("blocks.0.act", 0)].tensors[0].fp
 
 
-def test_stop_leaves_no_hooks_and_no_patches(tmp_path):
+@pytest.mark.parametrize("intercept", ["call", "hooks"])
+def test_stop_leaves_no_hooks_and_no_patches(tmp_path, intercept):
     import torch.distributed as dist
 
     before_ar = dist.all_reduce
     before_ns = torch.ops._c10d_functional.all_reduce
+    before_call = torch.nn.Module.__call__
     assert _hooks_left() == 0
     net = Net()
-    tr = tracer.start(out_dir=str(tmp_path))
+    tr = tracer.start(out_dir=str(tmp_path), intercept=intercept)
     net(torch.randn(2, 8))
-    assert _hooks_left() == 2 and len(net._forward_pre_hooks) == 1
+    if intercept == "hooks":
+        assert _hooks_left() == 2 and torch.nn.Module.__call__ is before_call
+    else:  # torch's __call__ wrapped, no global hook
+        assert _hooks_left() == 0 and torch.nn.Module.__call__ is not before_call
+    assert len(net._forward_pre_hooks) == 1
     assert dist.all_reduce is not before_ar
     tracer.stop()
     assert _hooks_left() == 0
+    assert torch.nn.Module.__call__ is before_call
     assert len(net._forward_pre_hooks) == 0 and len(net._forward_hooks) == 0
     assert dist.all_reduce is before_ar
     assert torch.ops._c10d_functional.all_reduce is before_ns
     assert tr.hook_count() == 0
 
 
-def test_failing_hook_body_does_not_break_the_model(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("intercept", ["call", "hooks"])
+def test_failing_hook_body_does_not_break_the_model(tmp_path, monkeypatch, capsys, intercept):
     from tensor_trace.tracer import core
 
     def boom(*a, **k):
         raise RuntimeError("injected")
 
     monkeypatch.setattr(core, "_flatten_output", boom)
-    net, plain, traced = _run(tmp_path, steps=12)
+    net, plain, traced = _run(tmp_path, steps=12, intercept=intercept)
     for a, b in zip(plain, traced):
         assert torch.equal(a, b)
     err = capsys.readouterr().err
@@ -113,17 +129,19 @@ def test_failing_hook_body_does_not_break_the_model(tmp_path, monkeypatch, capsy
     assert rt.end["reason"] == "too many errors"
 
 
-def test_step_window_installs_no_global_hooks_outside(tmp_path):
+@pytest.mark.parametrize("intercept,n", [("call", 1), ("hooks", 2)])
+def test_step_window_installs_no_global_hooks_outside(tmp_path, intercept, n):
     net = Net()
-    tracer.start(out_dir=str(tmp_path), steps=(2, 4))
+    tracer.start(out_dir=str(tmp_path), steps=(2, 4), intercept=intercept)
     seen = []
     for i in range(6):
         net(torch.randn(2, 8))
-        seen.append(_hooks_left())
+        seen.append(_interceptions())
     tracer.stop()
-    # Global hooks exist only from the first windowed step's start until the last one ends
-    # (kept between steps 2 and 3, gone after step 0, 1, 4, 5).
-    assert seen == [0, 0, 2, 0, 0, 0]
+    # Global hooks (or the call wrapper) exist only from the first windowed step's start until
+    # the last one ends (kept between steps 2 and 3, gone after step 0, 1, 4, 5).
+    assert seen == [0, 0, n, 0, 0, 0]
+    assert _interceptions() == 0
     rt = load_rank_file(rank_files(str(tmp_path))[0])
     assert sorted(rt.steps) == [2, 3]
 
