@@ -33,6 +33,8 @@ done
 if [ -z "${FIRST:-}" ]; then
   echo "== 2. tests/gpu"
   python3 -m pytest -q -p no:cacheprovider "$REPO/tests/gpu" 2>&1 | tail -5
+fi
+if [ -z "${FIRST:-}" ] && [ -z "${NOBENCH:-}" ]; then
   echo "== 3. replay benchmark"
   python3 "$REPO/bench/cuda_graph_replay.py" --rounds ${ROUNDS:-5} --json "$OUT/graph-bench.json" 2>&1 | grep -v Warning
 fi

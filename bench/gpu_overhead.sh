@@ -6,15 +6,15 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh" overhead-session.txt
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 nproc; date -u
-if [ -n "${PROFILE:-1}" ]; then
+if [ "${PROFILE:-1}" = 1 ]; then
   echo "== replay profile"; (cd "$REPO/bench" && python3 replay_profile.py --batch 64 2>&1 | grep -v Warn)
 fi
 echo "== hook cost (cuda)"; python3 "$REPO/bench/hook_cost.py" --device cuda --json "$OUT/hook-cuda.json"
 echo "== overhead, Llama-8B-shaped decode"
-python3 "$REPO/bench/overhead.py" --workload llama8b-decode --rounds ${ROUNDS:-5} ${BREAKDOWN:---breakdown} \
+python3 "$REPO/bench/overhead.py" --workload llama8b-decode --rounds ${ROUNDS:-5} ${BREAKDOWN:-} \
     --json "$OUT/bench-gpu.json" 2>&1 | grep -v '^USDT\|^  \['
 date -u
-if [ -n "${GRAPHS:-1}" ]; then
+if [ "${GRAPHS:-1}" = 1 ]; then
   echo "== replay benchmark"
   (cd "$REPO/bench" && python3 cuda_graph_replay.py --rounds ${ROUNDS:-5} --json "$OUT/graph-bench.json" 2>&1 | grep -v Warning)
 fi

@@ -1,5 +1,6 @@
 """Per-module-call cost of tracing, side by side in one run: no hooks, two empty global hooks
-(the floor any hook-based tracer pays inside torch), the tracer without and with fingerprints.
+(the floor any hook-based tracer pays inside torch), the tracer without and with fingerprints,
+each with its default ``Module.__call__`` wrapper and with global hooks (``intercept="hooks"``).
 
     python bench/hook_cost.py [--device cpu|cuda] [--modules 200] [--rounds 7]
 
@@ -68,16 +69,17 @@ def main():
             for x_ in h:
                 x_.remove()
 
-    def traced(fp):
+    def traced(fp, intercept="call"):
         def f():
-            tracer.start(out_dir=tempfile.mkdtemp(prefix="tt-hook-"), fingerprint=fp)
+            tracer.start(out_dir=tempfile.mkdtemp(prefix="tt-hook-"), fingerprint=fp, intercept=intercept)
             try:
                 return run()
             finally:
                 tracer.stop()
         return f
 
-    variants = {"plain": plain, "empty-hooks": empty, "traced-nofp": traced(False), "traced-fp": traced(True)}
+    variants = {"plain": plain, "empty-hooks": empty, "traced-nofp": traced(False), "traced-fp": traced(True),
+                "nofp-hooks": traced(False, "hooks"), "fp-hooks": traced(True, "hooks")}
     res = {k: [] for k in variants}
     with torch.inference_mode():
         for _ in range(args.rounds):

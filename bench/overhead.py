@@ -5,8 +5,10 @@ Variants, measured in one process, interleaved and repeated:
 - ``plain``        no tracing;
 - ``traced-nofp``  ``tracer.start(out_dir=..., fingerprint=False)``;
 - ``traced-fp``    ``tracer.start(out_dir=..., fingerprint=True)``;
-- ``traced-fp-nolin`` the same with tensor lineage off (``lineage=False``); the two traced
-                   variants above have lineage on (the default);
+- ``traced-fp-hooks`` the same with ``intercept="hooks"`` (global forward pre/post hooks
+                   instead of the ``Module.__call__`` wrapper that the two above use by default);
+- ``empty-hooks``  two empty global forward hooks, no tracer: the floor of any tracer built on
+                   torch's global hooks (what the issue "Record every rank" quotes as x1.07..x1.11);
 - ``profiler``     ``torch.profiler.profile(record_shapes=True)`` (CPU activity, plus CUDA on GPU).
 
 For each of R rounds the variants run in a shuffled order; each variant block starts its tracer
@@ -64,7 +66,7 @@ from tensor_trace import tracer
 from tensor_trace.exporters.reader import load_rank_file, rank_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("plain", "traced-nofp", "traced-fp", "traced-fp-nolin", "profiler")
+VARIANTS = ("plain", "empty-hooks", "traced-nofp", "traced-fp", "traced-fp-hooks", "profiler")
 
 
 def load_example():
@@ -339,10 +341,15 @@ class Bench:
         gc.collect()
         out_dir = tr = prof = None
         t_start = time.perf_counter()
+        empty = []
         if variant.startswith("traced"):
             out_dir = os.path.join(self.tmp_root, f"b{self.block_id:04d}-{variant}-r{TP['rank']}")
             tr = tracer.start(out_dir=out_dir, fingerprint=variant.startswith("traced-fp"),
-                              lineage=variant != "traced-fp-nolin")
+                              intercept="hooks" if variant.endswith("-hooks") else "call")
+        elif variant == "empty-hooks":
+            empty = [nn.modules.module.register_module_forward_pre_hook(lambda m, a: None),
+                     nn.modules.module.register_module_forward_hook(lambda m, a, *r: None,
+                                                                    with_kwargs=True, always_call=True)]
         elif variant == "profiler":
             acts = [torch.profiler.ProfilerActivity.CPU]
             if self.cuda:
@@ -367,6 +374,8 @@ class Bench:
             t_stop = time.perf_counter()
             if tr is not None:
                 tracer.stop()
+            for h in empty:
+                h.remove()
             if prof is not None:
                 prof.__exit__(None, None, None)
             stop_s = time.perf_counter() - t_stop
@@ -537,7 +546,7 @@ def print_table(res):
               f"{d['paired_ratio_min']:>7.3f}..{d['paired_ratio_max']:<7.3f} "
               f"{'x%.3f' % d['best_round_ratio']:>8} "
               f"{ms(d['host_median_ns']):>9.3f} {bps:>8} {kps:>9}")
-    for v in ("traced-nofp", "traced-fp", "traced-fp-nolin"):
+    for v in ("traced-nofp", "traced-fp", "traced-fp-hooks"):
         d = c["variants"][v]
         if "failed" in d:
             continue

@@ -106,11 +106,13 @@ class StepFingerprints:
         self._def_ts: list = []  # tensors (None once materialised)
         self._def_pos: dict = {}  # id(tensor) -> position in _def_ts
         self._def_bytes = 0
-        self._blocks: list = []  # (indices, [k, 2] device tensor of (sum, l2)) ready this step
+        # (indices, [k, 2] tensor of (sum, l2), or a flat list of them computed on the host)
+        self._blocks: list = []
         self._dups: list = []  # (index, index it repeats)
         self._seen: dict = {}
-        self._last = None  # the tensor add_one deferred last, and its index (see add_one)
+        self._last = None  # the tensor add_one added last, and its index (see add_one)
         self._last_idx = -1
+        self._last_version = True  # True: deferred; else its version then (None: inference)
 
     def begin_capture(self) -> None:
         """The step is being captured into a CUDA graph: every floating tensor the kernel can read
@@ -141,22 +143,34 @@ class StepFingerprints:
         """``add((t,), store)`` for one tensor (the hooks' common case), without the grad-mode
         switch unless the tensor needs it.
 
-        The tensor added last, if deferred, is remembered: a module's output is most often the
-        next module's input, and that second sighting is then a repeat at the cost of an
-        identity test. (A deferred value is the tensor's value at the flush; an in-place update
-        in between makes the first sighting stale at the flush, and with it this repeat.)"""
+        The tensor added last is remembered: a module's output is most often the next module's
+        input, and that second sighting is then a repeat at the cost of an identity test. A
+        deferred value is the tensor's value at the flush (an in-place update in between makes
+        the first sighting stale at the flush, and with it this repeat); an immediate one is
+        repeated only while the version counter has not moved (once, for an inference tensor,
+        which has none), as the ``_seen`` cache of ``_add`` does."""
         if t is self._last:
-            idx = self.count
-            self.count = idx + 1
-            self._dups.append((idx, self._last_idx))
-            return idx
+            version = self._last_version
+            if version is not True:  # an immediate value: only while the tensor is unchanged
+                if version is None:  # an inference tensor (no version counter): reuse once
+                    self._last = None
+                elif version != t._version:
+                    version = False
+            if version is not False:
+                idx = self.count
+                self.count = idx + 1
+                self._dups.append((idx, self._last_idx))
+                return idx
         if t.requires_grad and _grad_enabled():
             return self.add((t,), store)
-        n_def = len(self._def_ts)
+        n_def, n_imm = len(self._def_ts), len(self._imm_idx)
         idx = self._add((t,), store)
         if len(self._def_ts) > n_def:  # deferred now (a flush empties the list: then not)
-            self._last = t
-            self._last_idx = idx
+            self._last, self._last_idx, self._last_version = t, idx, True
+        elif len(self._imm_idx) > n_imm and store and not t.is_cuda:
+            # (a large CUDA tensor, reduced at once, is not held for this: it may be big)
+            self._last, self._last_idx = t, idx
+            self._last_version = None if t.is_inference() else t._version
         return idx
 
     def _add(self, tensors, store: bool, immediate: bool = False) -> int:
@@ -316,9 +330,14 @@ class StepFingerprints:
             indices, vals = [], []
             # Only the graph's device can be rewritten by replays: host-side values (a CPU
             # tensor among a captured step's inputs) would be the capture's, so they are left out.
-            device = next((v.device for _, v in self._blocks if v.is_cuda), None)
+            device = next((v.device for _, v in self._blocks if type(v) is not list and v.is_cuda),
+                          None)
             for idx, v in self._blocks:
-                if device is not None and v.device != device:
+                if type(v) is list:
+                    if device is not None:
+                        continue
+                    v = torch.tensor(v, dtype=_F32).view(-1, 2)
+                elif device is not None and v.device != device:
                     continue
                 indices += idx
                 vals.append(v if v.dtype == _F32 else v.to(_F32))
@@ -372,8 +391,8 @@ class StepFingerprints:
                 items.append(q if q is not None else s.new_full((), _NAN))
             for idx, items in by_device.values():
                 self._blocks.append((idx, torch.stack(items).view(-1, 2)))
-            if host_idx:
-                self._blocks.append((host_idx, torch.tensor(host_vals, dtype=_F32).view(-1, 2)))
+            if host_idx:  # a Python list of (sum, l2) pairs, flattened: no tensor needed
+                self._blocks.append((host_idx, host_vals))
             self._imm_idx, self._imm_vals = [], []
 
     def _finish_step(self, step: int) -> None:
@@ -400,6 +419,22 @@ class StepFingerprints:
                 parts.append(host)
             if not parts:
                 continue
+            if all(type(p) is list for p in parts):  # values computed on the host (CPU tensors)
+                flat = [v for p in parts for v in p]
+                flat[1::2] = [q * q for q in flat[1::2]]  # the l2 norm becomes the sum of squares
+                records.append(_record(step, idx_all, struct.pack(f"<{len(flat)}f", *flat)))
+                if dups:
+                    pos = {i: r for r, i in enumerate(idx_all)}
+                    dst, vals = [], []
+                    for i, src in dups:
+                        r = pos.get(src)
+                        if r is not None:
+                            dst.append(i)
+                            vals += flat[2 * r:2 * r + 2]
+                    if dst:
+                        records.append(_record(step, dst, struct.pack(f"<{len(vals)}f", *vals)))
+                continue
+            parts = [torch.tensor(p, dtype=_F32).view(-1, 2) if type(p) is list else p for p in parts]
             # One record per step, whatever the blocks, and one more for the repeats: a few
             # tensor ops and two byte copies, no Python per value.
             values = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
@@ -434,7 +469,7 @@ _LITTLE = sys.byteorder == "little"
 def _to_host(idx, vals) -> tuple:
     """(indices, host values, event or None): a device block is copied to pinned memory without
     waiting; its event says when the copy is done."""
-    if not vals.is_cuda:
+    if type(vals) is list or not vals.is_cuda:
         return (idx, vals, None)
     host = torch.empty(vals.shape, dtype=_F32, pin_memory=True)
     host.copy_(vals, non_blocking=True)
@@ -458,7 +493,7 @@ def _pair(t):
     return (f.sum(), _norm(f))
 
 
-_HOST_DTYPES = (torch.float32, torch.float64)
+_HOST_DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32)
 _numpy: list = []  # [numpy module] once imported, [None] when unavailable
 _ONES: dict = {}  # (numel, numpy dtype) -> ones vector
 
@@ -482,6 +517,8 @@ def _host_pair(t):
         return None
     try:
         a = t.numpy()
+        if a.dtype.kind in "iu":  # token ids, positions: exact in float64
+            a = a.astype(np.float64)
         key = (a.size, a.dtype)
         ones = _ONES.get(key)
         if ones is None:  # sum as a dot with ones: one BLAS call, half the cost of a ufunc reduce
