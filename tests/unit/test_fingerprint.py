@@ -71,3 +71,71 @@ def test_inference_tensor_reuse_is_one_shot():
     vals = _values(fps.collect(wait=True))
     assert vals[(0, 0)] == vals[(0, 1)]
     assert math.isclose(vals[(0, 2)][0], 2 * vals[(0, 0)][0], rel_tol=1e-5, abs_tol=1e-5)
+
+
+def test_host_values_through_numpy_equal_torch_and_fall_back_without_it(monkeypatch):
+    from tensor_trace.tracer import fingerprint as fp_mod
+
+    torch.manual_seed(1)
+    full = torch.randn(6, 10)
+    cases = [full, full[:, 2:7], torch.tensor([3, 1, 4, 1, 5]), torch.randn(5, dtype=torch.float64)]
+    for t in cases:
+        s, l2 = fp_mod._host_pair(t)
+        f = t.double()
+        assert math.isclose(s, f.sum().item(), rel_tol=1e-5, abs_tol=1e-5)
+        assert math.isclose(l2, f.pow(2).sum().sqrt().item(), rel_tol=1e-5)
+    assert fp_mod._host_pair(torch.randn(3, dtype=torch.bfloat16)) is None  # numpy has no bf16
+    assert type(fp_mod._pair(torch.randn(3, dtype=torch.bfloat16))[0]) is torch.Tensor
+    monkeypatch.setattr(fp_mod, "_numpy", [None])  # no numpy: torch reductions, same values
+    assert fp_mod._host_pair(full) is None
+    s, l2 = fp_mod._pair(full)
+    assert math.isclose(float(s), full.sum().item(), rel_tol=1e-5, abs_tol=1e-5)
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_repeats_of_the_last_output_are_found_by_identity(defer):
+    fps = StepFingerprints(defer_cuda=False, defer_cpu=defer)
+    x = torch.randn(8)
+    y = torch.randn(8)
+    assert fps.add_one(x) == 0
+    assert fps.add_one(x, False) == 1  # the next module's input: a repeat, not a new value
+    assert fps.add_one(x, False) == 2
+    assert fps.add_one(y) == 3
+    assert len(fps._dups) == 2 and all(src == 0 for _, src in fps._dups)
+    assert len(fps._def_ts) == (2 if defer else 0)
+    fps.finish_step(0)
+    vals = _values(fps.collect(wait=True))
+    assert vals[(0, 0)] == vals[(0, 1)] == vals[(0, 2)] != vals[(0, 3)]
+
+
+def test_immediate_repeat_needs_an_unchanged_version():
+    fps = StepFingerprints(defer_cuda=False, defer_cpu=False)
+    x = torch.randn(8)
+    fps.add_one(x)
+    x.mul_(2)  # between the producer's output and the consumer's input
+    fps.add_one(x, False)
+    fps.finish_step(0)
+    vals = _values(fps.collect(wait=True))
+    assert math.isclose(vals[(0, 1)][0], x.sum().item(), rel_tol=1e-5, abs_tol=1e-5)
+    assert math.isclose(vals[(0, 1)][0], 2 * vals[(0, 0)][0], rel_tol=1e-5, abs_tol=1e-5)
+
+
+def test_deferred_repeat_of_an_updated_tensor_has_no_value_and_materialize_breaks_the_chain():
+    fps = StepFingerprints(defer_cuda=False, defer_cpu=True)
+    x = torch.randn(8)
+    fps.add_one(x)
+    fps.add_one(x, False)
+    x.add_(1)  # after both sightings: the deferred value would be a later one
+    fps.finish_step(0)
+    assert _values(fps.collect(wait=True)) == {} and fps.stale == 1
+    # A collective reduces its input at once before updating it in place; the tensor's next
+    # sighting is then a new value, not a repeat of the old one.
+    y = torch.ones(4)
+    fps.add_one(y)
+    fps.materialize([y])
+    y.mul_(5)
+    fps.forget([y])
+    fps.add_one(y, False)
+    fps.finish_step(1)
+    vals = _values(fps.collect(wait=True))
+    assert vals[(1, 0)][0] == 4.0 and vals[(1, 1)][0] == 20.0

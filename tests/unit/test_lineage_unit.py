@@ -1,5 +1,6 @@
 """The lineage watcher: active only inside traced steps, gone after them, off when asked."""
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.overrides import _get_current_function_mode_stack
@@ -171,3 +172,35 @@ def test_lineage_sampled_per_step_kind(tmp_path):
     assert {r[1] for r in _records(str(tmp_path), schema.SLOT_SRC)} <= with_nodes
     spans = _records(str(tmp_path), schema.SPAN)
     assert {r[1] for r in spans} == set(range(8))  # every step is still traced
+
+
+@pytest.mark.parametrize("intercept", ["call", "hooks"])
+def test_quiet_interception_only_in_steps_that_record_lineage(tmp_path, intercept):
+    # Steps with lineage run the hooks' quiet variants (torch functions off around them); the
+    # other steps get the plain ones, swapped in place (hooks keep their handles and order).
+    from torch.nn.modules import module as nn_module
+
+    quiet = []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x):
+            tr = tracer.current()
+            quiet.append(tr.quiet_hooks and tr.pre_fn == tr._global_pre_quiet)
+            if intercept == "hooks":
+                fns = list(nn_module._global_forward_pre_hooks.values())
+                assert fns == [tr._global_pre_quiet if tr.quiet_hooks else tr._global_pre]
+            return self.a(x)
+
+    m = Probe()
+    tracer.start(out_dir=str(tmp_path), lineage_every=3, intercept=intercept)
+    try:
+        for _ in range(5):
+            m(torch.randn(2, 4))
+    finally:
+        tracer.stop()
+    assert quiet == [True, True, False, True, False]  # steps 0, 1, then every 3rd
+    assert len(_records(str(tmp_path), schema.SPAN)) == 5 * 2

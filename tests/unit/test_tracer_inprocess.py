@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as nn_module
 
-from tensor_trace import tracer
+from tensor_trace import schema, tracer
 from tensor_trace.exporters.reader import load_rank_file, rank_files
 
 
@@ -230,3 +230,39 @@ def test_a_step_that_raised_is_marked_interrupted_in_the_store(tmp_path):
     con = sqlite3.connect(str(tmp_path / "merged.sqlite"))
     rows = sql(con, "SELECT step, interrupted FROM steps ORDER BY step")["rows"]
     assert rows == [[0, 0], [1, 1], [2, 0]]
+
+
+@pytest.mark.parametrize("intercept", ["call", "hooks"])
+def test_a_module_that_raises_gets_an_error_span_and_the_next_step_is_clean(tmp_path, intercept):
+    # The failing module's span is closed as failed (by the wrapper's except clause, or by
+    # torch's always_call hook), its caller goes on, and the next step has no leftovers.
+    class Bad(nn.Module):
+        def forward(self, x):
+            raise ValueError("bad input")
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.bad = Bad()
+
+        def forward(self, x, fail=False):
+            y = self.lin(x)
+            if fail:
+                try:
+                    self.bad(y)
+                except ValueError:
+                    pass
+            return y
+
+    m = Outer()
+    tracer.start(out_dir=str(tmp_path), intercept=intercept)
+    m(torch.randn(2, 4), fail=True)
+    m(torch.randn(2, 4))
+    tracer.stop()
+    rt = load_rank_file(rank_files(str(tmp_path))[0])
+    by0 = {s.path: s for s in rt.steps[0].spans}
+    assert by0["bad"].flags & schema.FLAG_ERROR and not by0["lin"].flags & schema.FLAG_ERROR
+    assert [t.slot for t in by0["bad"].tensors] == ["input.0"]
+    assert sorted(s.path for s in rt.steps[1].spans) == ["", "lin"]
+    assert _interceptions() == 0
