@@ -259,6 +259,7 @@ class StepFingerprints:
         # calls cover hundreds of tensors.
         groups: dict = {}
         in_place: dict = {}
+        strided: dict = {}
         usable = None
         kernel_dtypes = multi_tensor.DTYPES
         for (index, version), t in zip(self._def_idx, self._def_ts):
@@ -269,22 +270,33 @@ class StepFingerprints:
                 continue
             if usable is None:
                 usable = multi_tensor.usable(t)
-            if usable and t.dtype in kernel_dtypes and t.is_contiguous():  # multi_tensor.supported
-                key = (t.dtype, t.get_device())
-                entry = in_place.get(key)
-                if entry is None:
-                    in_place[key] = entry = ([], [])
-                entry[0].append(index)
-                entry[1].append(t)
-                continue
+            if usable and t.dtype in kernel_dtypes:
+                if t.is_contiguous():  # multi_tensor.supported
+                    key = (t.dtype, t.get_device())
+                    entry = in_place.get(key)
+                    if entry is None:
+                        in_place[key] = entry = ([], [])
+                    entry[0].append(index)
+                    entry[1].append(t)
+                    continue
+                layout = multi_tensor.row_layout(t)
+                if layout is not None:  # strided rows (a split of a fused projection)
+                    entry = strided.get((t.dtype, t.get_device()))
+                    if entry is None:
+                        strided[(t.dtype, t.get_device())] = entry = ([], [], [])
+                    entry[0].append(index)
+                    entry[1].append(t)
+                    entry[2].append(layout)
+                    continue
             key = (t.shape, t.dtype, t.device)
             entry = groups.get(key)
             if entry is None:
                 groups[key] = entry = ([], [])
             entry[0].append(index)
             entry[1].append(t)
-        for indices, ts in in_place.values():
-            res = multi_tensor.sum_l2(ts, capturing=self.capturing)
+        kernel_groups = [(i, ts, None) for i, ts in in_place.values()] + list(strided.values())
+        for indices, ts, layouts in kernel_groups:
+            res = multi_tensor.sum_l2(ts, capturing=self.capturing, layouts=layouts)
             if res is None:  # no room for its table in this capture: stack these
                 for index, t in zip(indices, ts):
                     entry = groups.setdefault((t.shape, t.dtype, t.device), ([], []))

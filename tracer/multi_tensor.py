@@ -67,19 +67,34 @@ def _build():
     # ``first`` is not specialised on: one compiled kernel per dtype, whatever the launch (a
     # second specialisation would compile inside a capture).
     @triton.jit(do_not_specialize=["first"])
-    def sum_sumsq(table, out, first, CHUNK: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
-        # table holds (address, numel) pairs as int64: program (t, c) reduces chunk c of tensor
-        # first + t.
+    def sum_sumsq(table, out, first, CHUNK: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+                  ROWS: tl.constexpr):
+        # table holds (address, numel) pairs as int64 (ROWS: (address, numel, columns, row
+        # stride), for a view whose rows are strided, e.g. q, k, v split from one projection):
+        # program (t, c) reduces chunk c of tensor first + t.
         t = first + tl.program_id(0)
-        n = tl.load(table + 2 * t + 1)
+        if ROWS:
+            n = tl.load(table + 4 * t + 1)
+        else:
+            n = tl.load(table + 2 * t + 1)
         start = tl.program_id(1).to(tl.int64) * CHUNK
         if start < n:
-            base = tl.load(table + 2 * t).to(tl.pointer_type(DTYPE))
+            if ROWS:
+                base = tl.load(table + 4 * t).to(tl.pointer_type(DTYPE))
+                cols = tl.load(table + 4 * t + 2)
+                row_stride = tl.load(table + 4 * t + 3)
+            else:
+                base = tl.load(table + 2 * t).to(tl.pointer_type(DTYPE))
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             acc2 = tl.zeros([BLOCK], dtype=tl.float32)
             for i in range(0, CHUNK, BLOCK):
                 offs = start + i + tl.arange(0, BLOCK)
-                x = tl.load(base + offs, mask=offs < n, other=0.0).to(tl.float32)
+                if ROWS:
+                    row = offs // cols
+                    ptrs = base + row * row_stride + (offs - row * cols)
+                else:
+                    ptrs = base + offs
+                x = tl.load(ptrs, mask=offs < n, other=0.0).to(tl.float32)
                 acc += x
                 acc2 += x * x
             tl.atomic_add(out + 2 * t, tl.sum(acc, axis=0))
@@ -107,6 +122,22 @@ def usable(t) -> bool:
 def supported(t) -> bool:
     """Whether the kernel can read ``t`` where it is: contiguous, of a kernel dtype."""
     return t.dtype in DTYPES and t.is_contiguous()
+
+
+def row_layout(t):
+    """``(columns, row stride)`` when ``t`` is a view of equal, strided rows of contiguous
+    elements (q, k and v split from a fused projection along the last dimension), else None.
+    The kernel reads such a view where it is, with ``layouts``."""
+    if t.dim() < 2 or t.stride(-1) != 1:
+        return None
+    sizes, strides = t.shape, t.stride()
+    outer = [(sizes[d], strides[d]) for d in range(t.dim() - 1) if sizes[d] != 1]
+    if not outer:
+        return None  # one row: contiguous
+    for (_, s_out), (n_in, s_in) in zip(outer, outer[1:]):
+        if s_out != s_in * n_in:
+            return None
+    return (sizes[-1], outer[-1][1])
 
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -172,8 +203,9 @@ class TableFill:
             self.done = None
 
 
-def sum_l2(tensors, capturing: bool = False):
-    """Launch the fingerprint kernel over ``tensors`` (one dtype, one device, ``supported``).
+def sum_l2(tensors, capturing: bool = False, layouts=None):
+    """Launch the fingerprint kernel over ``tensors`` (one dtype, one device, ``supported``; or,
+    with ``layouts``, their ``row_layout`` each, for row-strided views).
 
     Returns ``(order, values, fill)``: ``values`` a ``[k, 2]`` fp32 tensor of (sum, l2 norm) on
     the tensors' device, computed in stream order, row ``i`` for ``tensors[order[i]]``; ``fill``
@@ -215,16 +247,20 @@ def sum_l2(tensors, capturing: bool = False):
             t = tensors[i]
             values.append(t.data_ptr())
             values.append(t.numel())
+            if layouts is not None:
+                values += layouts[i]
     else:
         # Eagerly the host is the bottleneck (a Triton launch costs tens of microseconds from
         # Python) and deferred tensors are small (at most DEFER_MAX_NUMEL elements, 16 chunks):
         # one launch as wide as the largest, whose surplus programs return at once.
         values = []
         most = 1
-        for t in tensors:
+        for i, t in enumerate(tensors):
             n = t.numel()
             values.append(t.data_ptr())
             values.append(n)
+            if layouts is not None:
+                values += layouts[i]
             if n > most:
                 most = n
         order = range(len(tensors))
@@ -244,7 +280,7 @@ def sum_l2(tensors, capturing: bool = False):
     dtype = _state["tl_dtypes"][first.dtype]
     for start, count, chunks in launches:
         kernel[(count, chunks)](table, out, start, CHUNK=CHUNK, BLOCK=BLOCK, DTYPE=dtype,
-                                num_warps=NUM_WARPS)
+                                ROWS=layouts is not None, num_warps=NUM_WARPS)
     out[:, 1].sqrt_()
     return order, out, fill
 
@@ -263,6 +299,8 @@ def warm_up(device) -> bool:
     try:
         for dtype in DTYPES:
             sum_l2([torch.arange(1, 5, dtype=dtype, device=device)])
+            rows = torch.arange(1, 9, dtype=dtype, device=device).view(2, 4)[:, 1:3]
+            sum_l2([rows], layouts=[row_layout(rows)])
     except Exception as exc:  # e.g. a Triton that cannot compile it: stack instead, say so once
         _state["kernel"] = None
         sys.stderr.write(f"tensor-trace: multi-tensor fingerprint kernel unavailable ({exc!r:.200}); "

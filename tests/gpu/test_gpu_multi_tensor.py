@@ -33,6 +33,34 @@ def test_eager_values():
         _check(values, [ts[i] for i in order])
 
 
+def test_row_strided_views_read_in_place():
+    """q, k and v split from one projection: rows of contiguous elements at a stride; the kernel
+    reads them where they are (no stacked copy), eagerly and under a capture."""
+    from tensor_trace.tracer import multi_tensor
+
+    dev = torch.device("cuda")
+    multi_tensor.warm_up(dev)
+    torch.manual_seed(1)
+    qkv = torch.randn(64, 1, 6144, device=dev, dtype=torch.bfloat16)
+    ts = list(qkv.split([4096, 1024, 1024], dim=-1)) + [torch.randn(3, 200000, device=dev)[:, 7:150007]]
+    layouts = [multi_tensor.row_layout(t) for t in ts]
+    assert layouts[:3] == [(4096, 6144), (1024, 6144), (1024, 6144)] and layouts[3] == (150000, 200000)
+    order, values, _ = multi_tensor.sum_l2(ts, layouts=layouts)
+    _check(values, [ts[i] for i in order])
+    g = torch.cuda.CUDAGraph()
+    multi_tensor.begin_capture(dev)
+    with torch.cuda.graph(g):
+        order, values, fill = multi_tensor.sum_l2(ts, capturing=True, layouts=layouts)
+    multi_tensor.end_capture()
+    fill.run()
+    fill.before_replay()
+    for _ in range(2):
+        qkv.normal_()
+        g.replay()
+        torch.cuda.synchronize()
+        _check(values, [ts[i] for i in order])
+
+
 def test_captured_kernel_reads_each_replays_values():
     """Intermediates freed during the capture leave graph-pool memory that later kernels of the
     same graph rewrite at each replay: the tables live in an arena outside that pool (a table

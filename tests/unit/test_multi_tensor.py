@@ -19,8 +19,9 @@ def test_kernel_values_and_bookkeeping_under_interpreter():
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["kernel_tensors"] == 7
-    assert report["deferred_equal_immediate"] == 6
+    assert report["kernel_tensors"] == 10
+    assert report["deferred_equal_immediate"] == 7
+    assert report["deferred_row_strided_in_kernel"] == [[16, 40]]  # the split view, not stacked
     assert report["capture_table_filled"] == 3
 
 

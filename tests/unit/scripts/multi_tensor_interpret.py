@@ -35,7 +35,21 @@ for group in (fp32, bf16):
         assert abs(s - es) <= tol, (t.shape, s, es)
         assert abs(l2 * l2 - eq) <= 1e-5 * max(eq, 1.0), (t.shape, l2 * l2, eq)
         worst = max(worst, abs(s - es) / tol if tol else 0.0)
-report["kernel_tensors"] = len(fp32) + len(bf16)
+# Row-strided views (q, k, v split from a fused projection) are read where they are too.
+wide = torch.randn(3, 2 * C)
+rows = [wide[:, 5:C + 9], torch.randn(4, 1, 24)[:, :, 8:16], torch.randn(2, 3, 10).bfloat16()[:, :, 2:6]]
+assert [multi_tensor.row_layout(t) for t in rows] == [(C + 4, 2 * C), (8, 24), (4, 10)]
+assert multi_tensor.row_layout(torch.randn(16, 16).t()) is None  # columns strided: stacked
+assert multi_tensor.row_layout(torch.randn(4, 6, 8)[:, :3, :4]) is None  # rows not equally spaced
+assert multi_tensor.row_layout(torch.randn(4, 6, 8)[:, ::2, :4]) == (4, 16)  # they are here
+for group in (rows[:2], rows[2:]):
+    order, values, _ = multi_tensor.sum_l2(group, layouts=[multi_tensor.row_layout(t) for t in group])
+    for (s, l2), t in zip(values.tolist(), [group[i] for i in order]):
+        f = t.double()
+        es, eq = f.sum().item(), f.pow(2).sum().item()
+        assert abs(s - es) <= 1e-5 * math.sqrt(max(eq, 1.0) * t.numel()), (t.shape, s, es)
+        assert abs(l2 * l2 - eq) <= 1e-5 * max(eq, 1.0), (t.shape, l2 * l2, eq)
+report["kernel_tensors"] = len(fp32) + len(bf16) + len(rows)
 report["worst_sum_error_over_tolerance"] = worst
 
 
@@ -52,8 +66,19 @@ def values(records):
 #    an integer tensor take the other paths.
 ts = [torch.randn(4, 8), torch.randn(16, 3).t(), torch.randn(5, 7).half(), torch.arange(6),
       torch.randn(5, 16).half(),
-      torch.randn(2, 96).bfloat16()]
+      torch.randn(2, 96).bfloat16(), torch.randn(3, 1, 40)[:, :, 8:24]]
 got = {}
+launched_rows = []
+_sum_l2 = multi_tensor.sum_l2
+
+
+def spy(tensors, capturing=False, layouts=None):
+    if layouts is not None:
+        launched_rows.extend(layouts)
+    return _sum_l2(tensors, capturing=capturing, layouts=layouts)
+
+
+multi_tensor.sum_l2 = spy
 for defer in (False, True):
     fps = StepFingerprints(defer_cuda=False, defer_cpu=defer)
     fps.add(ts)
@@ -64,6 +89,8 @@ for k, (s, q) in got[False].items():
     s2, q2 = got[True][k]
     assert math.isclose(s, s2, rel_tol=1e-4, abs_tol=1e-4) and math.isclose(q, q2, rel_tol=1e-4), (k, s, s2, q, q2)
 report["deferred_equal_immediate"] = len(ts)
+report["deferred_row_strided_in_kernel"] = launched_rows
+multi_tensor.sum_l2 = _sum_l2
 
 # 3. Capture bookkeeping: the kernel's table is left for after the capture, then filled with
 #    each tensor's (address, element count); large tensors are deferred too.
