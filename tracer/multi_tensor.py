@@ -81,7 +81,7 @@ def _build():
         if start < n:
             if ROWS:
                 base = tl.load(table + 4 * t).to(tl.pointer_type(DTYPE))
-                cols = tl.load(table + 4 * t + 2)
+                cols = tl.load(table + 4 * t + 2).to(tl.int32)
                 row_stride = tl.load(table + 4 * t + 3)
             else:
                 base = tl.load(table + 2 * t).to(tl.pointer_type(DTYPE))
@@ -89,9 +89,10 @@ def _build():
             acc2 = tl.zeros([BLOCK], dtype=tl.float32)
             for i in range(0, CHUNK, BLOCK):
                 offs = start + i + tl.arange(0, BLOCK)
-                if ROWS:
-                    row = offs // cols
-                    ptrs = base + row * row_stride + (offs - row * cols)
+                if ROWS:  # 32-bit division (row_layout guarantees the range): 64-bit is slow
+                    o32 = offs.to(tl.int32)
+                    row = o32 // cols
+                    ptrs = base + row.to(tl.int64) * row_stride + (o32 - row * cols)
                 else:
                     ptrs = base + offs
                 x = tl.load(ptrs, mask=offs < n, other=0.0).to(tl.float32)
@@ -128,7 +129,7 @@ def row_layout(t):
     """``(columns, row stride)`` when ``t`` is a view of equal, strided rows of contiguous
     elements (q, k and v split from a fused projection along the last dimension), else None.
     The kernel reads such a view where it is, with ``layouts``."""
-    if t.dim() < 2 or t.stride(-1) != 1:
+    if t.dim() < 2 or t.stride(-1) != 1 or t.numel() >= 1 << 31:
         return None
     sizes, strides = t.shape, t.stride()
     outer = [(sizes[d], strides[d]) for d in range(t.dim() - 1) if sizes[d] != 1]

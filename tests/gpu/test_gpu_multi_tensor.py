@@ -42,11 +42,15 @@ def test_row_strided_views_read_in_place():
     multi_tensor.warm_up(dev)
     torch.manual_seed(1)
     qkv = torch.randn(64, 1, 6144, device=dev, dtype=torch.bfloat16)
-    ts = list(qkv.split([4096, 1024, 1024], dim=-1)) + [torch.randn(3, 200000, device=dev)[:, 7:150007]]
+    ts = list(qkv.split([4096, 1024, 1024], dim=-1))
     layouts = [multi_tensor.row_layout(t) for t in ts]
-    assert layouts[:3] == [(4096, 6144), (1024, 6144), (1024, 6144)] and layouts[3] == (150000, 200000)
+    assert layouts == [(4096, 6144), (1024, 6144), (1024, 6144)]
     order, values, _ = multi_tensor.sum_l2(ts, layouts=layouts)
     _check(values, [ts[i] for i in order])
+    wide = [torch.randn(3, 200000, device=dev)[:, 7:150007]]  # one dtype per launch
+    assert multi_tensor.row_layout(wide[0]) == (150000, 200000)
+    order2, values2, _ = multi_tensor.sum_l2(wide, layouts=[(150000, 200000)])
+    _check(values2, wide)
     g = torch.cuda.CUDAGraph()
     multi_tensor.begin_capture(dev)
     with torch.cuda.graph(g):
