@@ -154,6 +154,7 @@ class StepFingerprints:
             if version is not True:  # an immediate value: only while the tensor is unchanged
                 if version is None:  # an inference tensor (no version counter): reuse once
                     self._last = None
+                    self._seen.pop(id(t), None)
                 elif version != t._version:
                     version = False
             if version is not False:
@@ -163,6 +164,29 @@ class StepFingerprints:
                 return idx
         if t.requires_grad and _grad_enabled():
             return self.add((t,), store)
+        if not self.defer_cpu and t.is_cpu:
+            # A CPU tensor, fingerprinted at once: _add's work for one tensor, inline.
+            seen = self._seen
+            key = id(t)
+            version = None if t.is_inference() else t._version
+            hit = seen.get(key)
+            idx = self.count
+            self.count = idx + 1
+            if hit is not None and hit[0]() is t and (hit[1] is None or hit[1] == version):
+                if hit[1] is None:  # an inference tensor: reuse once
+                    del seen[key]
+                self._dups.append((idx, hit[2]))
+                return idx
+            self._imm_idx.append(idx)
+            self._imm_vals.append(_pair(t))
+            if store or version is not None:
+                try:
+                    seen[key] = (weakref.ref(t), version, idx)
+                except TypeError:
+                    pass
+            if store:
+                self._last, self._last_idx, self._last_version = t, idx, version
+            return idx
         n_def, n_imm = len(self._def_ts), len(self._imm_idx)
         idx = self._add((t,), store)
         if len(self._def_ts) > n_def:  # deferred now (a flush empties the list: then not)
