@@ -1148,8 +1148,10 @@ class _CallWrapper:
         compiling = torch.compiler.is_compiling
 
         def __call__(module, *args, **kwargs):
+            if compiling():  # first: what torch.compile traces here must be a plain call
+                return inner(module, *args, **kwargs)
             t = handle.tracer
-            if get_ident() != t.gate or not handle.active or compiling():
+            if get_ident() != t.gate or not handle.active:
                 if handle.active and t.enabled:
                     t._pre_outside(module, args)  # finds the first root; a root's hooks begin steps
                 return inner(module, *args, **kwargs)

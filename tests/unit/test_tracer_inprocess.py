@@ -266,3 +266,43 @@ def test_a_module_that_raises_gets_an_error_span_and_the_next_step_is_clean(tmp_
     assert [t.slot for t in by0["bad"].tensors] == ["input.0"]
     assert sorted(s.path for s in rt.steps[1].spans) == ["", "lin"]
     assert _interceptions() == 0
+
+
+def test_compiled_module_inside_traced_steps_runs_without_graph_breaks(tmp_path):
+    # torch.compile traces Module.__call__, which the call wrapper replaces while steps are
+    # traced: the wrapper must be a plain call there (no tracer code, nothing to break on).
+    from torch._dynamo.utils import counters
+
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x))
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Inner(), Inner()
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    torch.manual_seed(0)
+    m = Outer()
+    x = torch.randn(2, 4)
+    want = m(x)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(m, backend="eager")
+    tracer.start(out_dir=str(tmp_path))
+    try:
+        got = [compiled(x) for _ in range(3)]
+    finally:
+        tracer.stop()
+        torch._dynamo.reset()
+    assert all(torch.equal(g, want) for g in got)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    rt = load_rank_file(rank_files(str(tmp_path))[0])
+    assert sorted(rt.steps) == [0, 1, 2] and rt.errors == []
