@@ -459,16 +459,10 @@ class StepFingerprints:
                 flat = [v for p in parts for v in p]
                 flat[1::2] = [q * q for q in flat[1::2]]  # the l2 norm becomes the sum of squares
                 records.append(_record(step, idx_all, struct.pack(f"<{len(flat)}f", *flat)))
-                if dups:
-                    pos = {i: r for r, i in enumerate(idx_all)}
-                    dst, vals = [], []
-                    for i, src in dups:
-                        r = pos.get(src)
-                        if r is not None:
-                            dst.append(i)
-                            vals += flat[2 * r:2 * r + 2]
-                    if dst:
-                        records.append(_record(step, dst, struct.pack(f"<{len(vals)}f", *vals)))
+                dst, rows = _repeats(idx_all, dups)
+                if dst:
+                    vals = [v for r in rows for v in flat[2 * r:2 * r + 2]]
+                    records.append(_record(step, dst, struct.pack(f"<{len(vals)}f", *vals)))
                 continue
             parts = [torch.tensor(p, dtype=_F32).view(-1, 2) if type(p) is list else p for p in parts]
             # One record per step, whatever the blocks, and one more for the repeats: a few
@@ -476,18 +470,25 @@ class StepFingerprints:
             values = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
             values[:, 1].square_()  # the l2 norm becomes the sum of squares
             records.append(_record(step, idx_all, _f32_bytes(values)))
-            if dups:
-                pos = {i: r for r, i in enumerate(idx_all)}
-                dst, rows = [], []
-                for i, src in dups:
-                    r = pos.get(src)
-                    if r is not None:
-                        dst.append(i)
-                        rows.append(r)
-                if dst:
-                    records.append(_record(step, dst, _f32_bytes(values[rows])))
+            dst, rows = _repeats(idx_all, dups)
+            if dst:
+                records.append(_record(step, dst, _f32_bytes(values[rows])))
         self._pending = keep
         return records
+
+
+def _repeats(idx_all, dups) -> tuple:
+    """(indices, rows): each repeat whose source has a value, and that value's row in
+    ``idx_all`` (a repeat of a stale or missing value has none and is left out)."""
+    dst, rows = [], []
+    if dups:
+        pos = {i: r for r, i in enumerate(idx_all)}
+        for i, src in dups:
+            r = pos.get(src)
+            if r is not None:
+                dst.append(i)
+                rows.append(r)
+    return dst, rows
 
 
 def _f32_bytes(values) -> bytes:
