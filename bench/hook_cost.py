@@ -68,6 +68,7 @@ def main():
         finally:
             for x_ in h:
                 x_.remove()
+                nn_module._global_forward_hooks_with_kwargs.pop(x_.id, None)  # torch leaves it
 
     def traced(fp, intercept="call"):
         def f():

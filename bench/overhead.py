@@ -376,6 +376,7 @@ class Bench:
                 tracer.stop()
             for h in empty:
                 h.remove()
+                nn.modules.module._global_forward_hooks_with_kwargs.pop(h.id, None)  # torch leaves it
             if prof is not None:
                 prof.__exit__(None, None, None)
             stop_s = time.perf_counter() - t_stop

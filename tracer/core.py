@@ -379,6 +379,9 @@ class Tracer:
     def _remove_global_hooks(self) -> None:
         for h in self.global_handles:
             h.remove()
+            # torch's handle forgets the hook's with_kwargs flag: left there, it makes
+            # nn.modules.module._has_any_global_hook() true for the rest of the process.
+            _nn_module._global_forward_hooks_with_kwargs.pop(getattr(h, "id", None), None)
         self.global_handles = []
         self.quiet_hooks = False
 

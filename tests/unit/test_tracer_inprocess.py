@@ -103,6 +103,7 @@ def test_stop_leaves_no_hooks_and_no_patches(tmp_path, intercept):
     assert dist.all_reduce is not before_ar
     tracer.stop()
     assert _hooks_left() == 0
+    assert not nn_module._has_any_global_hook()  # the side tables of hooks too
     assert torch.nn.Module.__call__ is before_call
     assert len(net._forward_pre_hooks) == 0 and len(net._forward_hooks) == 0
     assert dist.all_reduce is before_ar
