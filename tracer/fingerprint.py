@@ -102,11 +102,15 @@ class StepFingerprints:
         self.count = 0
         self._imm_idx: list = []
         self._imm_vals: list = []  # (sum, l2) 0-d tensors, or (sum, None)
+        self._host_idx: list = []  # values computed on the host (_host_pair): index, and
+        self._host_vals: list = []  # sum, sum of squares, flat, as Python floats
+        self._host_pos: dict = {}  # index -> its position in _host_idx
         self._def_idx: list = []
         self._def_ts: list = []  # tensors (None once materialised)
         self._def_pos: dict = {}  # id(tensor) -> position in _def_ts
         self._def_bytes = 0
-        # (indices, [k, 2] tensor of (sum, l2), or a flat list of them computed on the host)
+        # (indices, [k, 2] tensor of (sum, l2)), or (indices, flat list of (sum, sum of squares))
+        # for values computed on the host
         self._blocks: list = []
         self._dups: list = []  # (index, index it repeats)
         self._seen: dict = {}
@@ -160,7 +164,7 @@ class StepFingerprints:
             if version is not False:
                 idx = self.count
                 self.count = idx + 1
-                self._dups.append((idx, self._last_idx))
+                self._repeat(idx, self._last_idx)
                 return idx
         if t.requires_grad and _grad_enabled():
             return self.add((t,), store)
@@ -175,10 +179,9 @@ class StepFingerprints:
             if hit is not None and hit[0]() is t and (hit[1] is None or hit[1] == version):
                 if hit[1] is None:  # an inference tensor: reuse once
                     del seen[key]
-                self._dups.append((idx, hit[2]))
+                self._repeat(idx, hit[2])
                 return idx
-            self._imm_idx.append(idx)
-            self._imm_vals.append(_pair(t))
+            self._reduce_now(idx, t)
             if store or version is not None:
                 try:
                     seen[key] = (weakref.ref(t), version, idx)
@@ -187,11 +190,11 @@ class StepFingerprints:
             if store:
                 self._last, self._last_idx, self._last_version = t, idx, version
             return idx
-        n_def, n_imm = len(self._def_ts), len(self._imm_idx)
+        n_def, n_imm = len(self._def_ts), len(self._imm_idx) + len(self._host_idx)
         idx = self._add((t,), store)
         if len(self._def_ts) > n_def:  # deferred now (a flush empties the list: then not)
             self._last, self._last_idx, self._last_version = t, idx, True
-        elif len(self._imm_idx) > n_imm and store and not t.is_cuda:
+        elif len(self._imm_idx) + len(self._host_idx) > n_imm and store and not t.is_cuda:
             # (a large CUDA tensor, reduced at once, is not held for this: it may be big)
             self._last, self._last_idx = t, idx
             self._last_version = None if t.is_inference() else t._version
@@ -231,17 +234,16 @@ class StepFingerprints:
                 version = hit[1]
                 if version is None:  # an inference tensor: reuse once
                     del seen[key]
-                    self._dups.append((idx, hit[2]))
+                    self._repeat(idx, hit[2])
                     idx += 1
                     continue
                 if version == t._version:
-                    self._dups.append((idx, hit[2]))
+                    self._repeat(idx, hit[2])
                     idx += 1
                     continue
             tracked = not t.is_inference()
             version = t._version if tracked else None
-            self._imm_idx.append(idx)
-            self._imm_vals.append(_pair(t))
+            self._reduce_now(idx, t)
             if store or tracked:
                 try:
                     seen[key] = (weakref.ref(t), version, idx)
@@ -253,6 +255,30 @@ class StepFingerprints:
             self._flush_deferred()
         return base
 
+    def _repeat(self, idx: int, src: int) -> None:
+        """Value ``idx`` repeats value ``src``: copied at once when ``src`` was computed on the
+        host, else resolved when the values are collected."""
+        p = self._host_pos.get(src)
+        if p is None:
+            self._dups.append((idx, src))
+            return
+        self._host_pos[idx] = len(self._host_idx)
+        self._host_idx.append(idx)
+        vals = self._host_vals
+        vals += vals[2 * p:2 * p + 2]
+
+    def _reduce_now(self, idx: int, t) -> None:
+        """Fingerprint ``t`` now as value ``idx``: on the host when it is a CPU tensor numpy
+        can read (floats at once), else two reductions on its device."""
+        pair = _pair(t)
+        if type(pair[0]) is float:
+            self._host_pos[idx] = len(self._host_idx)
+            self._host_idx.append(idx)
+            self._host_vals += pair
+        else:
+            self._imm_idx.append(idx)
+            self._imm_vals.append(pair)
+
     def materialize(self, tensors) -> None:
         """Reduce deferred tensors now: the caller is about to update them in place."""
         pos = self._def_pos
@@ -263,8 +289,7 @@ class StepFingerprints:
                 self._last = None
             k = pos.pop(id(t), None)
             if k is not None and self._def_ts[k] is not None:
-                self._imm_idx.append(self._def_idx[k][0])
-                self._imm_vals.append(_pair(self._def_ts[k]))
+                self._reduce_now(self._def_idx[k][0], self._def_ts[k])
                 self._def_ts[k] = None
 
     def forget(self, tensors) -> None:
@@ -373,6 +398,7 @@ class StepFingerprints:
                     if device is not None:
                         continue
                     v = torch.tensor(v, dtype=_F32).view(-1, 2)
+                    v[:, 1].sqrt_()  # blocks hold the l2 norm; host lists the sum of squares
                 elif device is not None and v.device != device:
                     continue
                 indices += idx
@@ -413,23 +439,17 @@ class StepFingerprints:
             self._flush_deferred()
         if self._imm_vals:
             by_device: dict = {}
-            host_idx: list = []
-            host_vals: list = []
             for index, (s, q) in zip(self._imm_idx, self._imm_vals):
-                if type(s) is float:  # computed on the host already (_host_pair)
-                    host_idx.append(index)
-                    host_vals.append(s)
-                    host_vals.append(q)
-                    continue
                 idx, items = by_device.setdefault(s.device, ([], []))
                 idx.append(index)
                 items.append(s)
                 items.append(q if q is not None else s.new_full((), _NAN))
             for idx, items in by_device.values():
                 self._blocks.append((idx, torch.stack(items).view(-1, 2)))
-            if host_idx:  # a Python list of (sum, l2) pairs, flattened: no tensor needed
-                self._blocks.append((host_idx, host_vals))
             self._imm_idx, self._imm_vals = [], []
+        if self._host_idx:  # a flat list of (sum, sum of squares): no tensor needed
+            self._blocks.append((self._host_idx, self._host_vals))
+            self._host_idx, self._host_vals, self._host_pos = [], [], {}
 
     def _finish_step(self, step: int) -> None:
         self._reduce_rest()
@@ -456,19 +476,24 @@ class StepFingerprints:
             if not parts:
                 continue
             if all(type(p) is list for p in parts):  # values computed on the host (CPU tensors)
-                flat = [v for p in parts for v in p]
-                flat[1::2] = [q * q for q in flat[1::2]]  # the l2 norm becomes the sum of squares
+                flat = parts[0] if len(parts) == 1 else [v for p in parts for v in p]
                 records.append(_record(step, idx_all, struct.pack(f"<{len(flat)}f", *flat)))
                 dst, rows = _repeats(idx_all, dups)
                 if dst:
                     vals = [v for r in rows for v in flat[2 * r:2 * r + 2]]
                     records.append(_record(step, dst, struct.pack(f"<{len(vals)}f", *vals)))
                 continue
-            parts = [torch.tensor(p, dtype=_F32).view(-1, 2) if type(p) is list else p for p in parts]
             # One record per step, whatever the blocks, and one more for the repeats: a few
             # tensor ops and two byte copies, no Python per value.
-            values = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-            values[:, 1].square_()  # the l2 norm becomes the sum of squares
+            tens = []
+            for p in parts:
+                if type(p) is list:  # (sum, sum of squares) already
+                    tens.append(torch.tensor(p, dtype=_F32).view(-1, 2))
+                else:
+                    v = p.clone()
+                    v[:, 1].square_()  # the l2 norm becomes the sum of squares
+                    tens.append(v)
+            values = torch.cat(tens) if len(tens) > 1 else tens[0]
             records.append(_record(step, idx_all, _f32_bytes(values)))
             dst, rows = _repeats(idx_all, dups)
             if dst:
@@ -516,6 +541,8 @@ def _to_host(idx, vals) -> tuple:
 
 
 def _pair(t):
+    """(sum, l2 norm) of ``t`` as 0-d fp32 tensors on its device (l2 None for bool tensors), or
+    (sum, sum of squares) as Python floats when computed on the host (``_host_pair``)."""
     if t.is_cpu and t.dtype in _HOST_DTYPES and not t.requires_grad:
         pair = _host_pair(t)
         if pair is not None:
@@ -536,11 +563,11 @@ _ONES: dict = {}  # (numel, numpy dtype) -> ones vector
 
 
 def _host_pair(t):
-    """(sum, l2) of a CPU float tensor as Python floats, through numpy on the tensor's memory.
+    """(sum, sum of squares) of a CPU tensor as Python floats, through numpy on its memory.
 
     Two torch reductions from Python cost about 7 us on a CPU (``vector_norm`` alone about 4);
-    two BLAS dot products over the same buffer (with ones, with itself) cost about 2 us, and give floats at once, so the
-    step end has no 0-d tensors to stack. Sums accumulate in the tensor's dtype, as torch's do.
+    two BLAS dot products over the same buffer (with ones, with itself) cost about 2 us, and
+    give floats at once, so the step end has no 0-d tensors to stack. Sums accumulate in the tensor's dtype, as torch's do.
     None when numpy is missing or the tensor is not one numpy can view (the caller uses torch)."""
     if not _numpy:
         try:
@@ -563,7 +590,7 @@ def _host_pair(t):
                 _ONES.clear()
             ones = _ONES[key] = np.ones(a.size, dtype=a.dtype)
         vdot = np.vdot
-        return (float(vdot(a, ones)), math.sqrt(float(vdot(a, a))))
+        return (float(vdot(a, ones)), float(vdot(a, a)))
     except Exception:  # conjugate or negative views, and whatever else numpy cannot view
         return None
 
