@@ -30,7 +30,6 @@ whose id is reused is not mistaken for it) and its version counter (bumped by in
 from __future__ import annotations
 
 import ctypes
-import math
 import struct
 import sys
 import weakref
@@ -567,7 +566,8 @@ def _host_pair(t):
 
     Two torch reductions from Python cost about 7 us on a CPU (``vector_norm`` alone about 4);
     two BLAS dot products over the same buffer (with ones, with itself) cost about 2 us, and
-    give floats at once, so the step end has no 0-d tensors to stack. Sums accumulate in the tensor's dtype, as torch's do.
+    give floats at once, so the step end has no 0-d tensors to stack. Sums accumulate in the
+    tensor's dtype, as torch's do (integers in float64).
     None when numpy is missing or the tensor is not one numpy can view (the caller uses torch)."""
     if not _numpy:
         try:
