@@ -9,22 +9,25 @@ synchronises the device.
 
 Two ways to compute them:
 
-- *Immediate* (CPU tensors, integer tensors, large CUDA tensors): one ``sum`` and one
-  ``vector_norm`` when the hook sees the tensor. Stream order makes the values those of that
-  moment, whatever happens to the tensor later, and no tensor is held.
+- *Immediate* (CPU tensors, integer tensors, large CUDA tensors): computed when the hook sees
+  the tensor, so the values are those of that moment, whatever happens to the tensor later, and
+  no tensor is held. A CPU tensor numpy can read gets two BLAS dot products (with ones, with
+  itself) as Python floats; anything else one ``sum`` and one ``vector_norm`` on its device.
 - *Deferred* (small floating CUDA tensors): the tensor is kept until the end of the step (or
-  until ``DEFER_BYTES`` are held); then tensors of one shape and dtype are stacked and reduced
-  together, a few launches per step instead of two per tensor (a launch from Python costs
-  10 to 30 microseconds of host time; ``torch._foreach_norm`` was measured slower here, since
-  it returns one Python tensor per input). The value is the tensor's value at the
+  until ``DEFER_BYTES`` are held); then one Triton kernel per dtype reads them all where they
+  are (``tracer/multi_tensor.py``), and the rest (other views, no Triton) are stacked by shape
+  and reduced together: a few launches per step instead of two per tensor (a launch from
+  Python costs 10 to 30 microseconds of host time). The value is the tensor's value at the
   end of the step. The tracer materialises a deferred tensor at once before a collective
   updates it in place, and a tensor whose version counter moved is reported without a value;
   a tensor created under ``inference_mode`` (no version counter) that a module updates in place
   later in the same step is the one case where the deferred value is the later one.
 
 The same tensor seen twice in a step (a module's output that is the next module's input) is
-computed once: the cache key is the tensor object (through a weak reference, so a freed tensor
-whose id is reused is not mistaken for it) and its version counter (bumped by in-place updates).
+computed once. The last tensor added is compared by identity first (the common case, at the cost
+of one test); then a deferred tensor, held anyway, is found by its id, and an immediate one
+through a cache keyed by the tensor object (a weak reference, so a freed tensor whose id is
+reused is not mistaken for it) and its version counter (bumped by in-place updates).
 """
 
 from __future__ import annotations
