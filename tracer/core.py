@@ -63,40 +63,32 @@ def _clock_offset() -> int:
         return 0
 
 
+class _GateInput:
+    """An attribute of Tracer that ``Tracer.gate`` depends on: stored as ``_NAME``, and every
+    assignment recomputes the gate (assignments happen off the hot path; hooks read the gate)."""
+
+    def __set_name__(self, owner, name):
+        self.slot = "_" + name
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else obj.__dict__[self.slot]
+
+    def __set__(self, obj, value):
+        d = obj.__dict__
+        d[self.slot] = value
+        obj.gate = d["_step_thread"] if (d["_tracing_step"] and not d["_busy"]) else 0
+
+
 class Tracer:
     """Records module spans, collectives and fingerprints of one process into its rank file."""
 
     # ``gate`` folds three tests of every hook call into one: it is the step's thread ident while
-    # a traced step runs and the tracer is not busy, else 0 (no thread has ident 0). The three
-    # attributes it depends on are properties that keep it current.
+    # a traced step runs and the tracer is not busy, else 0 (no thread has ident 0). Setting any
+    # of the three attributes it depends on recomputes it (_GateInput).
     gate = 0
-
-    @property
-    def busy(self) -> bool:
-        return self._busy
-
-    @busy.setter
-    def busy(self, value: bool) -> None:
-        self._busy = value
-        self.gate = self._step_thread if (self._tracing_step and not value) else 0
-
-    @property
-    def tracing_step(self) -> bool:
-        return self._tracing_step
-
-    @tracing_step.setter
-    def tracing_step(self, value: bool) -> None:
-        self._tracing_step = value
-        self.gate = self._step_thread if (value and not self._busy) else 0
-
-    @property
-    def step_thread(self) -> int:
-        return self._step_thread
-
-    @step_thread.setter
-    def step_thread(self, value: int) -> None:
-        self._step_thread = value
-        self.gate = value if (self._tracing_step and not self._busy) else 0
+    busy = _GateInput()
+    tracing_step = _GateInput()
+    step_thread = _GateInput()
 
     def __init__(self, config: TraceConfig):
         self._busy = self._tracing_step = False
