@@ -1142,6 +1142,9 @@ class _CallWrapper:
         get_ident = _get_ident
         compiling = torch.compiler.is_compiling
 
+        tensor_type = _Tensor
+        now = _now
+
         def __call__(module, *args, **kwargs):
             if compiling():  # first: what torch.compile traces here must be a plain call
                 return inner(module, *args, **kwargs)
@@ -1150,6 +1153,63 @@ class _CallWrapper:
                 if handle.active and t.enabled:
                     t._pre_outside(module, args)  # finds the first root; a root's hooks begin steps
                 return inner(module, *args, **kwargs)
+            if (len(args) == 1 and not kwargs and type(args[0]) is tensor_type and not t.quiet_hooks
+                    and module is not t.step_root):
+                # The common call, one tensor in (norms, projections, activations, most blocks):
+                # _global_pre's and _global_post's bodies inline, without their two calls and
+                # what they recompute. Anything unusual on the way takes the general path.
+                a = args[0]
+                try:
+                    entry = t.ids.get(id(module))
+                    if (entry is not None and entry[2] and entry[3] is t.writer.generation
+                            and t.span_count < t.max_spans):
+                        stack = t.stack
+                        top = stack[-1]
+                        parent = top[1] if top[8] else top[2]
+                        path_id = entry[4]
+                        calls = t.calls
+                        call = calls.get(path_id, -1) + 1
+                        calls[path_id] = call
+                        index = t.span_count
+                        t.span_count = index + 1
+                        fp_now = t.fp_now
+                        fp_pre = t.fps.add_one(a, False) if fp_now else -1
+                        t0 = now()
+                        frame = [module, index, parent, path_id, call, t0, args, fp_pre, True]
+                        stack.append(frame)
+                    else:
+                        frame = None
+                except Exception as exc:
+                    t._on_error("forward pre-hook", exc)
+                    return inner(module, *args)  # this call untraced; its children still are
+                if frame is not None:
+                    try:
+                        result = inner(module, a)
+                    except BaseException:
+                        t.post_fn(module, args, None)  # the error path, as always_call hooks get it
+                        raise
+                    if (type(result) is tensor_type and stack and stack[-1] is frame
+                            and not t.quiet_hooks):
+                        try:
+                            t1 = now()
+                            stack.pop()
+                            writer = t.writer
+                            key = (a.shape, a.dtype, a.device, result.shape, result.dtype, result.device)
+                            layout = writer._layouts1.get(key)
+                            if layout is None:
+                                layout = writer._layouts1[key] = writer.layout(
+                                    ((_IN0, key[0], key[1], key[2]), (_OUT, key[3], key[4], key[5])))
+                            buf = writer._buf
+                            buf.append((_SPAN, t.step, index, parent, path_id, call, t0 - t.step_t0_raw,
+                                        t1 - t0, layout, fp_pre, t.fps.add_one(result) if fp_now else -1,
+                                        1, t.span_flags))
+                            if len(buf) >= writer.max_buffered:
+                                writer.flush()
+                        except Exception as exc:
+                            t._on_error("forward hook", exc)
+                    else:
+                        t.post_fn(module, args, kwargs, result)
+                    return result
             t.pre_fn(module, args)
             try:
                 result = inner(module, *args, **kwargs)

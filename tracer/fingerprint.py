@@ -13,7 +13,7 @@ Two ways to compute them:
   the tensor, so the values are those of that moment, whatever happens to the tensor later, and
   no tensor is held. A CPU tensor numpy can read gets two BLAS dot products (with ones, with
   itself) as Python floats; anything else one ``sum`` and one ``vector_norm`` on its device.
-- *Deferred* (small floating CUDA tensors): the tensor is kept until the end of the step (or
+- *Deferred* (floating CUDA tensors of up to ``DEFER_MAX_NUMEL`` elements): the tensor is kept until the end of the step (or
   until ``DEFER_BYTES`` are held); then one Triton kernel per dtype reads them all where they
   are (``tracer/multi_tensor.py``), and the rest (other views, no Triton) are stacked by shape
   and reduced together: a few launches per step instead of two per tensor (a launch from
@@ -23,11 +23,13 @@ Two ways to compute them:
   a tensor created under ``inference_mode`` (no version counter) that a module updates in place
   later in the same step is the one case where the deferred value is the later one.
 
-The same tensor seen twice in a step (a module's output that is the next module's input) is
-computed once. The last tensor added is compared by identity first (the common case, at the cost
-of one test); then a deferred tensor, held anyway, is found by its id, and an immediate one
-through a cache keyed by the tensor object (a weak reference, so a freed tensor whose id is
-reused is not mistaken for it) and its version counter (bumped by in-place updates).
+The same tensor seen twice in a row (a module's output that is the next module's input, the
+common case) is computed once, found by one identity test. An immediate value is also found
+later through a cache keyed by the tensor object (a weak reference, so a freed tensor whose id
+is reused is not mistaken for it) and its version counter (bumped by in-place updates). A
+deferred tensor seen again later is held twice and reduced twice: a row more in the step's
+kernel costs less than a lookup in every hook. What a hook does for a deferred tensor is three
+list appends; the step's flush builds the kernel's table in one pass.
 """
 
 from __future__ import annotations
@@ -49,7 +51,10 @@ _grad_enabled = torch.is_grad_enabled
 _set_grad = torch._C._set_grad_enabled
 _NAN = float("nan")
 
-DEFER_MAX_NUMEL = 1 << 20  # larger CUDA tensors are reduced at once: never held past their module
+# Larger CUDA tensors are reduced at once (never held past their module). Below it, holding is
+# cheaper: an immediate value costs two reductions launched from Python (on the H200 host about
+# 75 us for a [64, 28672] bf16 tensor), a deferred one a row of the step's one kernel launch.
+DEFER_MAX_NUMEL = 1 << 24
 DEFER_BYTES = 256 << 20  # held deferred tensors past this are reduced mid-step
 # While a CUDA graph is captured, held tensors cannot give their memory back to the graph's pool
 # until their bucket is reduced: a smaller bucket bounds that extra pool memory, but each bucket
@@ -107,12 +112,17 @@ class StepFingerprints:
         self._host_idx: list = []  # values computed on the host (_host_pair): index, and
         self._host_vals: list = []  # sum, sum of squares, flat, as Python floats
         self._host_pos: dict = {}  # index -> its position in _host_idx
-        self._def_idx: list = []
-        self._def_ts: list = []  # tensors (None once materialised)
-        self._def_pos: dict = {}  # id(tensor) -> position in _def_ts
+        # Deferred tensors, in the order they were added: index, version (None for an inference
+        # tensor) and the tensor itself (None once materialised). Appending to three lists is all
+        # a hook does for one; repeats by id are found in bulk at the flush.
+        self._def_i: list = []
+        self._def_v: list = []
+        self._def_ts: list = []
+        self._def_pos: dict = {}  # id(tensor) -> its positions in _def_ts, built by materialize
+        self._def_indexed = 0  # positions of _def_ts already in _def_pos
         self._def_bytes = 0
-        # (indices, [k, 2] tensor of (sum, l2)), or (indices, flat list of (sum, sum of squares))
-        # for values computed on the host
+        # (indices, values, squared): values a [k, 2] tensor of (sum, l2 norm), or of (sum, sum
+        # of squares) when squared; or a flat list of (sum, sum of squares) computed on the host
         self._blocks: list = []
         self._dups: list = []  # (index, index it repeats)
         self._seen: dict = {}
@@ -157,17 +167,38 @@ class StepFingerprints:
         which has none), as the ``_seen`` cache of ``_add`` does."""
         if t is self._last:
             version = self._last_version
-            if version is not True:  # an immediate value: only while the tensor is unchanged
-                if version is None:  # an inference tensor (no version counter): reuse once
-                    self._last = None
-                    self._seen.pop(id(t), None)
-                elif version != t._version:
-                    version = False
+            if version is True:  # deferred: a repeat, resolved when the values are collected
+                idx = self.count
+                self.count = idx + 1
+                self._dups.append((idx, self._last_idx))
+                return idx
+            # an immediate value: only while the tensor is unchanged
+            if version is None:  # an inference tensor (no version counter): reuse once
+                self._last = None
+                self._seen.pop(id(t), None)
+            elif version != t._version:
+                version = False
             if version is not False:
                 idx = self.count
                 self.count = idx + 1
                 self._repeat(idx, self._last_idx)
                 return idx
+        if (self.defer_cuda and t.is_cuda) or self.defer_cpu:
+            size = _FLOAT_SIZE.get(t.dtype)
+            if size is not None:
+                n = t.numel()
+                if n <= DEFER_MAX_NUMEL or (self.capturing and multi_tensor.usable(t)
+                                            and multi_tensor.supported(t)):
+                    idx = self.count
+                    self.count = idx + 1
+                    self._def_i.append(idx)
+                    self._def_v.append(None if t.is_inference() else t._version)
+                    self._def_ts.append(t)
+                    self._last, self._last_idx, self._last_version = t, idx, True
+                    self._def_bytes += n * size
+                    if self._def_bytes > self.defer_bytes:
+                        self._flush_mid_step()
+                    return idx
         if t.requires_grad and _grad_enabled():
             return self.add((t,), store)
         if not self.defer_cpu and t.is_cpu:
@@ -192,11 +223,9 @@ class StepFingerprints:
             if store:
                 self._last, self._last_idx, self._last_version = t, idx, version
             return idx
-        n_def, n_imm = len(self._def_ts), len(self._imm_idx) + len(self._host_idx)
+        n_imm = len(self._imm_idx) + len(self._host_idx)
         idx = self._add((t,), store)
-        if len(self._def_ts) > n_def:  # deferred now (a flush empties the list: then not)
-            self._last, self._last_idx, self._last_version = t, idx, True
-        elif len(self._imm_idx) + len(self._host_idx) > n_imm and store and not t.is_cuda:
+        if len(self._imm_idx) + len(self._host_idx) > n_imm and store and not t.is_cuda:
             # (a large CUDA tensor, reduced at once, is not held for this: it may be big)
             self._last, self._last_idx = t, idx
             self._last_version = None if t.is_inference() else t._version
@@ -207,30 +236,21 @@ class StepFingerprints:
         seen = self._seen
         defer_all = self.defer_cpu and not immediate
         defer_cuda = self.defer_cuda and not immediate
-        def_pos = self._def_pos
         for t in tensors:
-            key = id(t)
             size = _FLOAT_SIZE.get(t.dtype) if (defer_cuda and t.is_cuda) or defer_all else None
             if size is not None:
                 n = t.numel()
                 if n <= DEFER_MAX_NUMEL or (self.capturing and multi_tensor.usable(t)
                                             and multi_tensor.supported(t)):
-                    # Deferred: the tensor is held until the step's flush, so its id cannot be
-                    # reused before then, and a second sighting is found by id alone.
-                    version = None if t.is_inference() else t._version
-                    pos = def_pos.get(key)
-                    if pos is not None:
-                        first, first_version = self._def_idx[pos]
-                        if first_version == version:
-                            self._dups.append((idx, first))
-                            idx += 1
-                            continue
-                    def_pos[key] = len(self._def_ts)
-                    self._def_idx.append((idx, version))
+                    # Deferred: held until the step's flush (so its id is not reused before
+                    # then, and the flush finds a second sighting by id).
+                    self._def_i.append(idx)
+                    self._def_v.append(None if t.is_inference() else t._version)
                     self._def_ts.append(t)
                     self._def_bytes += n * size
                     idx += 1
                     continue
+            key = id(t)
             hit = seen.get(key)
             if hit is not None and hit[0]() is t:
                 version = hit[1]
@@ -256,6 +276,17 @@ class StepFingerprints:
         if self._def_bytes > self.defer_bytes:
             self._flush_deferred()
         return base
+
+    def _flush_mid_step(self) -> None:
+        """Past ``defer_bytes`` held: reduce what is held now (outside autograd)."""
+        grad = _grad_enabled()
+        if grad:
+            _set_grad(False)
+        try:
+            self._flush_deferred()
+        finally:
+            if grad:
+                _set_grad(True)
 
     def _repeat(self, idx: int, src: int) -> None:
         """Value ``idx`` repeats value ``src``: copied at once when ``src`` was computed on the
@@ -283,16 +314,30 @@ class StepFingerprints:
 
     def materialize(self, tensors) -> None:
         """Reduce deferred tensors now: the caller is about to update them in place."""
-        pos = self._def_pos
-        if not pos:
+        ts = self._def_ts
+        if not ts:
             return
+        pos = self._def_pos
+        k = self._def_indexed
+        if k < len(ts):  # index the tensors held since the last call (only collectives need it)
+            for j in range(k, len(ts)):
+                t = ts[j]
+                if t is not None:
+                    pos.setdefault(id(t), []).append(j)
+            self._def_indexed = len(ts)
         for t in tensors:
             if t is self._last:  # its next sighting is not a repeat: the value changes here
                 self._last = None
-            k = pos.pop(id(t), None)
-            if k is not None and self._def_ts[k] is not None:
-                self._reduce_now(self._def_idx[k][0], self._def_ts[k])
-                self._def_ts[k] = None
+            for j in pos.pop(id(t), ()):
+                held = ts[j]
+                if held is None:
+                    continue
+                ts[j] = None
+                version = self._def_v[j]
+                if version is not None and held._version != version:
+                    self.stale += 1  # already updated in place since that sighting
+                else:
+                    self._reduce_now(self._def_i[j], held)
 
     def forget(self, tensors) -> None:
         """Drop cached values of tensors that were just updated in place (e.g. by a collective)."""
@@ -303,53 +348,97 @@ class StepFingerprints:
                 self._last = None
 
     def _flush_deferred(self) -> None:
-        # Where Triton is available (tracer/multi_tensor.py), contiguous tensors are reduced
-        # where they are, one kernel per dtype. Otherwise tensors of one shape and dtype are
-        # stacked (one copy kernel) and reduced along the stacked dimension (two kernels): a
-        # decode step has a handful of distinct shapes, so a few launches and a few Python
-        # calls cover hundreds of tensors.
-        groups: dict = {}
-        in_place: dict = {}
-        strided: dict = {}
+        # One pass over the held tensors: stale ones (updated in place since they were seen) are
+        # dropped, the rest sorted by how they are reduced. (A tensor seen again, not right after
+        # it was added, is held twice and reduced twice: cheaper than finding it in every hook.) Where Triton is available (tracer/multi_tensor.py),
+        # tensors it can read where they are (contiguous, or rows of a fused projection's split)
+        # go into one table per dtype and device: one kernel launch each, eagerly. Otherwise
+        # tensors of one shape and dtype are stacked (one copy) and reduced along the stacked
+        # dimension (two kernels): a decode step has a handful of distinct shapes.
+        ts, indices, versions = self._def_ts, self._def_i, self._def_v
+        self._def_ts, self._def_i, self._def_v = [], [], []
+        self._def_pos = {}
+        self._def_indexed = 0
+        self._def_bytes = 0
+        if self._last_version is True:
+            self._last = None
+        capturing = self.capturing
+        tables: dict = {}  # eager: (dtype, device index) -> (indices, flat table, device)
+        in_place: dict = {}  # capturing: (dtype, device) -> (indices, tensors)
+        strided: dict = {}  # capturing: (dtype, device) -> (indices, tensors, layouts)
+        groups: dict = {}  # stacked: (shape, dtype, device) -> (indices, tensors)
         usable = None
         kernel_dtypes = multi_tensor.DTYPES
-        for (index, version), t in zip(self._def_idx, self._def_ts):
+        row_layout = multi_tensor.row_layout
+        # The eager table being filled, for the (dtype, device) of the tensor before: a step's
+        # tensors are mostly of one dtype on one device, so this is one test per tensor.
+        cur_dtype = cur_dev = cur_idx = cur_table = None
+        for index, version, t in zip(indices, versions, ts):
             if t is None:
                 continue
             if version is not None and t._version != version:
                 self.stale += 1  # updated in place since it was seen: no honest value left
                 continue
-            if usable is None:
-                usable = multi_tensor.usable(t)
-            if usable and t.dtype in kernel_dtypes:
-                if t.is_contiguous():  # multi_tensor.supported
-                    key = (t.dtype, t.get_device())
-                    entry = in_place.get(key)
+            dtype = t.dtype
+            if not capturing:
+                dev = t.get_device()
+                if dtype is not cur_dtype or dev != cur_dev:
+                    if usable is None:
+                        usable = multi_tensor.usable(t)
+                    entry = tables.get((dtype, dev)) if usable and dtype in kernel_dtypes else None
+                    if entry is None and usable and dtype in kernel_dtypes:
+                        tables[(dtype, dev)] = entry = ([], [], t.device)
                     if entry is None:
-                        in_place[key] = entry = ([], [])
-                    entry[0].append(index)
-                    entry[1].append(t)
-                    continue
-                layout = multi_tensor.row_layout(t)
-                if layout is not None:  # strided rows (a split of a fused projection)
-                    entry = strided.get((t.dtype, t.get_device()))
-                    if entry is None:
-                        strided[(t.dtype, t.get_device())] = entry = ([], [], [])
-                    entry[0].append(index)
-                    entry[1].append(t)
-                    entry[2].append(layout)
-                    continue
-            key = (t.shape, t.dtype, t.device)
-            entry = groups.get(key)
+                        cur_dtype = cur_dev = None
+                    else:
+                        cur_dtype, cur_dev, cur_idx, cur_table = dtype, dev, entry[0], entry[1]
+                if cur_dtype is not None:
+                    n = t.numel()
+                    if t.is_contiguous():
+                        cur_table += (t.data_ptr(), n, n, n)
+                        cur_idx.append(index)
+                        continue
+                    layout = row_layout(t)
+                    if layout is not None:
+                        cur_table += (t.data_ptr(), n, layout[0], layout[1])
+                        cur_idx.append(index)
+                        continue
+            else:
+                if usable is None:
+                    usable = multi_tensor.usable(t)
+                if usable and dtype in kernel_dtypes:
+                    gkey = (dtype, t.device)
+                    if t.is_contiguous():
+                        entry = in_place.get(gkey)
+                        if entry is None:
+                            in_place[gkey] = entry = ([], [])
+                        entry[0].append(index)
+                        entry[1].append(t)
+                        continue
+                    layout = row_layout(t)
+                    if layout is not None:
+                        entry = strided.get(gkey)
+                        if entry is None:
+                            strided[gkey] = entry = ([], [], [])
+                        entry[0].append(index)
+                        entry[1].append(t)
+                        entry[2].append(layout)
+                        continue
+            gkey = (t.shape, dtype, t.device)
+            entry = groups.get(gkey)
             if entry is None:
-                groups[key] = entry = ([], [])
+                groups[gkey] = entry = ([], [])
             entry[0].append(index)
             entry[1].append(t)
-        kernel_groups = [(i, ts, None) for i, ts in in_place.values()] + list(strided.values())
-        for indices, ts, layouts in kernel_groups:
-            res = multi_tensor.sum_l2(ts, capturing=self.capturing, layouts=layouts)
+        for (dtype, _), (idx, table, device) in tables.items():
+            if idx:
+                values = multi_tensor.sum_sumsq_table(table, len(idx), max(table[1::4]), dtype, device)
+                self._blocks.append((idx, values, True))
+        kernel_groups = [(i, g, None) for i, g in in_place.values()] + list(strided.values())
+        for idx, group, layouts in kernel_groups:
+            res = multi_tensor.sum_l2(group, capturing=capturing, layouts=layouts)
             if res is None:  # no room for its table in this capture: stack these
-                for index, t in zip(indices, ts):
+                for index, t in zip(idx, group):
                     entry = groups.setdefault((t.shape, t.dtype, t.device), ([], []))
                     entry[0].append(index)
                     entry[1].append(t)
@@ -357,18 +446,13 @@ class StepFingerprints:
             order, values, fill = res
             if fill is not None:
                 self._fills.append(fill)
-            self._blocks.append((indices if type(order) is range else [indices[i] for i in order],
-                                 values))
-        for indices, ts in groups.values():
-            flat = torch.stack(ts).view(len(ts), -1)
+            self._blocks.append((idx if type(order) is range else [idx[i] for i in order], values,
+                                 False))
+        for idx, group in groups.values():
+            flat = torch.stack(group).view(len(group), -1)
             sums = torch.sum(flat, dim=1, dtype=_F32)
             l2 = _norm(flat, dim=1, dtype=_F32)
-            self._blocks.append((indices, torch.stack((sums, l2), dim=1)))
-        self._def_idx = []
-        self._def_ts = []
-        self._def_pos = {}
-        self._def_bytes = 0
-        self._last = None
+            self._blocks.append((idx, torch.stack((sums, l2), dim=1), False))
 
     def finish_step(self, step: int) -> None:
         """Start the device-to-host copy of this step's values; no synchronisation."""
@@ -393,16 +477,19 @@ class StepFingerprints:
             indices, vals = [], []
             # Only the graph's device can be rewritten by replays: host-side values (a CPU
             # tensor among a captured step's inputs) would be the capture's, so they are left out.
-            device = next((v.device for _, v in self._blocks if type(v) is not list and v.is_cuda),
+            device = next((v.device for _, v, _ in self._blocks if type(v) is not list and v.is_cuda),
                           None)
-            for idx, v in self._blocks:
+            # The static buffer holds (sum, l2 norm) rows, as a replay's copy expects.
+            for idx, v, squared in self._blocks:
                 if type(v) is list:
                     if device is not None:
                         continue
                     v = torch.tensor(v, dtype=_F32).view(-1, 2)
-                    v[:, 1].sqrt_()  # blocks hold the l2 norm; host lists the sum of squares
                 elif device is not None and v.device != device:
                     continue
+                if squared:
+                    v = v.clone()
+                    v[:, 1].sqrt_()
                 indices += idx
                 vals.append(v if v.dtype == _F32 else v.to(_F32))
             static = torch.cat(vals) if len(vals) > 1 else (vals[0] if vals else None)
@@ -431,7 +518,7 @@ class StepFingerprints:
         if static is not None:
             # A CPU buffer is rewritten by the next "replay": copy it (a CUDA one is copied anyway).
             blocks.append(_to_host([base + i for i in captured.indices],
-                                   static if static.is_cuda else static.clone()))
+                                   static if static.is_cuda else static.clone(), False))
         dups = [(base + i, base + j) for i, j in captured.dups]
         self._pending.append((step, blocks, dups))
 
@@ -447,15 +534,15 @@ class StepFingerprints:
                 items.append(s)
                 items.append(q if q is not None else s.new_full((), _NAN))
             for idx, items in by_device.values():
-                self._blocks.append((idx, torch.stack(items).view(-1, 2)))
+                self._blocks.append((idx, torch.stack(items).view(-1, 2), False))
             self._imm_idx, self._imm_vals = [], []
         if self._host_idx:  # a flat list of (sum, sum of squares): no tensor needed
-            self._blocks.append((self._host_idx, self._host_vals))
+            self._blocks.append((self._host_idx, self._host_vals, True))
             self._host_idx, self._host_vals, self._host_pos = [], [], {}
 
     def _finish_step(self, step: int) -> None:
         self._reduce_rest()
-        out = [_to_host(idx, vals) for idx, vals in self._blocks]
+        out = [_to_host(idx, vals, squared) for idx, vals, squared in self._blocks]
         if out or self._dups:
             self._pending.append((step, out, self._dups))
         self.reset()
@@ -465,41 +552,32 @@ class StepFingerprints:
         records = []
         keep = []
         for step, blocks, dups in self._pending:
-            if not wait and any(ev is not None and not ev.query() for _, _, ev in blocks):
+            if not wait and any(ev is not None and not ev.query() for _, _, ev, _ in blocks):
                 keep.append((step, blocks, dups))
                 continue
+            # One record per step, whatever the blocks, and one more for the repeats: each block
+            # becomes bytes at once (host values packed, tensors copied out), no Python per value.
             idx_all: list = []
-            parts = []
-            for idx, host, event in blocks:
+            datas = []
+            for idx, host, event, squared in blocks:
                 if event is not None and wait:
                     event.synchronize()
                 idx_all += idx
-                parts.append(host)
-            if not parts:
+                if type(host) is list:  # (sum, sum of squares) already
+                    datas.append(struct.pack(f"<{len(host)}f", *host))
+                    continue
+                if host.dtype != _F32:
+                    host = host.to(_F32)
+                if not squared:  # our own copy: the l2 norm becomes the sum of squares in place
+                    host[:, 1].square_()
+                datas.append(_f32_bytes(host))
+            if not idx_all:
                 continue
-            if all(type(p) is list for p in parts):  # values computed on the host (CPU tensors)
-                flat = parts[0] if len(parts) == 1 else [v for p in parts for v in p]
-                records.append(_record(step, idx_all, struct.pack(f"<{len(flat)}f", *flat)))
-                dst, rows = _repeats(idx_all, dups)
-                if dst:
-                    vals = [v for r in rows for v in flat[2 * r:2 * r + 2]]
-                    records.append(_record(step, dst, struct.pack(f"<{len(vals)}f", *vals)))
-                continue
-            # One record per step, whatever the blocks, and one more for the repeats: a few
-            # tensor ops and two byte copies, no Python per value.
-            tens = []
-            for p in parts:
-                if type(p) is list:  # (sum, sum of squares) already
-                    tens.append(torch.tensor(p, dtype=_F32).view(-1, 2))
-                else:
-                    v = p.clone()
-                    v[:, 1].square_()  # the l2 norm becomes the sum of squares
-                    tens.append(v)
-            values = torch.cat(tens) if len(tens) > 1 else tens[0]
-            records.append(_record(step, idx_all, _f32_bytes(values)))
+            data = datas[0] if len(datas) == 1 else b"".join(datas)
+            records.append(_record(step, idx_all, data))
             dst, rows = _repeats(idx_all, dups)
             if dst:
-                records.append(_record(step, dst, _f32_bytes(values[rows])))
+                records.append(_record(step, dst, b"".join([data[8 * r:8 * r + 8] for r in rows])))
         self._pending = keep
         return records
 
@@ -530,16 +608,16 @@ def _f32_bytes(values) -> bytes:
 _LITTLE = sys.byteorder == "little"
 
 
-def _to_host(idx, vals) -> tuple:
-    """(indices, host values, event or None): a device block is copied to pinned memory without
-    waiting; its event says when the copy is done."""
+def _to_host(idx, vals, squared) -> tuple:
+    """(indices, host values, event or None, squared): a device block is copied to pinned memory
+    without waiting; its event says when the copy is done."""
     if type(vals) is list or not vals.is_cuda:
-        return (idx, vals, None)
+        return (idx, vals, None, squared)
     host = torch.empty(vals.shape, dtype=_F32, pin_memory=True)
     host.copy_(vals, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
-    return (idx, host, event)
+    return (idx, host, event, squared)
 
 
 def _pair(t):

@@ -28,7 +28,9 @@ interpret``), which is how CI tests it without a GPU.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import struct
 import sys
 
 import torch
@@ -129,16 +131,23 @@ def row_layout(t):
     """``(columns, row stride)`` when ``t`` is a view of equal, strided rows of contiguous
     elements (q, k and v split from a fused projection along the last dimension), else None.
     The kernel reads such a view where it is, with ``layouts``."""
-    if t.dim() < 2 or t.stride(-1) != 1 or t.numel() >= 1 << 31:
+    strides = t.stride()
+    if len(strides) < 2 or strides[-1] != 1:
         return None
-    sizes, strides = t.shape, t.stride()
-    outer = [(sizes[d], strides[d]) for d in range(t.dim() - 1) if sizes[d] != 1]
-    if not outer:
-        return None  # one row: contiguous
-    for (_, s_out), (n_in, s_in) in zip(outer, outer[1:]):
-        if s_out != s_in * n_in:
-            return None
-    return (sizes[-1], outer[-1][1])
+    sizes = t.shape
+    row_stride = expect = None
+    for d in range(len(sizes) - 2, -1, -1):  # outer dimensions, innermost first; size 1 is no step
+        n = sizes[d]
+        if n == 1:
+            continue
+        if row_stride is None:
+            row_stride = strides[d]
+        elif strides[d] != expect:
+            return None  # rows not equally spaced
+        expect = strides[d] * n
+    if row_stride is None or t.numel() >= 1 << 31:
+        return None  # one row (contiguous), or too large for the kernel's 32-bit offsets
+    return (sizes[-1], row_stride)
 
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -272,10 +281,7 @@ def sum_l2(tensors, capturing: bool = False, layouts=None):
             return None
         fill = TableFill(table, values)
     else:
-        if first.is_cuda:
-            table = torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
-        else:
-            table = torch.tensor(values, dtype=torch.int64)
+        table = _device_table(values, device)
         fill = None
     out = torch.zeros((len(tensors), 2), dtype=torch.float32, device=device)
     dtype = _state["tl_dtypes"][first.dtype]
@@ -284,6 +290,37 @@ def sum_l2(tensors, capturing: bool = False, layouts=None):
                                 ROWS=layouts is not None, num_warps=NUM_WARPS)
     out[:, 1].sqrt_()
     return order, out, fill
+
+
+def _device_table(values: list, device):
+    """``values`` as an int64 tensor on ``device``; on a GPU copied from pinned memory without
+    waiting (the caching host allocator keeps the pinned block until the copy has run).
+    Packed with ``struct`` first: ``torch.tensor`` of a list of ints costs three to four times
+    as much (129 against 43 microseconds for a step's 1824 values on a CPU here)."""
+    n = len(values)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64)
+    host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+    ctypes.memmove(host.data_ptr(), struct.pack(f"={n}q", *values), 8 * n)
+    return host.to(device, non_blocking=True)
+
+
+def sum_sumsq_table(table: list, count: int, most: int, dtype, device):
+    """Eagerly launch the kernel over a table built by the caller: a flat list of (address,
+    numel, columns, row stride) for ``count`` tensors of ``dtype`` on ``device`` (a contiguous
+    tensor is one row: columns = row stride = numel), the largest of ``most`` elements. Returns
+    a ``[count, 2]`` fp32 tensor of (sum, sum of squares), computed in stream order.
+
+    The step's deferred tensors, whatever their layout, are one launch: the host is what a
+    traced eager step waits for (a launch from Python costs tens of microseconds), while the
+    device has time to spare for the row arithmetic and the programs of the small tensors that
+    return at once."""
+    kernel = _kernel()
+    dev_table = _device_table(table, device)
+    out = torch.zeros((count, 2), dtype=torch.float32, device=device)
+    kernel[(count, -(-most // CHUNK))](dev_table, out, 0, CHUNK=CHUNK, BLOCK=BLOCK,
+                                       DTYPE=_state["tl_dtypes"][dtype], ROWS=True, num_warps=NUM_WARPS)
+    return out
 
 
 def warm_up(device) -> bool:

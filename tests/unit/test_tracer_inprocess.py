@@ -130,6 +130,51 @@ def test_failing_hook_body_does_not_break_the_model(tmp_path, monkeypatch, capsy
     assert rt.end["reason"] == "too many errors"
 
 
+def _spans_by_step(out_dir):
+    rt = load_rank_file(rank_files(str(out_dir))[0])
+    return {n: [(s.index, s.parent, s.path, s.call, s.cls, [(t.slot, t.shape, t.dtype, t.fp) for t in s.tensors])
+                for s in sorted(st.spans, key=lambda s: s.index)]
+            for n, st in rt.steps.items()}
+
+
+@pytest.mark.parametrize("fingerprint", [False, True])
+def test_call_wrapper_records_what_the_hooks_record(tmp_path, fingerprint):
+    # The wrapper records one-tensor calls inline (its fast path) and the rest through the hook
+    # bodies: the rank file must not tell the two interceptions apart.
+    tables = {}
+    for intercept in ("call", "hooks"):
+        _run(tmp_path / intercept, intercept=intercept, fingerprint=fingerprint)
+        tables[intercept] = _spans_by_step(tmp_path / intercept)
+    assert tables["call"] == tables["hooks"]
+    spans = tables["call"][1]
+    assert len(spans) == 11 and {p for _, _, p, _, _, _ in spans} >= {"blocks.0.up", "blocks.1.down", "head"}
+    assert all((fp is not None) == fingerprint for *_, ts in spans for *_, fp in ts)
+
+
+@pytest.mark.parametrize("where", ["pre", "post"])
+def test_failure_inside_the_call_wrappers_inline_path_is_contained(tmp_path, monkeypatch, capsys, where):
+    from tensor_trace.tracer import fingerprint as fp_mod
+    from tensor_trace.tracer.writer import RankWriter
+
+    def boom(*a, **k):
+        raise RuntimeError("injected")
+
+    if where == "pre":  # the inline pre-hook: fingerprinting a one-tensor input
+        real = fp_mod.StepFingerprints.add_one
+        monkeypatch.setattr(fp_mod.StepFingerprints, "add_one",
+                            lambda self, t, store=True: boom() if not store else real(self, t, store))
+    else:  # the inline post-hook: a new layout
+        monkeypatch.setattr(RankWriter, "layout", boom)
+    net, plain, traced = _run(tmp_path, steps=12, intercept="call")
+    for a, b in zip(plain, traced):
+        assert torch.equal(a, b)
+    err = capsys.readouterr().err
+    assert err.count(f"tensor-trace: error in forward {'pre-' if where == 'pre' else ''}hook") == 1
+    assert "tracing is now off" in err
+    rt = load_rank_file(rank_files(str(tmp_path))[0])
+    assert len(rt.errors) >= 20 and "injected" in rt.errors[0]["message"]
+
+
 @pytest.mark.parametrize("intercept,n", [("call", 1), ("hooks", 2)])
 def test_step_window_installs_no_global_hooks_outside(tmp_path, intercept, n):
     net = Net()

@@ -70,6 +70,7 @@ ts = [torch.randn(4, 8), torch.randn(16, 3).t(), torch.randn(5, 7).half(), torch
 got = {}
 launched_rows = []
 _sum_l2 = multi_tensor.sum_l2
+_sum_sumsq_table = multi_tensor.sum_sumsq_table
 
 
 def spy(tensors, capturing=False, layouts=None):
@@ -78,7 +79,18 @@ def spy(tensors, capturing=False, layouts=None):
     return _sum_l2(tensors, capturing=capturing, layouts=layouts)
 
 
+def spy_table(table, count, most, dtype, device):
+    # (address, numel, columns, row stride) rows: a contiguous tensor is one row of numel
+    assert len(table) == 4 * count
+    for i in range(count):
+        _, n, cols, stride = table[4 * i:4 * i + 4]
+        if cols != n:
+            launched_rows.append((cols, stride))
+    return _sum_sumsq_table(table, count, most, dtype, device)
+
+
 multi_tensor.sum_l2 = spy
+multi_tensor.sum_sumsq_table = spy_table
 for defer in (False, True):
     fps = StepFingerprints(defer_cuda=False, defer_cpu=defer)
     fps.add(ts)
@@ -91,6 +103,7 @@ for k, (s, q) in got[False].items():
 report["deferred_equal_immediate"] = len(ts)
 report["deferred_row_strided_in_kernel"] = launched_rows
 multi_tensor.sum_l2 = _sum_l2
+multi_tensor.sum_sumsq_table = _sum_sumsq_table
 
 # 3. Capture bookkeeping: the kernel's table is left for after the capture, then filled with
 #    each tensor's (address, element count); large tensors are deferred too.
@@ -100,7 +113,7 @@ assert multi_tensor.sum_l2([torch.ones(16)], capturing=True) is None, \
 multi_tensor.begin_capture(torch.device("cpu"))  # GraphTracker does this before capture_begin
 arena = multi_tensor._state["arena"]
 fps.begin_capture()
-big = torch.randn(multi_tensor.CHUNK * 40)  # above DEFER_MAX_NUMEL
+big = torch.randn(multi_tensor.CHUNK * 40)  # deferred under capture, whatever its size
 group = [torch.randn(4, 8), torch.randn(3, 16), big]
 fps.add(group)
 captured = fps.finish_capture()
