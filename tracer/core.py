@@ -1173,7 +1173,18 @@ class _CallWrapper:
                         index = t.span_count
                         t.span_count = index + 1
                         fp_now = t.fp_now
-                        fp_pre = t.fps.add_one(a, False) if fp_now else -1
+                        if fp_now:
+                            fps = t.fps
+                            if a is fps._last and fps._last_version is True:
+                                # the previous call's output, deferred: a repeat (add_one's
+                                # first case, without the call)
+                                fp_pre = fps.count
+                                fps.count = fp_pre + 1
+                                fps._dups.append((fp_pre, fps._last_idx))
+                            else:
+                                fp_pre = fps.add_one(a, False)
+                        else:
+                            fp_pre = -1
                         t0 = now()
                         frame = [module, index, parent, path_id, call, t0, args, fp_pre, True]
                         stack.append(frame)

@@ -34,6 +34,7 @@ list appends; the step's flush builds the kernel's table in one pass.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import struct
 import sys
@@ -55,7 +56,10 @@ _NAN = float("nan")
 # cheaper: an immediate value costs two reductions launched from Python (on the H200 host about
 # 75 us for a [64, 28672] bf16 tensor), a deferred one a row of the step's one kernel launch.
 DEFER_MAX_NUMEL = 1 << 24
-DEFER_BYTES = 256 << 20  # held deferred tensors past this are reduced mid-step
+# Held deferred tensors past this are reduced mid-step: the device memory fingerprints may hold
+# beyond what the program holds is at most this plus one tensor of DEFER_MAX_NUMEL elements.
+# A Llama-8B-shaped decode step at batch 64 holds about 300 MiB (one flush at 512, two at 256).
+DEFER_BYTES = 512 << 20
 # While a CUDA graph is captured, held tensors cannot give their memory back to the graph's pool
 # until their bucket is reduced: a smaller bucket bounds that extra pool memory, but each bucket
 # adds its own launches to every replay. Measured on the H200 (Llama-8B-shaped decode, batch 64,
@@ -575,25 +579,25 @@ class StepFingerprints:
                 continue
             data = datas[0] if len(datas) == 1 else b"".join(datas)
             records.append(_record(step, idx_all, data))
-            dst, rows = _repeats(idx_all, dups)
+            dst, repeated = _repeats(idx_all, dups, data)
             if dst:
-                records.append(_record(step, dst, b"".join([data[8 * r:8 * r + 8] for r in rows])))
+                records.append(_record(step, dst, repeated))
         self._pending = keep
         return records
 
 
-def _repeats(idx_all, dups) -> tuple:
-    """(indices, rows): each repeat whose source has a value, and that value's row in
-    ``idx_all`` (a repeat of a stale or missing value has none and is left out)."""
-    dst, rows = [], []
+def _repeats(idx_all, dups, data) -> tuple:
+    """(indices, values): each repeat whose source has a value, and that value's 8 bytes from
+    ``data`` (rows in ``idx_all`` order); a repeat of a stale or missing value is left out."""
+    dst, parts = [], []
     if dups:
-        pos = {i: r for r, i in enumerate(idx_all)}
+        get = dict(zip(idx_all, range(len(idx_all)))).get
         for i, src in dups:
-            r = pos.get(src)
+            r = get(src)
             if r is not None:
                 dst.append(i)
-                rows.append(r)
-    return dst, rows
+                parts.append(data[8 * r:8 * r + 8])
+    return dst, b"".join(parts)
 
 
 def _f32_bytes(values) -> bytes:
@@ -677,6 +681,14 @@ def _host_pair(t):
 
 
 def _record(step, idx, data) -> tuple:
-    contiguous = idx == list(range(idx[0], idx[0] + len(idx)))
-    indices = None if contiguous else struct.pack(f"<{len(idx)}I", *idx)
-    return (schema.FINGERPRINTS, step, idx[0], data, indices)
+    first = idx[0]
+    if idx[-1] - first == len(idx) - 1 and idx == list(range(first, first + len(idx))):
+        indices = None  # first, first + 1, ...: implied
+    elif _U32_ARRAY:
+        indices = array.array("I", idx).tobytes()
+    else:
+        indices = struct.pack(f"<{len(idx)}I", *idx)
+    return (schema.FINGERPRINTS, step, first, data, indices)
+
+
+_U32_ARRAY = array.array("I").itemsize == 4 and sys.byteorder == "little"

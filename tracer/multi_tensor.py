@@ -316,8 +316,19 @@ def sum_sumsq_table(table: list, count: int, most: int, dtype, device):
     device has time to spare for the row arithmetic and the programs of the small tensors that
     return at once."""
     kernel = _kernel()
-    dev_table = _device_table(table, device)
-    out = torch.zeros((count, 2), dtype=torch.float32, device=device)
+    # One buffer, one copy: the table, then the zeroed output (count int64 zeros are 2 * count
+    # fp32 zeros, at an offset of 32 * count bytes: aligned as the warm-up's buffers were).
+    n = len(table)
+    if device.type == "cuda":
+        host = torch.empty(n + count, dtype=torch.int64, pin_memory=True)
+        ptr = host.data_ptr()
+        ctypes.memmove(ptr, struct.pack(f"={n}q", *table), 8 * n)
+        ctypes.memset(ptr + 8 * n, 0, 8 * count)
+        both = host.to(device, non_blocking=True)
+    else:
+        both = torch.tensor(table + [0] * count, dtype=torch.int64)
+    dev_table = both[:n]
+    out = both[n:].view(torch.float32).view(count, 2)
     kernel[(count, -(-most // CHUNK))](dev_table, out, 0, CHUNK=CHUNK, BLOCK=BLOCK,
                                        DTYPE=_state["tl_dtypes"][dtype], ROWS=True, num_warps=NUM_WARPS)
     return out

@@ -95,3 +95,45 @@ def test_captured_kernel_reads_each_replays_values():
         g.replay()
         torch.cuda.synchronize()
         _check(values, [[a, b, static_in][i] for i in order])
+
+
+def test_deferred_step_fingerprints_equal_immediate_ones():
+    """A step's deferred CUDA tensors (contiguous, row-strided splits, large ones, a mid-step
+    flush) through the one-launch table, against immediate torch reductions of the same tensors."""
+    import math
+    import struct
+
+    from tensor_trace import schema
+    from tensor_trace.tracer.fingerprint import StepFingerprints
+
+    dev = torch.device("cuda")
+    torch.manual_seed(1)
+    qkv = torch.randn(64, 1, 6144, device=dev, dtype=torch.bfloat16)
+    q, k, v = qkv.split([4096, 1024, 1024], dim=-1)
+    ts = [torch.randn(64, 1, 4096, device=dev, dtype=torch.bfloat16), qkv, q, k, v,
+          torch.randn(64, 28672, device=dev, dtype=torch.bfloat16),  # above 1 Mi elements
+          torch.randn(8, 4096, device=dev), torch.randn(3, 5, device=dev, dtype=torch.float16),
+          torch.randn(16, 16, device=dev).t(),  # columns strided: stacked
+          torch.arange(12, device=dev)]  # integers: immediate
+    got = {}
+    for mode in ("immediate", "deferred", "deferred-mid-step"):
+        fps = StepFingerprints(defer_cuda=mode != "immediate")
+        if mode == "deferred-mid-step":
+            fps.defer_bytes = 1 << 20
+        for t in ts:
+            fps.add_one(t)
+            fps.add_one(t, False)  # the next module's input: a repeat
+        fps.finish_step(0)
+        out = {}
+        for _, _, first, data, indices in fps.collect(wait=True):
+            n = len(data) // 8
+            idx = range(first, first + n) if indices is None else struct.unpack(f"<{n}I", indices)
+            out.update(dict(zip(idx, schema.FP_PAIR.iter_unpack(data))))
+        got[mode] = out
+    assert sorted(got["immediate"]) == list(range(2 * len(ts)))
+    for mode in ("deferred", "deferred-mid-step"):
+        assert got[mode].keys() == got["immediate"].keys()
+        for i, (s, q2) in got["immediate"].items():
+            s2, q3 = got[mode][i]
+            assert math.isclose(s, s2, rel_tol=1e-3, abs_tol=1e-2) and math.isclose(q2, q3, rel_tol=1e-4), \
+                (mode, i, s, s2, q2, q3)

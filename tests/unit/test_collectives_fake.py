@@ -104,4 +104,5 @@ def test_collective_inputs_are_fingerprinted_when_the_call_begins_even_when_defe
         tracer.stop()
     rt = load_rank_file(rank_files(str(tmp_path))[0])
     (c,) = rt.steps[0].collectives
-    assert c.tensors[0].fp[0] == pytest.approx((x * 2).sum().item(), rel=1e-5)
+    # (abs too: a sum near zero of values near one is exact only to a few ulps of the values)
+    assert c.tensors[0].fp[0] == pytest.approx((x * 2).sum().item(), rel=1e-5, abs=1e-5)

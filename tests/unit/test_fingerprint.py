@@ -141,3 +141,30 @@ def test_deferred_repeat_of_an_updated_tensor_has_no_value_and_materialize_break
     fps.finish_step(1)
     vals = _values(fps.collect(wait=True))
     assert vals[(1, 0)][0] == 4.0 and vals[(1, 1)][0] == 20.0
+
+
+def test_held_tensors_stay_within_the_bound(monkeypatch):
+    from tensor_trace.tracer import fingerprint as fp_mod
+
+    monkeypatch.setattr(fp_mod, "DEFER_MAX_NUMEL", 64)
+    fps = StepFingerprints(defer_cuda=False, defer_cpu=True)
+    fps.defer_bytes = 1024  # 256 fp32 values
+    torch.manual_seed(0)
+    tensors = [torch.randn(48) for _ in range(40)]
+    most_held = 0
+    for t in tensors:
+        fps.add_one(t)
+        held = sum(x.numel() * 4 for x in fps._def_ts if x is not None)
+        assert held == fps._def_bytes
+        most_held = max(most_held, held)
+    # Between hook calls at most the bound is held (within one, the bound plus the tensor that
+    # crossed it, reduced at once with the rest).
+    assert 1024 - 48 * 4 < most_held <= 1024
+    big = torch.randn(65)  # above DEFER_MAX_NUMEL: reduced at once, never held
+    fps.add_one(big)
+    assert all(x is not big for x in fps._def_ts)
+    fps.finish_step(0)
+    vals = _values(fps.collect(wait=True))
+    assert len(vals) == 41  # every value, whether reduced mid-step, at the end or at once
+    for i, t in enumerate(tensors + [big]):
+        assert math.isclose(vals[(0, i)][0], t.sum().item(), rel_tol=1e-4, abs_tol=1e-4)
