@@ -153,6 +153,7 @@ class Tracer:
         self.external_steps = False  # a framework integration delimits steps itself
         self.step_info = ("", "", {})  # (root path, root class, attrs) of the current step
         self._fork_registered = False
+        self._stopping = False  # inside stop: errors there are recorded, never stop it again
 
     def _new_fingerprints(self) -> StepFingerprints:
         mode = self.config.fingerprint_mode
@@ -215,8 +216,15 @@ class Tracer:
 
     def stop(self, reason: str = "stop") -> None:
         """Remove every hook and patch, write the end record and close the rank file."""
-        if not self.enabled and self.writer is None:
+        if (not self.enabled and self.writer is None) or self._stopping:
             return
+        self._stopping = True
+        try:
+            self._stop(reason)
+        finally:
+            self._stopping = False
+
+    def _stop(self, reason: str) -> None:
         self.enabled = False
         self._remove_global_hooks()
         for root, handles in list(self.roots.items()):
@@ -227,15 +235,21 @@ class Tracer:
             self.collectives.uninstall()
         if self.graphs is not None:
             self.graphs.uninstall()
+        # Each part guarded: stop runs at exit and on signals, inside the traced program.
         if self.in_step and self.tracing_step and self.writer is not None:
-            self._end_step(error=True)
+            try:
+                self._end_step(error=True)
+            except Exception as exc:
+                self._on_error("stop", exc)
         writer = self.writer
         if writer is None:
             return
-        for rec in self.fps.collect(wait=True):
-            writer.add(rec)
-        for rec in self.device_times.collect(wait=True):
-            writer.add(rec)
+        for source in (self.fps, self.device_times):
+            try:
+                for rec in source.collect(wait=True):
+                    writer.add(rec)
+            except Exception as exc:
+                self._on_error("stop", exc)
         self.stats["untimed_collectives"] = self.device_times.dropped
         writer.flush()  # the END record in a chunk of its own: losing it loses nothing else
         if self.live is not None:
@@ -301,7 +315,7 @@ class Tracer:
                 self.writer.add((schema.ERROR, self.now(), where, msg[:500], self.errors))
         except Exception:
             pass
-        if self.errors >= self.config.max_errors:
+        if self.errors >= self.config.max_errors and not self._stopping:
             try:
                 sys.stderr.write(f"tensor-trace: {self.errors} errors in pid {os.getpid()}: "
                                  "tracing is now off in this process\n")

@@ -353,8 +353,9 @@ class StepFingerprints:
 
     def _flush_deferred(self) -> None:
         # One pass over the held tensors: stale ones (updated in place since they were seen) are
-        # dropped, the rest sorted by how they are reduced. (A tensor seen again, not right after
-        # it was added, is held twice and reduced twice: cheaper than finding it in every hook.) Where Triton is available (tracer/multi_tensor.py),
+        # dropped, the rest sorted by how they are reduced. (Eagerly, a tensor seen again, not
+        # right after it was added, is held twice and reduced twice: cheaper than finding it in
+        # every hook. Under capture it becomes a repeat: replays are what must stay cheap.) Where Triton is available (tracer/multi_tensor.py),
         # tensors it can read where they are (contiguous, or rows of a fused projection's split)
         # go into one table per dtype and device: one kernel launch each, eagerly. Otherwise
         # tensors of one shape and dtype are stacked (one copy) and reduced along the stacked
@@ -371,6 +372,7 @@ class StepFingerprints:
         in_place: dict = {}  # capturing: (dtype, device) -> (indices, tensors)
         strided: dict = {}  # capturing: (dtype, device) -> (indices, tensors, layouts)
         groups: dict = {}  # stacked: (shape, dtype, device) -> (indices, tensors)
+        first: dict = {}  # capturing: id(tensor) -> (index, version) of its first row
         usable = None
         kernel_dtypes = multi_tensor.DTYPES
         row_layout = multi_tensor.row_layout
@@ -408,6 +410,13 @@ class StepFingerprints:
                         cur_idx.append(index)
                         continue
             else:
+                # Under capture every row is kernel work at every replay: a tensor seen again
+                # later in the step (held twice) is a repeat of its first row instead.
+                seen = first.get(id(t))
+                if seen is not None and seen[1] == version:
+                    self._dups.append((index, seen[0]))
+                    continue
+                first[id(t)] = (index, version)
                 if usable is None:
                     usable = multi_tensor.usable(t)
                 if usable and dtype in kernel_dtypes:
@@ -573,6 +582,8 @@ class StepFingerprints:
                 if host.dtype != _F32:
                     host = host.to(_F32)
                 if not squared:  # our own copy: the l2 norm becomes the sum of squares in place
+                    if host.is_inference():  # made under inference_mode, collected outside it
+                        host = host.clone()
                     host[:, 1].square_()
                 datas.append(_f32_bytes(host))
             if not idx_all:

@@ -168,3 +168,21 @@ def test_held_tensors_stay_within_the_bound(monkeypatch):
     assert len(vals) == 41  # every value, whether reduced mid-step, at the end or at once
     for i, t in enumerate(tensors + [big]):
         assert math.isclose(vals[(0, i)][0], t.sum().item(), rel_tol=1e-4, abs_tol=1e-4)
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_values_made_under_inference_mode_are_collected_outside_it(defer):
+    # A GPU step's copies are often collected later: at a later step, or at stop, outside the
+    # inference_mode the step ran under (the values are then inference tensors).
+    fps = StepFingerprints(defer_cuda=False, defer_cpu=defer)
+    with torch.inference_mode():
+        x = torch.randn(8, 4)
+        ids = torch.arange(5)
+        fps.add_one(x)
+        fps.add([ids, x * 2])
+        fps.finish_step(0)
+    vals = _values(fps.collect(wait=True))
+    for i, t in enumerate((x, ids, x * 2)):
+        f = t.double()
+        assert math.isclose(vals[(0, i)][0], f.sum().item(), rel_tol=1e-4, abs_tol=1e-4)
+        assert math.isclose(vals[(0, i)][1], f.pow(2).sum().item(), rel_tol=1e-4)

@@ -352,3 +352,23 @@ def test_compiled_module_inside_traced_steps_runs_without_graph_breaks(tmp_path)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     rt = load_rank_file(rank_files(str(tmp_path))[0])
     assert sorted(rt.steps) == [0, 1, 2] and rt.errors == []
+
+
+def test_stop_never_raises_into_the_program(tmp_path, monkeypatch, capsys):
+    # stop runs at exit and on signals, inside the traced program: a failure there is recorded,
+    # and the rank file is still closed with its END record.
+    from tensor_trace.tracer import fingerprint as fp_mod
+
+    net = Net()
+    tr = tracer.start(out_dir=str(tmp_path))
+    net(torch.randn(2, 8))
+
+    def boom(self, wait=False):
+        raise RuntimeError("collect exploded")
+
+    monkeypatch.setattr(fp_mod.StepFingerprints, "collect", boom)
+    tracer.stop()
+    assert tr.hook_count() == 0 and _interceptions() == 0
+    assert "tensor-trace: error in stop" in capsys.readouterr().err
+    rt = load_rank_file(rank_files(str(tmp_path))[0])
+    assert rt.end["reason"] == "stop" and any("collect exploded" in e["message"] for e in rt.errors)
