@@ -603,8 +603,21 @@ def _repeats(idx_all, dups, data) -> tuple:
     dst, parts = [], []
     if dups:
         get = dict(zip(idx_all, range(len(idx_all)))).get
+        alias = None
         for i, src in dups:
             r = get(src)
+            if r is None:
+                # A repeat of a repeat: under capture, the flush turns a tensor held twice into a
+                # repeat of its first row, after hooks made repeats of that second sighting.
+                if alias is None:
+                    alias = dict(dups)
+                for _ in range(len(alias)):
+                    src = alias.get(src)
+                    if src is None:
+                        break
+                    r = get(src)
+                    if r is not None:
+                        break
             if r is not None:
                 dst.append(i)
                 parts.append(data[8 * r:8 * r + 8])

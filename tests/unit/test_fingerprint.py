@@ -186,3 +186,21 @@ def test_values_made_under_inference_mode_are_collected_outside_it(defer):
         f = t.double()
         assert math.isclose(vals[(0, i)][0], f.sum().item(), rel_tol=1e-4, abs_tol=1e-4)
         assert math.isclose(vals[(0, i)][1], f.pow(2).sum().item(), rel_tol=1e-4)
+
+
+def test_captured_tensor_held_twice_keeps_every_repeat():
+    # Under capture the flush makes the second hold of a tensor a repeat of its first row; a
+    # hook's repeat of that second sighting must still get the value (a repeat of a repeat).
+    fps = StepFingerprints(defer_cuda=False, defer_cpu=True)
+    fps.begin_capture()
+    x, y = torch.randn(8), torch.randn(8)
+    fps.add_one(x)  # 0: held
+    fps.add_one(y)  # 1: held
+    fps.add_one(x, False)  # 2: held again (not the last tensor added)
+    fps.add_one(x, False)  # 3: a repeat of 2, by identity
+    captured = fps.finish_capture()
+    assert captured.static.shape[0] == 2  # x and y: one row each
+    fps.add_replay(5, fps.reserve(captured.count), captured)
+    vals = _values(fps.collect(wait=True))
+    assert sorted(vals) == [(5, i) for i in range(4)]
+    assert vals[(5, 0)] == vals[(5, 2)] == vals[(5, 3)] != vals[(5, 1)]
