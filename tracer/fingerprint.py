@@ -307,7 +307,11 @@ class StepFingerprints:
     def _reduce_now(self, idx: int, t) -> None:
         """Fingerprint ``t`` now as value ``idx``: on the host when it is a CPU tensor numpy
         can read (floats at once), else two reductions on its device."""
-        pair = _pair(t)
+        pair = None
+        if t.is_cpu and t.dtype in _HOST_DTYPES and not t.requires_grad:
+            pair = _host_pair(t)
+        if pair is None:
+            pair = _pair(t, host=False)
         if type(pair[0]) is float:
             self._host_pos[idx] = len(self._host_idx)
             self._host_idx.append(idx)
@@ -648,10 +652,10 @@ def _to_host(idx, vals, squared) -> tuple:
     return (idx, host, event, squared)
 
 
-def _pair(t):
+def _pair(t, host: bool = True):
     """(sum, l2 norm) of ``t`` as 0-d fp32 tensors on its device (l2 None for bool tensors), or
     (sum, sum of squares) as Python floats when computed on the host (``_host_pair``)."""
-    if t.is_cpu and t.dtype in _HOST_DTYPES and not t.requires_grad:
+    if host and t.is_cpu and t.dtype in _HOST_DTYPES and not t.requires_grad:
         pair = _host_pair(t)
         if pair is not None:
             return pair
@@ -674,34 +678,35 @@ def _host_pair(t):
     """(sum, sum of squares) of a CPU tensor as Python floats, through numpy on its memory.
 
     Two torch reductions from Python cost about 7 us on a CPU (``vector_norm`` alone about 4);
-    two BLAS dot products over the same buffer (with ones, with itself) cost about 2 us, and
-    give floats at once, so the step end has no 0-d tensors to stack. Sums accumulate in the
-    tensor's dtype, as torch's do (integers in float64).
+    two BLAS dot products over the same flat buffer (with ones, with itself) cost about 1 us,
+    and give floats at once, so the step end has no 0-d tensors to stack. Sums accumulate in
+    the tensor's dtype, as torch's do (integers in float64).
     None when numpy is missing or the tensor is not one numpy can view (the caller uses torch)."""
-    if not _numpy:
-        try:
-            import numpy
-
-            _numpy.append(numpy)
-        except Exception:
-            _numpy.append(None)
-    np = _numpy[0]
+    np = _numpy[0] if _numpy else _import_numpy()
     if np is None:
         return None
     try:
-        a = t.numpy()
-        if a.dtype.kind in "iu":  # token ids, positions: exact in float64
+        a = t.numpy().ravel()  # a view of a contiguous tensor (a 1-D dot skips vdot's ravels)
+        if not t.is_floating_point():  # token ids, positions: exact in float64
             a = a.astype(np.float64)
-        key = (a.size, a.dtype)
+        key = (a.size, a.dtype.char)
         ones = _ONES.get(key)
-        if ones is None:  # sum as a dot with ones: one BLAS call, half the cost of a ufunc reduce
+        if ones is None:  # sum as a dot with ones: one BLAS call, a third of a ufunc reduce
             if len(_ONES) >= 256:
                 _ONES.clear()
             ones = _ONES[key] = np.ones(a.size, dtype=a.dtype)
-        vdot = np.vdot
-        return (float(vdot(a, ones)), float(vdot(a, a)))
+        return (float(a.dot(ones)), float(a.dot(a)))
     except Exception:  # conjugate or negative views, and whatever else numpy cannot view
         return None
+
+
+def _import_numpy():
+    try:
+        import numpy
+    except Exception:
+        numpy = None
+    _numpy.append(numpy)
+    return numpy
 
 
 def _record(step, idx, data) -> tuple:
