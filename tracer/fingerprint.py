@@ -13,11 +13,11 @@ Two ways to compute them:
   the tensor, so the values are those of that moment, whatever happens to the tensor later, and
   no tensor is held. A CPU tensor numpy can read gets two BLAS dot products (with ones, with
   itself) as Python floats; anything else one ``sum`` and one ``vector_norm`` on its device.
-- *Deferred* (floating CUDA tensors of up to ``DEFER_MAX_NUMEL`` elements): the tensor is kept until the end of the step (or
-  until ``DEFER_BYTES`` are held); then one Triton kernel per dtype reads them all where they
-  are (``tracer/multi_tensor.py``), and the rest (other views, no Triton) are stacked by shape
-  and reduced together: a few launches per step instead of two per tensor (a launch from
-  Python costs 10 to 30 microseconds of host time). The value is the tensor's value at the
+- *Deferred* (floating CUDA tensors of up to ``DEFER_MAX_NUMEL`` elements): the tensor is
+  kept until the end of the step (or until ``DEFER_BYTES`` are held); then one Triton kernel
+  launch per dtype reads them all where they are (``tracer/multi_tensor.py``), and the rest
+  (other views, no Triton) are stacked by shape and reduced together: a few launches per step
+  instead of two per tensor (a launch from Python costs 10 to 30 microseconds of host time). The value is the tensor's value at the
   end of the step. The tracer materialises a deferred tensor at once before a collective
   updates it in place, and a tensor whose version counter moved is reported without a value;
   a tensor created under ``inference_mode`` (no version counter) that a module updates in place
@@ -359,11 +359,12 @@ class StepFingerprints:
         # One pass over the held tensors: stale ones (updated in place since they were seen) are
         # dropped, the rest sorted by how they are reduced. (Eagerly, a tensor seen again, not
         # right after it was added, is held twice and reduced twice: cheaper than finding it in
-        # every hook. Under capture it becomes a repeat: replays are what must stay cheap.) Where Triton is available (tracer/multi_tensor.py),
-        # tensors it can read where they are (contiguous, or rows of a fused projection's split)
-        # go into one table per dtype and device: one kernel launch each, eagerly. Otherwise
-        # tensors of one shape and dtype are stacked (one copy) and reduced along the stacked
-        # dimension (two kernels): a decode step has a handful of distinct shapes.
+        # every hook. Under capture it becomes a repeat: replays are what must stay cheap.)
+        # Where Triton is available (tracer/multi_tensor.py), tensors it can read where they are
+        # (contiguous, or rows of a fused projection's split) go into one table per dtype and
+        # device: one kernel launch each, eagerly. Otherwise tensors of one shape and dtype are
+        # stacked (one copy) and reduced along the stacked dimension (two kernels): a decode
+        # step has a handful of distinct shapes.
         ts, indices, versions = self._def_ts, self._def_i, self._def_v
         self._def_ts, self._def_i, self._def_v = [], [], []
         self._def_pos = {}
