@@ -43,6 +43,8 @@ _SPAN = schema.SPAN
 _IN0 = "input.0"
 _FLAG_ERROR = schema.FLAG_ERROR
 _OUT = "output"
+_PLAIN = (int, float, str, bool)  # argument values that hold no tensor (and None)
+_CONTEXT = structures._CONTEXT  # a framework's batch context types: no slot outside the root
 
 # Frame layout (a list, for speed): the open calls of the current step.
 _F_MODULE, _F_INDEX, _F_PARENT, _F_PATH, _F_CALL, _F_T0, _F_SLOTS, _F_FP_PRE, _F_SELECTED = range(9)
@@ -796,16 +798,21 @@ class Tracer:
                     slots = args
                     fp_pre = self.fps.add_one(args[0], False)
                 else:
-                    slots = args
+                    # Tensors and plain values only (None, numbers, a batch context object):
+                    # kept as they came, like the one-tensor case; anything else is walked.
+                    slots = tensors = args
                     for a in args:
-                        if not isinstance(a, _Tensor):
-                            slots = []
-                            _flatten_args(args, slots)
+                        if not isinstance(a, _Tensor):  # not tensors only: a second look
+                            tensors = [x for x in args if isinstance(x, _Tensor)]
+                            for x in args:
+                                if not (x is None or isinstance(x, (_Tensor, *_PLAIN))
+                                        or type(x) in _CONTEXT):
+                                    slots = []
+                                    _flatten_args(args, slots)
+                                    tensors = [t for _, t in slots]
+                                    break
                             break
-                    if slots is args:  # tensors only: kept as they came, like the one-tensor case
-                        fp_pre = self.fps.add(args, store=False) if args else -1
-                    else:
-                        fp_pre = self.fps.add([t for _, t in slots], store=False) if slots else -1
+                    fp_pre = self.fps.add(tensors, store=False) if tensors else -1
             except Exception as exc:
                 self._on_error("forward pre-hook", exc)
                 slots, fp_pre = [], -1
@@ -871,7 +878,7 @@ class Tracer:
         self.calls[path_id] = 0
         self.span_count = 1
         slots: list = []
-        _flatten_args(args, slots)
+        _flatten_args(args, slots, True)  # the root's inputs: a batch context object too
         fp_pre = -1
         if slots and self.fp_now:
             fp_pre = self.fps.add([t for _, t in slots], store=False)
@@ -912,8 +919,8 @@ class Tracer:
                     if len(buf) >= writer.max_buffered:
                         writer.flush()
                     return None
-            if (_m is module and len(rest) == 2 and not rest[0] and type(slots) is tuple
-                    and not self.quiet_hooks and self._record_tensors(frame, slots, rest[1])):
+            if (_m is module and len(rest) == 2 and type(slots) is tuple and not self.quiet_hooks
+                    and self._record_tensors(frame, slots, rest[0], rest[1])):
                 return None
             self.busy = True
             try:
@@ -927,44 +934,63 @@ class Tracer:
             self._on_error("forward hook", exc)
         return None
 
-    def _record_tensors(self, frame, args, result) -> bool:
-        """Record a call whose positional arguments are all tensors and whose result is a tensor
-        or a tuple of tensors (rotary embeddings, attention) without walking structures; False
-        (nothing done) for any other call."""
+    def _record_tensors(self, frame, args, kwargs, result) -> bool:
+        """Record a call whose arguments (positional and keyword) are tensors or plain values
+        (None, numbers, a batch context object) and whose result is a tensor, or a tuple or
+        list of tensors and plain values (SGLang's ``(output, bias)``, ``(x, residual)``,
+        rotary ``(q, k)``), without walking structures: the slots are those ``_pop_record``
+        would name. False (nothing done) for any other call."""
+        # The layout key: (position or keyword, shape, dtype, device) per tensor; outputs at
+        # position -1 ("output") or -2 - i ("output.i").
         key = []
+        i = n_pre = 0
         for a in args:
-            if not isinstance(a, _Tensor):
+            if isinstance(a, _Tensor):
+                key += (i, a.shape, a.dtype, a.device)
+                n_pre += 1
+            elif not (a is None or isinstance(a, _PLAIN) or type(a) in _CONTEXT):
                 return False
-            key += (a.shape, a.dtype, a.device)
+            i += 1
+        post = []
+        if kwargs:
+            for name, a in kwargs.items():
+                if isinstance(a, _Tensor):
+                    key += (name, a.shape, a.dtype, a.device)
+                    post.append(a)
+                elif not (a is None or isinstance(a, _PLAIN) or type(a) in _CONTEXT):
+                    return False
         if isinstance(result, _Tensor):
-            outs = (result,)
-            key.append(-1)
-        elif type(result) is tuple and result:
-            outs = result
-            key.append(len(result))
-        else:
+            key += (-1, result.shape, result.dtype, result.device)
+            post.append(result)
+        elif type(result) is tuple or type(result) is list:
+            j = -2
+            for r in result:
+                if isinstance(r, _Tensor):
+                    key += (j, r.shape, r.dtype, r.device)
+                    post.append(r)
+                elif not (r is None or isinstance(r, _PLAIN)):
+                    return False
+                j -= 1
+        elif result is not None:
             return False
-        for r in outs:
-            if not isinstance(r, _Tensor):
-                return False
-            key += (r.shape, r.dtype, r.device)
         t1 = _now()
         self.stack.pop()
         writer = self.writer
         key = tuple(key)
         layout = writer._layouts_n.get(key)
         if layout is None:
-            n = len(args)
-            names = [f"input.{i}" for i in range(n)]
-            names += [_OUT] if key[3 * n] == -1 else [f"output.{i}" for i in range(len(outs))]
-            meta = key[:3 * n] + key[3 * n + 1:]
-            layout = writer._layouts_n[key] = writer.layout(tuple(
-                (name, meta[3 * i], meta[3 * i + 1], meta[3 * i + 2]) for i, name in enumerate(names)))
-        fp_post = self.fps.add(outs) if self.fp_now else -1
+            slots = []
+            for k in range(0, len(key), 4):
+                at = key[k]
+                name = (f"input.{at}" if type(at) is str or at >= 0 else
+                        _OUT if at == -1 else f"output.{-2 - at}")
+                slots.append((name, key[k + 1], key[k + 2], key[k + 3]))
+            layout = writer._layouts_n[key] = writer.layout(tuple(slots))
+        fp_post = self.fps.add(post) if self.fp_now and post else -1
         t0 = frame[_F_T0]
         buf = writer._buf
         buf.append((_SPAN, self.step, frame[_F_INDEX], frame[_F_PARENT], frame[_F_PATH], frame[_F_CALL],
-                    t0 - self.step_t0_raw, t1 - t0, layout, frame[_F_FP_PRE], fp_post, len(args),
+                    t0 - self.step_t0_raw, t1 - t0, layout, frame[_F_FP_PRE], fp_post, n_pre,
                     self.span_flags))
         if len(buf) >= writer.max_buffered:
             writer.flush()
@@ -1002,7 +1028,7 @@ class Tracer:
                 _flatten_args(args, slots)
             n_pre = len(slots)
             if kwargs:
-                _flatten_kwargs(kwargs, slots)
+                _flatten_kwargs(kwargs, slots, frame[_F_INDEX] == 0)  # the root's: with context
             if isinstance(result, _Tensor):
                 slots.append((_OUT, result))
             elif result is not None:

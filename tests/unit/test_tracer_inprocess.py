@@ -372,3 +372,92 @@ def test_stop_never_raises_into_the_program(tmp_path, monkeypatch, capsys):
     assert "tensor-trace: error in stop" in capsys.readouterr().err
     rt = load_rank_file(rank_files(str(tmp_path))[0])
     assert rt.end["reason"] == "stop" and any("collect exploded" in e["message"] for e in rt.errors)
+
+
+def _batch_type():
+    """A framework's per-batch context (SGLang's ForwardBatch is a dataclass too)."""
+    import dataclasses
+
+    return dataclasses.make_dataclass("Batch", [("positions", torch.Tensor), ("seq_lens", torch.Tensor),
+                                                ("mode", int)])
+
+
+class _ParallelLinear(nn.Linear):
+    def forward(self, x):  # SGLang's linear layers return (output, bias)
+        return super().forward(x), None
+
+
+class _Norm(nn.Module):
+    def forward(self, x, residual=None):  # SGLang's RMSNorm: (x, residual) in, a pair out
+        if residual is None:
+            return x * 2
+        return x + residual, x
+
+
+class _Rotary(nn.Module):
+    def forward(self, positions, q, k):
+        return q + positions[:, None], k - 1
+
+
+class _Attn(nn.Module):
+    def forward(self, q, k, v, forward_batch):
+        return q * k.sum() + v + forward_batch.seq_lens[:, None]
+
+
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = _Norm()
+        self.qkv = _ParallelLinear(8, 24)
+        self.rotary = _Rotary()
+        self.attn = _Attn()
+
+    def forward(self, positions, hidden_states, forward_batch, residual):
+        hidden_states, residual = self.norm(hidden_states, residual)
+        q, k, v = self.qkv(hidden_states)[0].split(8, dim=-1)
+        q, k = self.rotary(positions, q, k)
+        return self.attn(q, k, v, forward_batch=forward_batch), residual
+
+
+class _SglLike(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer(), _Layer()])
+
+    def forward(self, positions, hidden_states, forward_batch):
+        residual = torch.zeros_like(hidden_states)
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual=residual)
+        return hidden_states
+
+
+@pytest.mark.parametrize("fingerprint", [False, True])
+def test_framework_call_patterns_recorded_inline_as_the_general_path_does(tmp_path, monkeypatch, fingerprint):
+    # (output, None) results, (x, residual) pairs, plain values and a batch context among the
+    # arguments, keyword arguments: recorded without walking structures (_record_tensors), the
+    # same as the general path records them; the batch context only in the step root's span.
+    from tensor_trace.tracer import core, structures
+
+    batch_cls = _batch_type()
+    monkeypatch.setattr(structures, "_CONTEXT", {batch_cls})
+    monkeypatch.setattr(core, "_CONTEXT", structures._CONTEXT)
+    torch.manual_seed(0)
+    net = _SglLike()
+    args = (torch.arange(4), torch.randn(4, 8), batch_cls(torch.arange(4), torch.full((4,), 7), 1))
+    tables = {}
+    for how in ("inline", "general"):
+        with monkeypatch.context() as m:
+            if how == "general":
+                m.setattr(core.Tracer, "_record_tensors", lambda self, *a: False)
+            tracer.start(out_dir=str(tmp_path / how), fingerprint=fingerprint)
+            outs = [net(*args) for _ in range(2)]
+            tracer.stop()
+        tables[how] = _spans_by_step(tmp_path / how)
+        assert torch.equal(outs[0], net(*args))
+    assert tables["inline"] == tables["general"]
+    spans = {path: ts for _, _, path, _, _, ts in tables["inline"][1]}
+    assert [s for s, *_ in spans[""]][:4] == ["input.0", "input.1", "input.2.positions", "input.2.seq_lens"]
+    assert [s for s, *_ in spans["layers.0.attn"]] == ["input.0", "input.1", "input.2", "output"]
+    assert [s for s, *_ in spans["layers.0.qkv"]] == ["input.0", "output.0"]
+    assert [s for s, *_ in spans["layers.1.norm"]] == ["input.0", "input.1", "output.0", "output.1"]
+    assert [s for s, *_ in spans["layers.1"]] == ["input.0", "input.1", "input.residual", "output.0", "output.1"]

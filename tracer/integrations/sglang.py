@@ -46,6 +46,7 @@ def patch(name: str, module) -> None:
         _patch_group_coordinator(module.GroupCoordinator)
     elif name == "sglang.srt.model_executor.model_runner":
         _patch_model_runner(module.ModelRunner)
+        _register_context(module)
     elif name in ("sglang.srt.model_executor.runner.decode_cuda_graph_runner",
                   "sglang.srt.model_executor.runner.prefill_cuda_graph_runner"):
         for value in vars(module).values():
@@ -215,6 +216,19 @@ def _record_tp_identity(tr) -> None:
                            tp_group="tp")
     except Exception as exc:
         tr._on_error("sglang tp identity", exc)
+
+
+def _register_context(model_runner_module) -> None:
+    """SGLang's ForwardBatch is the step's context: its tensors are recorded among the step
+    root's inputs, not again in every layer and attention module it is passed to."""
+    import sys
+
+    from tensor_trace.tracer import structures
+
+    info = sys.modules.get("sglang.srt.model_executor.forward_batch_info")
+    cls = getattr(info, "ForwardBatch", None) or getattr(model_runner_module, "ForwardBatch", None)
+    if isinstance(cls, type):
+        structures.add_context_type(cls)
 
 
 def _step_attrs(forward_batch) -> dict:
