@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import os
 import struct
 import sys
 import weakref
@@ -59,7 +60,15 @@ DEFER_MAX_NUMEL = 1 << 24
 # Held deferred tensors past this are reduced mid-step: the device memory fingerprints may hold
 # beyond what the program holds is at most this plus one tensor of DEFER_MAX_NUMEL elements.
 # A Llama-8B-shaped decode step at batch 64 holds about 300 MiB (one flush at 512, two at 256).
-DEFER_BYTES = 512 << 20
+# TENSOR_TRACE_FP_HOLD_MIB sets it (a server with little free memory: lower, at some host time).
+def _hold_bytes() -> int:
+    try:
+        return max(1, int(os.environ.get("TENSOR_TRACE_FP_HOLD_MIB", "512"))) << 20
+    except ValueError:
+        return 512 << 20
+
+
+DEFER_BYTES = _hold_bytes()
 # While a CUDA graph is captured, held tensors cannot give their memory back to the graph's pool
 # until their bucket is reduced: a smaller bucket bounds that extra pool memory, but each bucket
 # adds its own launches to every replay. Measured on the H200 (Llama-8B-shaped decode, batch 64,

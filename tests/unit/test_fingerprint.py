@@ -204,3 +204,19 @@ def test_captured_tensor_held_twice_keeps_every_repeat():
     vals = _values(fps.collect(wait=True))
     assert sorted(vals) == [(5, i) for i in range(4)]
     assert vals[(5, 0)] == vals[(5, 2)] == vals[(5, 3)] != vals[(5, 1)]
+
+
+def test_hold_bound_from_the_environment():
+    import os
+    import subprocess
+    import sys
+
+    code = "from tensor_trace.tracer import fingerprint as f; print(f.DEFER_BYTES >> 20)"
+    for value, expect in (("64", "64"), ("junk", "512"), (None, "512")):
+        env = dict(os.environ)
+        env.pop("TENSOR_TRACE_FP_HOLD_MIB", None)
+        if value is not None:
+            env["TENSOR_TRACE_FP_HOLD_MIB"] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.stdout.strip() == expect, out.stderr[-500:]
