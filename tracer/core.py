@@ -906,18 +906,8 @@ class Tracer:
                 if isinstance(result, _Tensor) and isinstance(a, _Tensor):
                     t1 = _now()
                     stack.pop()
-                    writer = self.writer
-                    key = (a.shape, a.dtype, a.device, result.shape, result.dtype, result.device)
-                    layout = writer._layouts1.get(key)
-                    if layout is None:
-                        layout = writer._layouts1[key] = writer.layout(
-                            ((_IN0, key[0], key[1], key[2]), (_OUT, key[3], key[4], key[5])))
-                    buf = writer._buf
-                    buf.append((_SPAN, self.step, index, parent, path_id, call, t0 - self.step_t0_raw,
-                                t1 - t0, layout, fp_pre, self.fps.add_one(result) if self.fp_now else -1,
-                                1, self.span_flags))
-                    if len(buf) >= writer.max_buffered:
-                        writer.flush()
+                    _span_one_tensor(self, index, parent, path_id, call, t0, t1, a, result, fp_pre,
+                                     self.fp_now)
                     return None
             if (_m is module and len(rest) == 2 and type(slots) is tuple and not self.quiet_hooks
                     and self._record_tensors(frame, slots, rest[0], rest[1])):
@@ -1132,6 +1122,22 @@ _CALL_IMPL = torch.nn.Module._call_impl.__code__
 _DisableTorchFunction = torch._C.DisableTorchFunction  # modes and subclasses both
 
 
+def _span_one_tensor(t, index, parent, path_id, call, t0, t1, a, result, fp_pre, fp_now) -> None:
+    """Write the span of a call with one tensor in and one out (the common call, from either
+    interception): its layout keyed flat, no slot list."""
+    writer = t.writer
+    key = (a.shape, a.dtype, a.device, result.shape, result.dtype, result.device)
+    layout = writer._layouts1.get(key)
+    if layout is None:
+        layout = writer._layouts1[key] = writer.layout(
+            ((_IN0, key[0], key[1], key[2]), (_OUT, key[3], key[4], key[5])))
+    buf = writer._buf
+    buf.append((_SPAN, t.step, index, parent, path_id, call, t0 - t.step_t0_raw, t1 - t0, layout,
+                fp_pre, t.fps.add_one(result) if fp_now else -1, 1, t.span_flags))
+    if len(buf) >= writer.max_buffered:
+        writer.flush()
+
+
 def _root_call_frame():
     frame = sys._getframe(2)
     while frame is not None and frame.f_code is not _CALL_IMPL:
@@ -1244,18 +1250,8 @@ class _CallWrapper:
                         try:
                             t1 = now()
                             stack.pop()
-                            writer = t.writer
-                            key = (a.shape, a.dtype, a.device, result.shape, result.dtype, result.device)
-                            layout = writer._layouts1.get(key)
-                            if layout is None:
-                                layout = writer._layouts1[key] = writer.layout(
-                                    ((_IN0, key[0], key[1], key[2]), (_OUT, key[3], key[4], key[5])))
-                            buf = writer._buf
-                            buf.append((_SPAN, t.step, index, parent, path_id, call, t0 - t.step_t0_raw,
-                                        t1 - t0, layout, fp_pre, t.fps.add_one(result) if fp_now else -1,
-                                        1, t.span_flags))
-                            if len(buf) >= writer.max_buffered:
-                                writer.flush()
+                            _span_one_tensor(t, index, parent, path_id, call, t0, t1, a, result,
+                                             fp_pre, fp_now)
                         except Exception as exc:
                             t._on_error("forward hook", exc)
                     else:
