@@ -132,6 +132,7 @@ class StepFingerprints:
         self._def_v: list = []
         self._def_ts: list = []
         self._def_pos: dict = {}  # id(tensor) -> its positions in _def_ts, built by materialize
+        self._cap_pos: dict = {}  # capturing: id(tensor) -> (index, version) held in this bucket
         self._def_indexed = 0  # positions of _def_ts already in _def_pos
         self._def_bytes = 0
         # (indices, values, squared): values a [k, 2] tensor of (sum, l2 norm), or of (sum, sum
@@ -204,8 +205,11 @@ class StepFingerprints:
                                             and multi_tensor.supported(t)):
                     idx = self.count
                     self.count = idx + 1
+                    version = None if t.is_inference() else t._version
+                    if self.capturing and self._captured_repeat(idx, t, version):
+                        return idx
                     self._def_i.append(idx)
-                    self._def_v.append(None if t.is_inference() else t._version)
+                    self._def_v.append(version)
                     self._def_ts.append(t)
                     self._last, self._last_idx, self._last_version = t, idx, True
                     self._def_bytes += n * size
@@ -257,10 +261,12 @@ class StepFingerprints:
                                             and multi_tensor.supported(t)):
                     # Deferred: held until the step's flush (so its id is not reused before
                     # then, and the flush finds a second sighting by id).
-                    self._def_i.append(idx)
-                    self._def_v.append(None if t.is_inference() else t._version)
-                    self._def_ts.append(t)
-                    self._def_bytes += n * size
+                    version = None if t.is_inference() else t._version
+                    if not (self.capturing and self._captured_repeat(idx, t, version)):
+                        self._def_i.append(idx)
+                        self._def_v.append(version)
+                        self._def_ts.append(t)
+                        self._def_bytes += n * size
                     idx += 1
                     continue
             key = id(t)
@@ -289,6 +295,18 @@ class StepFingerprints:
         if self._def_bytes > self.defer_bytes:
             self._flush_deferred()
         return base
+
+    def _captured_repeat(self, idx: int, t, version) -> bool:
+        """Under capture, a tensor already held in this bucket (same version) is a repeat, not
+        a second hold: held twice it would count twice against the bucket's bytes, and more
+        buckets mean more kernels in every replay. (Eagerly the lookup is not worth its cost.)"""
+        key = id(t)
+        first = self._cap_pos.get(key)
+        if first is not None and first[1] == version:
+            self._dups.append((idx, first[0]))
+            return True
+        self._cap_pos[key] = (idx, version)
+        return False
 
     def _flush_mid_step(self) -> None:
         """Past ``defer_bytes`` held: reduce what is held now (outside autograd)."""
@@ -377,6 +395,7 @@ class StepFingerprints:
         ts, indices, versions = self._def_ts, self._def_i, self._def_v
         self._def_ts, self._def_i, self._def_v = [], [], []
         self._def_pos = {}
+        self._cap_pos = {}
         self._def_indexed = 0
         self._def_bytes = 0
         if self._last_version is True:

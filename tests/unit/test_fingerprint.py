@@ -220,3 +220,20 @@ def test_hold_bound_from_the_environment():
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                              timeout=120)
         assert out.stdout.strip() == expect, out.stderr[-500:]
+
+
+def test_under_capture_a_tensor_is_held_once_per_bucket():
+    # Held twice, a tensor would count twice against the bucket's bytes (more buckets, more
+    # kernels in every replay); a second sighting under capture is a repeat instead.
+    fps = StepFingerprints(defer_cuda=False, defer_cpu=True)
+    fps.begin_capture()
+    x, y = torch.randn(8), torch.randn(8)
+    fps.add_one(x)
+    fps.add_one(y)
+    fps.add([x, y], store=False)  # both seen again, not right after they were added
+    assert len(fps._def_ts) == 2 and fps._def_bytes == 2 * 8 * 4
+    assert fps._dups == [(2, 0), (3, 1)]
+    captured = fps.finish_capture()
+    fps.add_replay(1, fps.reserve(captured.count), captured)
+    vals = _values(fps.collect(wait=True))
+    assert vals[(1, 0)] == vals[(1, 2)] and vals[(1, 1)] == vals[(1, 3)]
