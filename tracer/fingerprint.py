@@ -231,7 +231,14 @@ class StepFingerprints:
                     del seen[key]
                 self._repeat(idx, hit[2])
                 return idx
-            self._reduce_now(idx, t)
+            pair = _host_pair(t) if t.dtype in _HOST_DTYPES else None  # requires_grad: None
+            if pair is None:
+                self._reduce_now(idx, t)
+            else:  # _reduce_now's host case, inline
+                host_idx = self._host_idx
+                self._host_pos[idx] = len(host_idx)
+                host_idx.append(idx)
+                self._host_vals += pair
             if store or version is not None:
                 try:
                     seen[key] = (weakref.ref(t), version, idx)
