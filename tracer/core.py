@@ -779,11 +779,7 @@ class Tracer:
                 stack.append([module, -1, parent, 0, 0, 0, None, -1, False])
                 return None
             path_id = entry[4]
-            calls = self.calls
-            call = calls.get(path_id, -1) + 1
-            calls[path_id] = call
-            index = self.span_count
-            self.span_count = index + 1
+            call, index = _open_span(self, path_id)
         except Exception as exc:
             self._on_error("forward pre-hook", exc)
             if stack:  # an unrecorded frame, so that this call's post-hook finds its own
@@ -1122,6 +1118,16 @@ _CALL_IMPL = torch.nn.Module._call_impl.__code__
 _DisableTorchFunction = torch._C.DisableTorchFunction  # modes and subclasses both
 
 
+def _open_span(t, path_id) -> tuple:
+    """(call index of this module path in the step, span index) for a call being opened."""
+    calls = t.calls
+    call = calls.get(path_id, -1) + 1
+    calls[path_id] = call
+    index = t.span_count
+    t.span_count = index + 1
+    return call, index
+
+
 def _span_one_tensor(t, index, parent, path_id, call, t0, t1, a, result, fp_pre, fp_now) -> None:
     """Write the span of a call with one tensor in and one out (the common call, from either
     interception): its layout keyed flat, no slot list."""
@@ -1213,11 +1219,7 @@ class _CallWrapper:
                         top = stack[-1]
                         parent = top[1] if top[8] else top[2]
                         path_id = entry[4]
-                        calls = t.calls
-                        call = calls.get(path_id, -1) + 1
-                        calls[path_id] = call
-                        index = t.span_count
-                        t.span_count = index + 1
+                        call, index = _open_span(t, path_id)
                         fp_now = t.fp_now
                         if fp_now:
                             fps = t.fps
