@@ -30,7 +30,7 @@ for tp in ${TPS:-1 2}; do
       --traced-out $D/traced.json --json "$OUT/graph-check-tp$tp.json"
   $TT query placement 'model.layers.0.*' --trace $D/graph --step 3 | head -12
 done
-if [ -z "${FIRST:-}" ]; then
+if [ -z "${FIRST:-}" ] && [ -z "${SKIPTESTS:-}" ]; then
   echo "== 2. tests/gpu"
   python3 -m pytest -q -p no:cacheprovider "$REPO/tests/gpu" 2>&1 | tail -5
 fi

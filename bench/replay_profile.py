@@ -35,6 +35,32 @@ def kernels_per_replay(graph, replays: int) -> dict:
     return {k: (n / replays, us / replays) for k, (n, us) in by_name.items()}
 
 
+def host_and_wall(graph, n: int = 50) -> tuple:
+    """(median host µs of a ``replay()`` call, median µs of replay + synchronize, device µs per
+    replay from events around ``n`` back-to-back replays)."""
+    import statistics
+    import time
+
+    pc = time.perf_counter_ns
+    host, wall = [], []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = pc()
+        graph.replay()
+        t1 = pc()
+        torch.cuda.synchronize()
+        t2 = pc()
+        host.append((t1 - t0) / 1e3)
+        wall.append((t2 - t0) / 1e3)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        graph.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return statistics.median(host), statistics.median(wall), a.elapsed_time(b) * 1000 / n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
@@ -50,6 +76,7 @@ def main() -> None:
         for _ in range(3):
             model(ids)
         graphs = {}
+        timing = {}
         for name in ("plain", "traced"):
             if name == "traced":
                 tracer.start(out_dir=tempfile.mkdtemp(prefix="tt-prof-"), fingerprint=True)
@@ -59,8 +86,12 @@ def main() -> None:
                 model(ids)
             torch.cuda.synchronize()
             graphs[name] = kernels_per_replay(g, args.replays)
+            timing[name] = host_and_wall(g)
             if name == "traced":
                 tracer.stop()
+    for name, (host, wall, dev_us) in timing.items():
+        print(f"== {name}: replay() call {host:.1f} us host (median, no wait); replay + synchronize "
+              f"{wall:.1f} us (median); device {dev_us:.1f} us per replay (events over 50)")
     for name, ks in graphs.items():
         total = sum(us for _, us in ks.values())
         print(f"== {name}: {sum(n for n, _ in ks.values()):.0f} kernels, {total:.0f} us device time per replay")

@@ -409,13 +409,13 @@ class StepFingerprints:
             self._last = None
         capturing = self.capturing
         tables: dict = {}  # eager: (dtype, device index) -> (indices, flat table, device)
-        in_place: dict = {}  # capturing: (dtype, device) -> (indices, tensors)
-        strided: dict = {}  # capturing: (dtype, device) -> (indices, tensors, layouts)
+        in_place: dict = {}  # capturing: (dtype, device) -> (indices, tensors, row layouts)
         groups: dict = {}  # stacked: (shape, dtype, device) -> (indices, tensors)
         first: dict = {}  # capturing: id(tensor) -> (index, version) of its first row
         usable = None
         kernel_dtypes = multi_tensor.DTYPES
         row_layout = multi_tensor.row_layout
+        max_numel = multi_tensor.MAX_NUMEL
         # The eager table being filled, for the (dtype, device) of the tensor before: a step's
         # tensors are mostly of one dtype on one device, so this is one test per tensor.
         cur_dtype = cur_dev = cur_idx = cur_table = None
@@ -459,20 +459,13 @@ class StepFingerprints:
                 first[id(t)] = (index, version)
                 if usable is None:
                     usable = multi_tensor.usable(t)
-                if usable and dtype in kernel_dtypes:
-                    gkey = (dtype, t.device)
-                    if t.is_contiguous():
+                if usable and dtype in kernel_dtypes and t.numel() < max_numel:
+                    layout = None if t.is_contiguous() else row_layout(t)
+                    if layout is not None or t.is_contiguous():
+                        gkey = (dtype, t.device)
                         entry = in_place.get(gkey)
                         if entry is None:
-                            in_place[gkey] = entry = ([], [])
-                        entry[0].append(index)
-                        entry[1].append(t)
-                        continue
-                    layout = row_layout(t)
-                    if layout is not None:
-                        entry = strided.get(gkey)
-                        if entry is None:
-                            strided[gkey] = entry = ([], [], [])
+                            in_place[gkey] = entry = ([], [], [])
                         entry[0].append(index)
                         entry[1].append(t)
                         entry[2].append(layout)
@@ -487,8 +480,7 @@ class StepFingerprints:
             if idx:
                 values = multi_tensor.sum_sumsq_table(table, len(idx), max(table[1::4]), dtype, device)
                 self._blocks.append((idx, values, True))
-        kernel_groups = [(i, g, None) for i, g in in_place.values()] + list(strided.values())
-        for idx, group, layouts in kernel_groups:
+        for idx, group, layouts in in_place.values():
             res = multi_tensor.sum_l2(group, capturing=capturing, layouts=layouts)
             if res is None:  # no room for its table in this capture: stack these
                 for index, t in zip(idx, group):

@@ -103,6 +103,50 @@ def _build():
             tl.atomic_add(out + 2 * t, tl.sum(acc, axis=0))
             tl.atomic_add(out + 2 * t + 1, tl.sum(acc2, axis=0))
 
+    # Under capture: one program per chunk of a tensor, listed in a table built at capture time
+    # (the replay's work is known then): one launch for a dtype's tensors of every size, no
+    # program without work, and each program loops only over its own chunk. A table entry is
+    # four int64: the address, start | end << 32 (element offsets in the tensor), out row |
+    # columns << 32 (columns 0: contiguous; else rows of that many elements, ``row stride``
+    # apart), and the row stride.
+    @triton.jit
+    def sum_sumsq_chunks(table, out, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
+        p = tl.program_id(0).to(tl.int64)
+        base = tl.load(table + 4 * p).to(tl.pointer_type(DTYPE))
+        span = tl.load(table + 4 * p + 1)
+        where = tl.load(table + 4 * p + 2)
+        end64 = span >> 32
+        start = (span - (end64 << 32)).to(tl.int32)
+        end = end64.to(tl.int32)
+        cols64 = where >> 32
+        row = where - (cols64 << 32)
+        cols = cols64.to(tl.int32)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK], dtype=tl.float32)
+        # ``while``, not ``range`` with run-time bounds: Triton's interpreter (CI runs this
+        # kernel there) cannot take a loaded value as a ``range`` bound under NumPy 2.
+        i = start
+        if cols == 0:
+            while i < end:
+                offs = i + tl.arange(0, BLOCK)
+                x = tl.load(base + offs, mask=offs < end, other=0.0).to(tl.float32)
+                acc += x
+                acc2 += x * x
+                i += BLOCK
+        else:
+            row_stride = tl.load(table + 4 * p + 3)
+            while i < end:
+                offs = i + tl.arange(0, BLOCK)
+                r = offs // cols
+                ptrs = base + r.to(tl.int64) * row_stride + (offs - r * cols)
+                x = tl.load(ptrs, mask=offs < end, other=0.0).to(tl.float32)
+                acc += x
+                acc2 += x * x
+                i += BLOCK
+        tl.atomic_add(out + 2 * row, tl.sum(acc, axis=0))
+        tl.atomic_add(out + 2 * row + 1, tl.sum(acc2, axis=0))
+
+    _state["chunks"] = sum_sumsq_chunks
     _state["tl_dtypes"] = {torch.float32: tl.float32, torch.float16: tl.float16,
                            torch.bfloat16: tl.bfloat16}
     return sum_sumsq
@@ -213,9 +257,14 @@ class TableFill:
             self.done = None
 
 
+CAPTURE_CHUNK = 65536  # elements per program of a captured launch (more where the arena is short)
+MAX_NUMEL = 1 << 31  # the kernels' element offsets are 32-bit
+
+
 def sum_l2(tensors, capturing: bool = False, layouts=None):
-    """Launch the fingerprint kernel over ``tensors`` (one dtype, one device, ``supported``; or,
-    with ``layouts``, their ``row_layout`` each, for row-strided views).
+    """Launch the fingerprint kernel over ``tensors`` (one dtype, one device, ``supported``, or
+    with ``layouts`` a ``row_layout`` each: None for a contiguous tensor, (columns, row stride)
+    for a row-strided view; each below ``MAX_NUMEL`` elements).
 
     Returns ``(order, values, fill)``: ``values`` a ``[k, 2]`` fp32 tensor of (sum, l2 norm) on
     the tensors' device, computed in stream order, row ``i`` for ``tensors[order[i]]``; ``fill``
@@ -224,72 +273,75 @@ def sum_l2(tensors, capturing: bool = False, layouts=None):
     must stay alive until the kernel has run (eagerly: stream order covers it; captured: the
     graph's pool keeps them for replays).
 
-    While capturing, tensors are launched in classes of similar size (chunk counts within a
-    factor of two): a grid as wide as the largest tensor for all of them would be mostly programs
-    with nothing to do at every replay (a decode step's logits are 250 chunks, most activations 1
-    to 8). Eagerly there is one launch (see below)."""
+    While capturing, the launch is one program per chunk (``capture_chunks``): the kernel runs
+    at every replay, so its table is built once, here, to the work's exact size. Eagerly there is
+    one launch as wide as the largest tensor (see below)."""
     kernel = _kernel()
     first = tensors[0]
     device = first.device
+    out = None
     if capturing:
         arena = _state.get("arena")
         if arena is None or arena.buf.device != device:
             return None
-    if capturing:
-        classes: dict = {}
-        for i, t in enumerate(tensors):
-            n = t.numel()
-            chunks = -(-n // CHUNK) or 1
-            key = chunks.bit_length()
-            entry = classes.get(key)
-            if entry is None:
-                classes[key] = entry = [0, []]
-            if chunks > entry[0]:
-                entry[0] = chunks
-            entry[1].append(i)
-        order: list = []
-        launches = []
-        for chunks, members in classes.values():
-            launches.append((len(order), len(members), chunks))
-            order += members
-        values = []
-        for i in order:
-            t = tensors[i]
-            values.append(t.data_ptr())
-            values.append(t.numel())
-            if layouts is not None:
-                values += layouts[i]
-    else:
-        # Eagerly the host is the bottleneck (a Triton launch costs tens of microseconds from
-        # Python) and deferred tensors are small (at most DEFER_MAX_NUMEL elements, 16 chunks):
-        # one launch as wide as the largest, whose surplus programs return at once.
-        values = []
-        most = 1
-        for i, t in enumerate(tensors):
-            n = t.numel()
-            values.append(t.data_ptr())
-            values.append(n)
-            if layouts is not None:
-                values += layouts[i]
-            if n > most:
-                most = n
-        order = range(len(tensors))
-        launches = [(0, len(tensors), -(-most // CHUNK))]
-    if capturing:
-        table = arena.take(len(values))
+        values = capture_chunks(tensors, layouts, arena.buf.numel() - arena.used)
+        table = arena.take(len(values)) if values is not None else None
         if table is None:
             return None
-        fill = TableFill(table, values)
-    else:
-        table = _device_table(values, device)
-        fill = None
+        out = torch.zeros((len(tensors), 2), dtype=torch.float32, device=device)
+        _state["chunks"][(len(values) // 4,)](table, out, BLOCK=BLOCK,
+                                              DTYPE=_state["tl_dtypes"][first.dtype],
+                                              num_warps=NUM_WARPS)
+        out[:, 1].sqrt_()
+        return range(len(tensors)), out, TableFill(table, values)
+    # Eagerly the host is the bottleneck (a Triton launch costs tens of microseconds from
+    # Python) and deferred tensors are small (at most DEFER_MAX_NUMEL elements, 16 chunks):
+    # one launch as wide as the largest, whose surplus programs return at once.
+    values = []
+    most = 1
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        values.append(t.data_ptr())
+        values.append(n)
+        if layouts is not None:
+            values += layouts[i] or (n, n)  # a contiguous tensor: one row
+        if n > most:
+            most = n
+    table = _device_table(values, device)
     out = torch.zeros((len(tensors), 2), dtype=torch.float32, device=device)
-    dtype = _state["tl_dtypes"][first.dtype]
-    for start, count, chunks in launches:
-        kernel[(count, chunks)](table, out, start, CHUNK=CHUNK, BLOCK=BLOCK, DTYPE=dtype,
-                                ROWS=layouts is not None, num_warps=NUM_WARPS)
+    kernel[(len(tensors), -(-most // CHUNK))](table, out, 0, CHUNK=CHUNK, BLOCK=BLOCK,
+                                              DTYPE=_state["tl_dtypes"][first.dtype],
+                                              ROWS=layouts is not None, num_warps=NUM_WARPS)
     out[:, 1].sqrt_()
-    return order, out, fill
+    return range(len(tensors)), out, None
+
+
+def capture_chunks(tensors, layouts, room: int):
+    """The chunk table of a captured launch as a flat list of int64 (four per chunk, see
+    ``sum_sumsq_chunks``), or None if it cannot fit in ``room`` entries. Chunks are
+    ``CAPTURE_CHUNK`` elements, doubled until the table fits (fewer, longer programs)."""
+    sizes = [t.numel() for t in tensors]
+    chunk = CAPTURE_CHUNK
+    while 4 * sum(-(-n // chunk) or 1 for n in sizes) > room:
+        chunk *= 2
+        if chunk > MAX_NUMEL:
+            return None
+    values: list = []
+    for row, (t, n) in enumerate(zip(tensors, sizes)):
+        layout = layouts[row] if layouts is not None else None
+        if layout is None:
+            where, stride = row, 0
+        else:
+            where, stride = row | (layout[0] << 32), layout[1]
+        addr = t.data_ptr()
+        start = 0
+        while True:  # an empty tensor is one chunk with nothing to read
+            end = min(n, start + chunk)
+            values += (addr, start | (end << 32), where, stride)
+            start = end
+            if start >= n:
+                break
+    return values
 
 
 def _device_table(values: list, device):
@@ -347,9 +399,21 @@ def warm_up(device) -> bool:
         return False
     try:
         for dtype in DTYPES:
-            sum_l2([torch.arange(1, 5, dtype=dtype, device=device)])
+            flat = torch.arange(1, 5, dtype=dtype, device=device)
+            sum_l2([flat])
             rows = torch.arange(1, 9, dtype=dtype, device=device).view(2, 4)[:, 1:3]
             sum_l2([rows], layouts=[row_layout(rows)])
+            # the capture's kernel too, with a table 16-byte aligned as the arena's slices are
+            arena = TableArena(device, 16)
+            table_values = capture_chunks([flat, rows], [None, row_layout(rows)], 16)
+            table = arena.take(len(table_values))
+            table.copy_(torch.tensor(table_values, dtype=torch.int64))
+            got = torch.zeros((2, 2), dtype=torch.float32, device=device)
+            _state["chunks"][(len(table_values) // 4,)](table, got, BLOCK=BLOCK,
+                                                        DTYPE=_state["tl_dtypes"][dtype],
+                                                        num_warps=NUM_WARPS)
+            if got.tolist() != [[10.0, 30.0], [18.0, 98.0]]:
+                raise RuntimeError(f"capture kernel self-check failed: {got.tolist()}")
     except Exception as exc:  # e.g. a Triton that cannot compile it: stack instead, say so once
         _state["kernel"] = None
         sys.stderr.write(f"tensor-trace: multi-tensor fingerprint kernel unavailable ({exc!r:.200}); "

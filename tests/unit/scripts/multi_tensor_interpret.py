@@ -106,27 +106,69 @@ multi_tensor.sum_l2 = _sum_l2
 multi_tensor.sum_sumsq_table = _sum_sumsq_table
 
 # 3. Capture bookkeeping: the kernel's table is left for after the capture, then filled with
-#    each tensor's (address, element count); large tensors are deferred too.
+#    one entry per chunk of each tensor (contiguous or row-strided, one launch); large tensors
+#    are deferred too.
 fps = StepFingerprints(defer_cuda=False, defer_cpu=True)
 assert multi_tensor.sum_l2([torch.ones(16)], capturing=True) is None, \
     "a capture without an arena must fall back"
 multi_tensor.begin_capture(torch.device("cpu"))  # GraphTracker does this before capture_begin
 arena = multi_tensor._state["arena"]
 fps.begin_capture()
-big = torch.randn(multi_tensor.CHUNK * 40)  # deferred under capture, whatever its size
-group = [torch.randn(4, 8), torch.randn(3, 16), big]
+CC = multi_tensor.CAPTURE_CHUNK
+big = torch.randn(CC * 40 + 3)  # deferred under capture, whatever its size
+split = torch.randn(5, 1, 3 * CC)[:, :, CC // 2:CC // 2 + CC + 100]  # rows of CC + 100 columns
+group = [torch.randn(4, 8), torch.randn(3, 16), big, split]
 fps.add(group)
 captured = fps.finish_capture()
 assert not fps.capturing and fps.defer_bytes > (64 << 20)
 assert len(captured.fills) == 1, captured.fills
 table = captured.fills[0].table
 assert table.data_ptr() == arena.buf.data_ptr(), "the table is a slice of the arena"
-assert table.tolist() == [0] * 6, table  # not filled during the "capture"
+n_chunks = 1 + 1 + 41 + 6  # 32 and 48 elements; 40 chunks and 3; 5 rows of CC + 100: 6 chunks
+assert table.numel() == 4 * n_chunks and table.eq(0).all(), table  # not filled during the "capture"
 captured.prepare()
 multi_tensor.end_capture()
-# in size classes: the two small tensors, then the large one
-assert table.tolist() == [v for t in group for v in (t.data_ptr(), t.numel())], table.tolist()
-assert arena.buf[6:].eq(0).all()
+entries = [table[i:i + 4].tolist() for i in range(0, table.numel(), 4)]
+expect = []
+for row, t in enumerate(group):
+    n = t.numel()
+    layout = multi_tensor.row_layout(t) if not t.is_contiguous() else None
+    where = row if layout is None else row + (layout[0] << 32)
+    for start in range(0, n, CC):
+        expect.append([t.data_ptr(), start + (min(n, start + CC) << 32), where,
+                       0 if layout is None else layout[1]])
+assert entries == expect, (entries[:3], expect[:3])
+assert arena.buf[4 * n_chunks:].eq(0).all()
+
+
+def run_chunks(table, k, dtype):
+    out = torch.zeros(k, 2)
+    multi_tensor._state["chunks"][(table.numel() // 4,)](
+        table, out, BLOCK=multi_tensor.BLOCK, DTYPE=multi_tensor._state["tl_dtypes"][dtype])
+    return out
+
+
+def check_values(out, ts):
+    for (s, q), t in zip(out.tolist(), ts):
+        f = t.double()
+        es, eq = f.sum().item(), f.pow(2).sum().item()
+        assert abs(s - es) <= 1e-5 * math.sqrt(max(eq, 1.0) * t.numel()), (t.shape, s, es)
+        assert abs(q - eq) <= 1e-5 * max(eq, 1.0), (t.shape, q, eq)
+
+
+check_values(run_chunks(table, len(group), torch.float32), group)  # what a replay computes
+# A short arena: longer chunks, the same values.
+multi_tensor.begin_capture(torch.device("cpu"))
+multi_tensor._state["arena"].used = multi_tensor.ARENA_ENTRIES - 4 * 6
+fps.begin_capture()
+fps.add(group)
+captured = fps.finish_capture()
+multi_tensor.end_capture()
+table = captured.fills[0].table
+assert table.numel() <= 4 * 6 and captured.static.shape == (4, 2), table.numel()
+captured.prepare()
+check_values(run_chunks(table, len(group), torch.float32), group)
+report["capture_chunks_short_arena"] = table.numel() // 4
 # A full arena: the tensors are stacked instead, with the same values.
 multi_tensor.begin_capture(torch.device("cpu"))
 multi_tensor._state["arena"].used = multi_tensor.ARENA_ENTRIES - 2
@@ -139,4 +181,5 @@ expect = [(t.sum().item(), t.norm().item()) for t in group[:2]]
 for (s, l2), (es, el2) in zip(captured.static.tolist(), expect):
     assert math.isclose(s, es, rel_tol=1e-5, abs_tol=1e-5) and math.isclose(l2, el2, rel_tol=1e-5)
 report["capture_table_filled"] = len(group)
+report["capture_chunks"] = n_chunks
 print(json.dumps(report))
