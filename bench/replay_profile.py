@@ -61,6 +61,51 @@ def host_and_wall(graph, n: int = 50) -> tuple:
     return statistics.median(host), statistics.median(wall), a.elapsed_time(b) * 1000 / n
 
 
+def host_profile(graph, n: int = 50) -> None:
+    """Where a traced replay's host time goes (cProfile, synchronised replays), whether anything
+    in it synchronises (torch's sync debug mode), and back-to-back replays' host and device time."""
+    import cProfile
+    import io
+    import pstats
+    import time
+    import warnings
+
+    prof = cProfile.Profile()
+    for _ in range(n):
+        torch.cuda.synchronize()
+        prof.enable()
+        graph.replay()
+        prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+    print(f"== traced replay host profile ({n} replays, tottime):")
+    print("\n".join(line for line in buf.getvalue().splitlines()[6:] if line.strip()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(5):
+                graph.replay()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    print(f"== sync debug mode over 5 traced replays: {len(caught)} warning(s)",
+          *{str(w.message)[:160] for w in caught})
+    for k in (10, 50):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        a.record()
+        for _ in range(k):
+            graph.replay()
+        t1 = time.perf_counter_ns()
+        b.record()
+        torch.cuda.synchronize()
+        print(f"== {k} back-to-back traced replays: host {(t1 - t0) / 1e3 / k:.0f} us per replay call, "
+              f"device {a.elapsed_time(b) * 1000 / k:.0f} us per replay")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
@@ -87,6 +132,8 @@ def main() -> None:
             torch.cuda.synchronize()
             graphs[name] = kernels_per_replay(g, args.replays)
             timing[name] = host_and_wall(g)
+            if name == "traced":
+                host_profile(g)
             if name == "traced":
                 tracer.stop()
     for name, (host, wall, dev_us) in timing.items():

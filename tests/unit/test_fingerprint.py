@@ -200,10 +200,14 @@ def test_captured_tensor_held_twice_keeps_every_repeat():
     fps.add_one(x, False)  # 3: a repeat of 2, by identity
     captured = fps.finish_capture()
     assert captured.static.shape[0] == 2  # x and y: one row each
-    fps.add_replay(5, fps.reserve(captured.count), captured)
+    for step in (5, 6):  # a step of its own each: fingerprints from 0 again
+        fps.add_replay(step, fps.reserve(captured.count), captured)
+        fps.reset()
     vals = _values(fps.collect(wait=True))
-    assert sorted(vals) == [(5, i) for i in range(4)]
+    assert sorted(vals) == [(s, i) for s in (5, 6) for i in range(4)]
     assert vals[(5, 0)] == vals[(5, 2)] == vals[(5, 3)] != vals[(5, 1)]
+    assert vals[(6, 0)] == vals[(6, 2)] == vals[(6, 3)] == vals[(5, 0)]
+    assert list(captured.plans) == [0]  # the record layout was resolved once, for both replays
 
 
 def test_hold_bound_from_the_environment():
