@@ -136,6 +136,12 @@ def main() -> None:
                 host_profile(g)
             if name == "traced":
                 tracer.stop()
+                # the same graphs again, tracer stopped (its kernels still in the traced graph):
+                # what the graph costs apart from the replay wrapper, and any drift since
+                timing["traced graph, tracer stopped"] = host_and_wall(g)
+                timing["plain, again"] = host_and_wall(plain_graph)
+            else:
+                plain_graph = g
     for name, (host, wall, dev_us) in timing.items():
         print(f"== {name}: replay() call {host:.1f} us host (median, no wait); replay + synchronize "
               f"{wall:.1f} us (median); device {dev_us:.1f} us per replay (events over 50)")
