@@ -261,10 +261,10 @@ class StepFingerprints:
                     if self._def_bytes > self.defer_bytes:
                         self._flush_mid_step()
                     return idx
-        if t.requires_grad and _grad_enabled():
-            return self.add((t,), store)
-        if not self.defer_cpu and t.is_cpu:
+        elif t.is_cpu:
             # A CPU tensor, fingerprinted at once: _add's work for one tensor, inline.
+            if t.requires_grad and _grad_enabled():
+                return self.add((t,), store)
             seen = self._seen
             key = id(t)
             version = None if t.is_inference() else t._version
@@ -292,6 +292,8 @@ class StepFingerprints:
             if store:
                 self._last, self._last_idx, self._last_version = t, idx, version
             return idx
+        if t.requires_grad and _grad_enabled():
+            return self.add((t,), store)
         n_imm = len(self._imm_idx) + len(self._host_idx)
         idx = self._add((t,), store)
         if len(self._imm_idx) + len(self._host_idx) > n_imm and store and not t.is_cuda:
@@ -336,7 +338,15 @@ class StepFingerprints:
                     continue
             tracked = not t.is_inference()
             version = t._version if tracked else None
-            self._reduce_now(idx, t)
+            pair = (_host_pair(t) if t.is_cpu and t.dtype in _HOST_DTYPES and not t.requires_grad
+                    else None)
+            if pair is None:
+                self._reduce_now(idx, t)
+            else:  # _reduce_now's host case, inline (a CPU step's multi-tensor calls)
+                host_idx = self._host_idx
+                self._host_pos[idx] = len(host_idx)
+                host_idx.append(idx)
+                self._host_vals += pair
             if store or tracked:
                 try:
                     seen[key] = (weakref.ref(t), version, idx)
@@ -759,6 +769,8 @@ def _pair(t, host: bool = True):
 _HOST_DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32)
 _numpy: list = []  # [numpy module] once imported, [None] when unavailable
 _ONES: dict = {}  # (numel, numpy dtype) -> ones vector
+_ONES_F32: dict = {}  # numel -> float32 ones vector
+_NP_F32: list = []  # [numpy's float32 dtype] once numpy is imported
 
 
 def _host_pair(t):
@@ -774,11 +786,18 @@ def _host_pair(t):
         return None
     try:
         a = t.numpy().ravel()  # a view of a contiguous tensor (a 1-D dot skips vdot's ravels)
+        if a.dtype is _NP_F32[0]:  # the common case first: one lookup, by size
+            ones = _ONES_F32.get(a.size)
+            if ones is None:  # sum as a dot with ones: one BLAS call, a third of a ufunc reduce
+                if len(_ONES_F32) >= 256:
+                    _ONES_F32.clear()
+                ones = _ONES_F32[a.size] = np.ones(a.size, dtype=np.float32)
+            return (float(a.dot(ones)), float(a.dot(a)))
         if not t.is_floating_point():  # token ids, positions: exact in float64
             a = a.astype(np.float64)
         key = (a.size, a.dtype.char)
         ones = _ONES.get(key)
-        if ones is None:  # sum as a dot with ones: one BLAS call, a third of a ufunc reduce
+        if ones is None:
             if len(_ONES) >= 256:
                 _ONES.clear()
             ones = _ONES[key] = np.ones(a.size, dtype=a.dtype)
@@ -792,6 +811,8 @@ def _import_numpy():
         import numpy
     except Exception:
         numpy = None
+    else:
+        _NP_F32.append(numpy.dtype(numpy.float32))
     _numpy.append(numpy)
     return numpy
 
