@@ -11,7 +11,7 @@ if [ "${PROFILE:-1}" = 1 ]; then
 fi
 echo "== hook cost (cuda)"; python3 "$REPO/bench/hook_cost.py" --device cuda --json "$OUT/hook-cuda.json"
 echo "== overhead, Llama-8B-shaped decode"
-python3 "$REPO/bench/overhead.py" --workload llama8b-decode --rounds ${ROUNDS:-5} ${BREAKDOWN:-} \
+python3 "$REPO/bench/overhead.py" --workload llama8b-decode --rounds ${ROUNDS:-5} ${STEPS:+--steps $STEPS} ${BREAKDOWN:-} \
     --json "$OUT/bench-gpu.json" 2>&1 | grep -v '^USDT\|^  \['
 date -u
 if [ "${GRAPHS:-1}" = 1 ]; then
