@@ -16,7 +16,9 @@ time and the ratio to ``plain`` of the same run:
 - ``fp-nokeep``            ``add_one``/``add`` only count indices: spans as with fingerprints,
                            no fingerprint work at all;
 - ``call-nop``             the ``Module.__call__`` wrapper with empty bodies (its own floor);
-- ``fp-gcoff``             ``fp`` with Python's garbage collector off.
+- ``fp-gcoff``             ``fp`` with Python's garbage collector off;
+- ``fp-holdM``              ``fp`` flushing whenever M MiB are held (``TENSOR_TRACE_FP_HOLD_MIB``):
+                           more launches per step, fewer tensors alive at once.
 
 Then, for ``nofp`` and ``fp``: host time per step spent in the step's end (``_end_step``), in the
 deferred flush and in immediate reductions; Python GC collections and their time per step; and the
@@ -119,6 +121,8 @@ def variant(name: str, tmp: str):
         stack.enter_context(patched(fpmod.StepFingerprints, "_flush_deferred", _drop_flush))
     elif name == "fp-old" and OLD is not None:  # the previous commit's tracer/fingerprint.py
         stack.enter_context(patched(core, "StepFingerprints", OLD.StepFingerprints))
+    elif name.startswith("fp-hold") and name[7:].isdigit():  # fp-hold4: flush past 4 MiB held
+        stack.enter_context(patched(fpmod, "DEFER_BYTES", int(name[7:]) << 20))
     elif name == "fp-nokeep":
         stack.enter_context(patched(fpmod.StepFingerprints, "add_one", _count_one))
         stack.enter_context(patched(fpmod.StepFingerprints, "add", _count_n))
