@@ -117,14 +117,15 @@ fps.begin_capture()
 CC = multi_tensor.CAPTURE_CHUNK
 big = torch.randn(CC * 40 + 3)  # deferred under capture, whatever its size
 split = torch.randn(5, 1, 3 * CC)[:, :, CC // 2:CC // 2 + CC + 100]  # rows of CC + 100 columns
-group = [torch.randn(4, 8), torch.randn(3, 16), big, split]
+group = [torch.randn(4, 8), torch.randn(3, 16), big, split, torch.empty(0)]
 fps.add(group)
 captured = fps.finish_capture()
 assert not fps.capturing and fps.defer_bytes > (64 << 20)
 assert len(captured.fills) == 1, captured.fills
 table = captured.fills[0].table
 assert table.data_ptr() == arena.buf.data_ptr(), "the table is a slice of the arena"
-n_chunks = 1 + 1 + 41 + 6  # 32 and 48 elements; 40 chunks and 3; 5 rows of CC + 100: 6 chunks
+n_chunks = 1 + 1 + 41 + 6 + 1  # 32 and 48 elements; 40 chunks and 3; 5 rows of CC + 100: 6
+#                               chunks; an empty tensor: one chunk that reads nothing
 assert table.numel() == 4 * n_chunks and table.eq(0).all(), table  # not filled during the "capture"
 captured.prepare()
 multi_tensor.end_capture()
@@ -134,7 +135,7 @@ for row, t in enumerate(group):
     n = t.numel()
     layout = multi_tensor.row_layout(t) if not t.is_contiguous() else None
     where = row if layout is None else row + (layout[0] << 32)
-    for start in range(0, n, CC):
+    for start in range(0, max(n, 1), CC):
         expect.append([t.data_ptr(), start + (min(n, start + CC) << 32), where,
                        0 if layout is None else layout[1]])
 assert entries == expect, (entries[:3], expect[:3])
@@ -159,13 +160,13 @@ def check_values(out, ts):
 check_values(run_chunks(table, len(group), torch.float32), group)  # what a replay computes
 # A short arena: longer chunks, the same values.
 multi_tensor.begin_capture(torch.device("cpu"))
-multi_tensor._state["arena"].used = multi_tensor.ARENA_ENTRIES - 4 * 6
+multi_tensor._state["arena"].used = multi_tensor.ARENA_ENTRIES - 4 * 7
 fps.begin_capture()
 fps.add(group)
 captured = fps.finish_capture()
 multi_tensor.end_capture()
 table = captured.fills[0].table
-assert table.numel() <= 4 * 6 and captured.static.shape == (4, 2), table.numel()
+assert table.numel() <= 4 * 7 and captured.static.shape == (5, 2), table.numel()
 captured.prepare()
 check_values(run_chunks(table, len(group), torch.float32), group)
 report["capture_chunks_short_arena"] = table.numel() // 4
