@@ -24,6 +24,8 @@ import triton.language as tl
 
 from tensor_trace.tracer import multi_tensor
 
+from gpu_timing import replays_device_us  # bench/ is this script's folder, first on sys.path
+
 
 @triton.jit(do_not_specialize=["first"])
 def k_classes(table, out, first, CHUNK: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
@@ -65,13 +67,7 @@ def graph_time(body, reps=10, replays=20):
             body()
     g.replay()
     torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(replays):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1000 / replays / reps, g
+    return replays_device_us(g, replays) / reps, g
 
 
 def chunk_table(ts, chunk):
@@ -113,13 +109,7 @@ def main():
             fill.before_replay()
             g.replay()
             torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(50):
-                g.replay()
-            b.record()
-            torch.cuda.synchronize()
-            us = a.elapsed_time(b) * 1000 / 50
+            us = replays_device_us(g, 50)
             got = vals.cpu().clone()
             got[:, 1] = got[:, 1] ** 2
             rows.append((f"library sum_l2(capturing) (chunk {multi_tensor.CAPTURE_CHUNK}, block "

@@ -16,6 +16,7 @@ import tempfile
 import torch
 
 import overhead as ov  # bench/ is this script's folder, first on sys.path
+from gpu_timing import replays_device_us
 from tensor_trace import tracer
 
 
@@ -52,13 +53,7 @@ def host_and_wall(graph, n: int = 50) -> tuple:
         t2 = pc()
         host.append((t1 - t0) / 1e3)
         wall.append((t2 - t0) / 1e3)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        graph.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return statistics.median(host), statistics.median(wall), a.elapsed_time(b) * 1000 / n
+    return statistics.median(host), statistics.median(wall), replays_device_us(graph, n)
 
 
 def host_profile(graph, n: int = 50) -> None:
