@@ -1224,11 +1224,9 @@ class _CallWrapper:
                         if fp_now:
                             fps = t.fps
                             if a is fps._last and fps._last_version is True:
-                                # the previous call's output, deferred: a repeat (add_one's
+                                # the previous call's output, deferred: its index (add_one's
                                 # first case, without the call)
-                                fp_pre = fps.count
-                                fps.count = fp_pre + 1
-                                fps._dups.append((fp_pre, fps._last_idx))
+                                fp_pre = fps._last_idx
                             else:
                                 fp_pre = fps.add_one(a, False)
                         else:

@@ -394,7 +394,7 @@ def sum_sumsq_table(table: list, count: int, most: int, dtype, device):
         both = torch.tensor(table + [0] * count, dtype=torch.int64)
     dev_table = both[:n]
     out = both[n:].view(torch.float32).view(count, 2)
-    kernel[(count, -(-most // CHUNK))](dev_table, out, 0, CHUNK=CHUNK, BLOCK=BLOCK,
+    kernel[(count, max(1, -(-most // CHUNK)))](dev_table, out, 0, CHUNK=CHUNK, BLOCK=BLOCK,
                                        DTYPE=_state["tl_dtypes"][dtype], ROWS=True, num_warps=NUM_WARPS)
     return out
 

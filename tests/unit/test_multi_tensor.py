@@ -22,6 +22,7 @@ def test_kernel_values_and_bookkeeping_under_interpreter():
     assert report["kernel_tensors"] == 10
     assert report["deferred_equal_immediate"] == 7
     assert report["deferred_row_strided_in_kernel"] == [[16, 40]]  # the split view, not stacked
+    assert report["hook_table_launches"] == [4, 1]  # one kind: the hooks' table, launched once
     assert report["capture_table_filled"] == 5
     assert report["capture_chunks"] == 50  # one program per chunk, contiguous and row-strided
     assert report["capture_chunks_short_arena"] == 7  # 16 times as long: the first that fits in 7

@@ -102,6 +102,44 @@ for k, (s, q) in got[False].items():
     assert math.isclose(s, s2, rel_tol=1e-4, abs_tol=1e-4) and math.isclose(q, q2, rel_tol=1e-4), (k, s, s2, q, q2)
 report["deferred_equal_immediate"] = len(ts)
 report["deferred_row_strided_in_kernel"] = launched_rows
+
+# 2b. The table the hooks build: one kind of tensor is one launch of the table as it was built;
+#     materialised and stale tensors leave it before the launch.
+launches = []
+
+
+def count_table(table, count, most, dtype, device):
+    launches.append(count)
+    return _sum_sumsq_table(table, count, most, dtype, device)
+
+
+multi_tensor.sum_sumsq_table = count_table
+one_kind = [torch.randn(4, 8), torch.randn(3, 1, 40)[:, :, 8:24], torch.randn(7), torch.empty(0)]
+with torch.inference_mode():
+    fps = StepFingerprints(defer_cuda=False, defer_cpu=True)
+    for t in one_kind:
+        fps.add_one(t.clone() if t.is_contiguous() else t)
+    fps.finish_step(4)
+    got_one = values(fps.collect(wait=True))
+assert launches == [4] and sorted(got_one) == [(4, i) for i in range(4)], (launches, got_one)
+for i, t in enumerate(one_kind):
+    f = t.double()
+    assert math.isclose(got_one[(4, i)][0], f.sum().item(), rel_tol=1e-4, abs_tol=1e-4)
+    assert math.isclose(got_one[(4, i)][1], f.pow(2).sum().item(), rel_tol=1e-4, abs_tol=1e-4)
+a, b, c = torch.randn(6), torch.randn(6), torch.randn(6)
+fps = StepFingerprints(defer_cuda=False, defer_cpu=True)
+for t in (a, b, c):
+    fps.add_one(t)
+b_sum = b.sum().item()
+fps.materialize([b])  # a collective's input: reduced now, then updated in place
+b.mul_(3)
+c.add_(1)  # updated in place after it was seen: no value
+fps.finish_step(5)
+got_abc = values(fps.collect(wait=True))
+assert launches == [4, 1] and sorted(got_abc) == [(5, 0), (5, 1)] and fps.stale == 1
+assert math.isclose(got_abc[(5, 0)][0], a.sum().item(), rel_tol=1e-4, abs_tol=1e-4)
+assert math.isclose(got_abc[(5, 1)][0], b_sum, rel_tol=1e-4, abs_tol=1e-4)
+report["hook_table_launches"] = launches
 multi_tensor.sum_l2 = _sum_l2
 multi_tensor.sum_sumsq_table = _sum_sumsq_table
 

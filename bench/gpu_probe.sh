@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device-tool call: tests/gpu, then where a traced eager step's host time goes
+# (bench/eager_fp_probe.py, with fp-old when bench/_old_fingerprint.py is present) and a cProfile
+# of the traced variants (bench/overhead.py --breakdown).   run: bash bench/gpu_probe.sh
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh" probe-session.txt
+date -u
+if [ "${SKIPTESTS:-0}" != 1 ]; then
+  # (from /tmp: in the repository, its tensor_trace/ folder would shadow the import path)
+  echo "== tests/gpu"; timeout 240 python3 -m pytest -q -p no:cacheprovider "$REPO/tests/gpu" 2>&1 | tail -3
+fi
+echo "== step-end pieces"; python3 "$REPO/bench/step_end_probe.py" 2>&1 | grep -v Warn
+echo "== eager probe"
+(cd "$REPO/bench" && timeout ${PROBE_LIMIT:-300} python3 eager_fp_probe.py --batch ${BATCHES:-8 64} --rounds ${ROUNDS:-8} \
+    --variants ${VARIANTS:-plain nofp fp fp-old fp-holdonly fp-nokeep} --json "$OUT/probe.json" 2>&1 | grep -v Warn)
+date -u
+if [ "${BREAKDOWN:-1}" = 1 ]; then
+  echo "== cProfile of the traced variants, batch 8"
+  timeout 200 python3 "$REPO/bench/overhead.py" --workload llama8b-decode --rounds 2 --batch 8 --breakdown \
+      --json "$OUT/bench-breakdown.json" 2>&1 | grep -v '^USDT\|Warning\|return func'
+fi
+date -u
