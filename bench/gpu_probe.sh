@@ -14,6 +14,11 @@ echo "== eager probe"
 (cd "$REPO/bench" && timeout ${PROBE_LIMIT:-300} python3 eager_fp_probe.py --batch ${BATCHES:-8 64} --rounds ${ROUNDS:-8} \
     --variants ${VARIANTS:-plain nofp fp fp-old fp-holdonly fp-nokeep} --json "$OUT/probe.json" 2>&1 | grep -v Warn)
 date -u
+if [ "${OVERHEAD:-0}" = 1 ]; then
+  echo "== overhead, Llama-8B-shaped decode"
+  timeout ${OVERHEAD_LIMIT:-330} python3 "$REPO/bench/overhead.py" --workload llama8b-decode --rounds ${OV_ROUNDS:-10} \
+      --steps ${OV_STEPS:-15} --json "$OUT/bench-gpu.json" 2>&1 | grep -v '^USDT\|Warning\|return func\|^  \['
+fi
 if [ "${BREAKDOWN:-1}" = 1 ]; then
   echo "== cProfile of the traced variants, batch 8"
   timeout 200 python3 "$REPO/bench/overhead.py" --workload llama8b-decode --rounds 2 --batch 8 --breakdown \

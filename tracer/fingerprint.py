@@ -188,6 +188,9 @@ class StepFingerprints:
         self._last = None  # the tensor add_one added last, and its index (see add_one)
         self._last_idx = -1
         self._last_version = True  # True: deferred; else its version then (None: inference)
+        # (tensor, index) of the deferred outputs ``add`` held last: a call's inputs are often
+        # the previous call's outputs (rotary's q and k, then attention's), a repeat then
+        self._last_out: list = []
 
     def begin_capture(self) -> None:
         """The step is being captured into a CUDA graph: every floating tensor the kernel can read
@@ -303,9 +306,16 @@ class StepFingerprints:
         seen = self._seen
         defer_all = self.defer_cpu and not immediate
         defer_cuda = self.defer_cuda and not immediate
+        held = [] if store else None
         for t in tensors:
             size = _FLOAT_SIZE.get(t.dtype) if (defer_cuda and t.is_cuda) or defer_all else None
             if size is not None:
+                if not store:
+                    src = self._recent(t)
+                    if src >= 0:  # an output held just before: its value at the flush
+                        self._dups.append((idx, src))
+                        idx += 1
+                        continue
                 n = t.numel()
                 if n <= DEFER_MAX_NUMEL or (self.capturing and multi_tensor.usable(t)
                                             and multi_tensor.supported(t)):
@@ -317,6 +327,8 @@ class StepFingerprints:
                         self._def_v.append(version)
                         self._def_ts.append(t)
                         self._def_bytes += n * size
+                        if held is not None:
+                            held.append((t, idx))
                     idx += 1
                     continue
             key = id(t)
@@ -350,9 +362,25 @@ class StepFingerprints:
                     pass
             idx += 1
         self.count = idx
+        if held:
+            # the next call's inputs are looked up among these; its one-tensor input through
+            # add_one's identity test with the last of them
+            self._last_out = held
+            self._last, self._last_idx = held[-1]
+            self._last_version = True
         if self._def_bytes > self.defer_bytes:
             self._flush_deferred()
         return base
+
+    def _recent(self, t) -> int:
+        """The index of ``t`` if it is a deferred tensor held just before (the tensor added
+        last, or one of the outputs ``add`` held last), else -1."""
+        if t is self._last and self._last_version is True:
+            return self._last_idx
+        for u, i in self._last_out:
+            if u is t:
+                return i
+        return -1
 
     def _captured_repeat(self, idx: int, t, version) -> bool:
         """Under capture, a tensor already held in this bucket (same version) is a repeat, not
@@ -418,6 +446,7 @@ class StepFingerprints:
                 if t is not None:
                     pos.setdefault(id(t), []).append(j)
             self._def_indexed = len(ts)
+        self._last_out = []  # (a collective: rare) their next sightings are new values too
         for t in tensors:
             if t is self._last:  # its next sighting is not a repeat: the value changes here
                 self._last = None
@@ -435,6 +464,7 @@ class StepFingerprints:
     def forget(self, tensors) -> None:
         """Drop cached values of tensors that were just updated in place (e.g. by a collective)."""
         seen = self._seen
+        self._last_out = []
         for t in tensors:
             seen.pop(id(t), None)
             if t is self._last:
@@ -458,6 +488,7 @@ class StepFingerprints:
         self._def_bytes = 0
         if self._last_version is True:
             self._last = None
+        self._last_out = []
         capturing = self.capturing
         tables: dict = {}  # eager: (dtype, device index) -> (indices, flat table, device)
         in_place: dict = {}  # capturing: (dtype, device) -> (indices, tensors, row layouts)

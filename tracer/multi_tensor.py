@@ -180,14 +180,25 @@ def supported(t) -> bool:
     return t.dtype in DTYPES and t.is_contiguous()
 
 
+_ROW_LAYOUTS: dict = {}  # (shape, strides) -> row_layout's answer: a step has a few of them
+
+
 def row_layout(t):
     """``(columns, row stride)`` when ``t`` is a view of equal, strided rows of contiguous
     elements (q, k and v split from a fused projection along the last dimension), else None.
     The kernel reads such a view where it is, with ``layouts``."""
-    strides = t.stride()
+    key = (t.shape, t.stride())
+    layout = _ROW_LAYOUTS.get(key, False)
+    if layout is False:
+        if len(_ROW_LAYOUTS) >= 4096:
+            _ROW_LAYOUTS.clear()
+        layout = _ROW_LAYOUTS[key] = _row_layout(*key)
+    return layout
+
+
+def _row_layout(sizes, strides):
     if len(strides) < 2 or strides[-1] != 1:
         return None
-    sizes = t.shape
     row_stride = expect = None
     for d in range(len(sizes) - 2, -1, -1):  # outer dimensions, innermost first; size 1 is no step
         n = sizes[d]
@@ -198,7 +209,7 @@ def row_layout(t):
         elif strides[d] != expect:
             return None  # rows not equally spaced
         expect = strides[d] * n
-    if row_stride is None or t.numel() >= 1 << 31:
+    if row_stride is None or sizes.numel() >= 1 << 31:
         return None  # one row (contiguous), or too large for the kernel's 32-bit offsets
     return (sizes[-1], row_stride)
 

@@ -244,3 +244,37 @@ def test_under_capture_a_tensor_is_held_once_per_bucket():
     fps.add_replay(1, fps.reserve(captured.count), captured)
     vals = _values(fps.collect(wait=True))
     assert vals[(1, 0)] == vals[(1, 2)] and vals[(1, 1)] == vals[(1, 3)]
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_inputs_that_are_the_previous_calls_outputs_are_repeats(defer):
+    # rotary returns (q, k); attention receives (q, k, v); o_proj receives attention's output
+    fps = StepFingerprints(defer_cuda=False, defer_cpu=defer)
+    q, k, v, o = (torch.randn(8) for _ in range(4))
+    assert fps.add([q, k]) == 0  # rotary's outputs: 0, 1
+    assert fps.add([q, k, v], store=False) == 2  # attention's inputs: 2, 3 repeat 0, 1; v is 4
+    assert fps.add([o]) == 5
+    o_in = fps.add_one(o, False)  # o_proj's input
+    if defer:
+        assert len(fps._def_ts) == 4  # q, k, v, o held once each
+        assert fps._dups == [(2, 0), (3, 1)] and o_in == 5
+    fps.finish_step(0)
+    vals = _values(fps.collect(wait=True))
+    assert vals[(0, 2)] == vals[(0, 0)] and vals[(0, 3)] == vals[(0, 1)]
+    assert vals[(0, o_in)] == vals[(0, 5)]
+    for i, t in ((0, q), (1, k), (4, v), (5, o)):
+        assert math.isclose(vals[(0, i)][0], t.sum().item(), rel_tol=1e-5, abs_tol=1e-5)
+
+
+def test_a_collective_ends_the_repeats_of_the_previous_outputs():
+    fps = StepFingerprints(defer_cuda=False, defer_cpu=True)
+    q, k = torch.randn(8), torch.randn(8)
+    fps.add([q, k])
+    fps.materialize([k])  # k is about to be updated in place (an all_reduce)
+    k.mul_(2)
+    fps.forget([k])
+    assert fps.add([q, k], store=False) == 2
+    assert fps._dups == []  # both held again: after a collective nothing is taken for a repeat
+    fps.finish_step(0)
+    vals = _values(fps.collect(wait=True))
+    assert math.isclose(vals[(0, 1)][0] * 2, vals[(0, 3)][0], rel_tol=1e-5, abs_tol=1e-5)
