@@ -71,6 +71,8 @@ def patched(obj, name, value):
 
 def _drop_flush(self):
     self._def_i, self._def_v, self._def_ts, self._def_pos, self._def_bytes, self._last = [], [], [], {}, 0, None
+    if hasattr(self, "_def_tab"):  # the kernel's table rows, built as tensors are held
+        self._def_tab, self._def_dtype, self._def_dev, self._def_mixed, self._def_dead = [], None, None, False, 0
 
 
 def _hold_one(self, t, store=True):
@@ -260,15 +262,16 @@ def main() -> None:
 
             # Phase timers, GC and runtime calls, per step.
             phases = {}
-            for v in ("nofp", "fp"):
+            for v in ("nofp", "fp") + (("fp-old",) if OLD is not None and "fp-old" in args.variants else ()):
                 timer = PhaseTimer()
+                fps_cls = OLD.StepFingerprints if v == "fp-old" else fpmod.StepFingerprints
                 timer.wrap(core.Tracer, "_end_step", "end_step")
-                timer.wrap(fpmod.StepFingerprints, "_flush_deferred", "flush")
-                timer.hold_during(fpmod.StepFingerprints, "_flush_deferred", "free_held")
+                timer.wrap(fps_cls, "_flush_deferred", "flush")
+                timer.hold_during(fps_cls, "_flush_deferred", "free_held")
                 timer.wrap(fpmod.multi_tensor, "sum_sumsq_table", "table_launch")
-                timer.wrap(fpmod.StepFingerprints, "_reduce_now", "reduce_now")
-                timer.wrap(fpmod.StepFingerprints, "collect", "collect")
-                timer.wrap(fpmod.StepFingerprints, "_finish_step", "finish_step")
+                timer.wrap(fps_cls, "_reduce_now", "reduce_now")
+                timer.wrap(fps_cls, "collect", "collect")
+                timer.wrap(fps_cls, "_finish_step", "finish_step")
                 gcs = collections.Counter()
                 gc_t = [0, 0]
 
@@ -281,7 +284,7 @@ def main() -> None:
 
                 n = 40
                 try:
-                    with traced(v == "fp", tmp):
+                    with variant(v, tmp):
                         run_steps(step, 4)
                         timer.ns.clear()
                         timer.calls.clear()

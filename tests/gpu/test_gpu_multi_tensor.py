@@ -132,12 +132,15 @@ def test_deferred_step_fingerprints_equal_immediate_ones():
             idx = range(first, first + n) if indices is None else struct.unpack(f"<{n}I", indices)
             out.update(dict(zip(idx, schema.FP_PAIR.iter_unpack(data))))
         got[mode] = [(out[a], out[b]) for a, b in refs]  # KeyError: a value missing
-        if mode != "immediate":
+        if mode == "deferred":  # (a mid-step flush ends the run of repeats: a new index)
             # deferred: a repeat is the same index (integers are reduced at once: a copy)
             assert all(a == b for (a, b), t in zip(refs, ts) if t.is_floating_point())
     for mode in ("deferred", "deferred-mid-step"):
-        for j, ((first, repeat), (first2, repeat2)) in enumerate(zip(got["immediate"], got[mode])):
-            assert first == repeat and first2 == repeat2
-            (s, q2), (s2, q3) = first, first2
-            assert math.isclose(s, s2, rel_tol=1e-3, abs_tol=1e-2) and math.isclose(q2, q3, rel_tol=1e-4), \
-                (mode, j, s, s2, q2, q3)
+        for j, ((first, repeat), pair) in enumerate(zip(got["immediate"], got[mode])):
+            assert first == repeat  # immediate: the repeat is a copy of the value
+            # (after a mid-step flush the repeat is a second reduction: equal within rounding,
+            # the kernel's chunks of one tensor being summed in no fixed order)
+            s, q2 = first
+            for s2, q3 in pair:
+                assert math.isclose(s, s2, rel_tol=1e-3, abs_tol=1e-2) and math.isclose(q2, q3, rel_tol=1e-4), \
+                    (mode, j, s, s2, q2, q3)

@@ -1,0 +1,114 @@
+"""Two fingerprint implementations compared step by step on one traced model: robust to a host
+whose speed drifts (the lent H200's host: the same step measured 15 to 38 ms within a minute).
+
+    python bench/fp_ab.py [--batch 8 64] [--rounds 300]      # needs a GPU; bench/_old_fingerprint.py
+
+One tracer runs the Llama-8B-shaped decode step of bench/overhead.py. Each round runs one step of
+each variant, in shuffled order, device synchronised after each: ``plain`` (the tracer's
+``Module.__call__`` wrapper switched to a pass-through for that step: plain plus one Python call
+per module), ``nofp`` (the tracer with
+fingerprints off for that step), ``fp`` (tracer/fingerprint.py), ``fp2`` (a second instance of
+the same class: the noise floor of a paired difference), and ``fp-old`` (bench/_old_fingerprint.py,
+an earlier version, when present). Switching is a per-step attribute change (the tracer's
+``fps`` object, its ``fingerprint`` flag), so consecutive steps differ only in the variant.
+Reports the median step time of each and the median and interquartile range of the per-round
+difference to ``fp``."""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+
+import overhead as ov  # bench/ is this script's folder, first on sys.path
+from tensor_trace import tracer
+from tensor_trace.tracer.fingerprint import StepFingerprints
+
+try:
+    import _old_fingerprint as OLD
+except ImportError:
+    OLD = None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--shape", default="8b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    shape = dict(ov.LLAMA_SHAPES[args.shape], kv_len=512)
+    torch.manual_seed(0)
+    model = ov.LlamaForCausalLM(shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
+    variants = ["plain", "nofp", "fp", "fp2"] + (["fp-old"] if OLD is not None else [])
+    print(f"# fp_ab {time.strftime('%Y-%m-%d %H:%M:%S')} device={dev} torch={torch.__version__} "
+          f"rounds={args.rounds} variants={variants}")
+    report = {}
+    for batch in args.batch:
+        model.set_batch(batch)
+        ids = torch.randint(0, shape["vocab"], (batch, 1), device=dev)
+        tr = tracer.start(out_dir=tempfile.mkdtemp(prefix="tt-ab-"), fingerprint=True, lineage=False)
+        try:
+            defer_cuda, defer_cpu = tr.fps.defer_cuda, tr.fps.defer_cpu
+            fps = {"fp": tr.fps, "fp2": StepFingerprints(defer_cuda=defer_cuda, defer_cpu=defer_cpu)}
+            if OLD is not None:
+                fps["fp-old"] = OLD.StepFingerprints(defer_cuda=defer_cuda, defer_cpu=defer_cpu)
+
+            wrapper = tr.global_handles[0]  # the Module.__call__ wrapper (--intercept call)
+
+            def run(v) -> int:
+                wrapper.active = v != "plain"  # inactive: a pass-through, nothing recorded
+                tr.fingerprint = v not in ("plain", "nofp")
+                if tr.fingerprint:
+                    tr.fps = fps[v]
+                t0 = time.perf_counter_ns()
+                model(ids)
+                sync()
+                return time.perf_counter_ns() - t0
+
+            times = {v: [] for v in variants}
+            rng = random.Random(batch)
+            with torch.inference_mode():
+                for _ in range(5):
+                    for v in variants:
+                        run(v)
+                for _ in range(args.rounds):
+                    order = list(variants)
+                    rng.shuffle(order)
+                    for v in order:
+                        times[v].append(run(v))
+            wrapper.active = True
+            for f in fps.values():
+                f.collect(wait=True)
+            tr.fps = fps["fp"]
+        finally:
+            tracer.stop()
+        ref = times["fp"]
+        rows = {}
+        print(f"\n== batch {batch}: median ms/step; per-round difference to fp, ms: median [p25, p75]")
+        for v in variants:
+            med = statistics.median(times[v]) / 1e6
+            diff = sorted((a - b) / 1e6 for a, b in zip(times[v], ref))
+            q = lambda p: diff[min(len(diff) - 1, int(p * len(diff)))]
+            rows[v] = dict(median_ms=med, p10_ms=sorted(times[v])[len(times[v]) // 10] / 1e6,
+                           diff_to_fp_median=statistics.median(diff), diff_p25=q(0.25), diff_p75=q(0.75))
+            rows[v]["ratio_to_plain"] = med / (statistics.median(times["plain"]) / 1e6)
+            rows[v]["paired_ratio_to_plain"] = statistics.median(a / b for a, b in zip(times[v], times["plain"]))
+            print(f"  {v:<8} {med:8.3f}  p10 {rows[v]['p10_ms']:8.3f}  x{rows[v]['ratio_to_plain']:.3f} "
+                  f"(paired x{rows[v]['paired_ratio_to_plain']:.3f}) | {v} - fp: {rows[v]['diff_to_fp_median']:+7.3f} "
+                  f"[{rows[v]['diff_p25']:+7.3f}, {rows[v]['diff_p75']:+7.3f}]")
+        report[batch] = rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
