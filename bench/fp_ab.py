@@ -4,9 +4,8 @@ whose speed drifts (the lent H200's host: the same step measured 15 to 38 ms wit
     python bench/fp_ab.py [--batch 8 64] [--rounds 300]      # needs a GPU; bench/_old_fingerprint.py
 
 One tracer runs the Llama-8B-shaped decode step of bench/overhead.py. Each round runs one step of
-each variant, in shuffled order, device synchronised after each: ``plain`` (the tracer's
-``Module.__call__`` wrapper switched to a pass-through for that step: plain plus one Python call
-per module), ``nofp`` (the tracer with
+each variant, in shuffled order, device synchronised after each: ``plain`` (torch's own
+``Module.__call__`` put back for that step: nothing of the tracer runs), ``nofp`` (the tracer with
 fingerprints off for that step), ``fp`` (tracer/fingerprint.py), ``fp2`` (a second instance of
 the same class: the noise floor of a paired difference), and ``fp-old`` (bench/_old_fingerprint.py,
 an earlier version, when present). Switching is a per-step attribute change (the tracer's
@@ -61,10 +60,12 @@ def main() -> None:
             if OLD is not None:
                 fps["fp-old"] = OLD.StepFingerprints(defer_cuda=defer_cuda, defer_cpu=defer_cpu)
 
-            wrapper = tr.global_handles[0]  # the Module.__call__ wrapper (--intercept call)
+            traced_call = torch.nn.Module.__call__  # the tracer's wrapper (--intercept call)
+            plain_call = traced_call.__wrapped__  # torch's own
 
             def run(v) -> int:
-                wrapper.active = v != "plain"  # inactive: a pass-through, nothing recorded
+                # plain: torch's own __call__ for this step (nothing of the tracer runs)
+                torch.nn.Module.__call__ = plain_call if v == "plain" else traced_call
                 tr.fingerprint = v not in ("plain", "nofp")
                 if tr.fingerprint:
                     tr.fps = fps[v]
@@ -84,7 +85,7 @@ def main() -> None:
                     rng.shuffle(order)
                     for v in order:
                         times[v].append(run(v))
-            wrapper.active = True
+            torch.nn.Module.__call__ = traced_call
             for f in fps.values():
                 f.collect(wait=True)
             tr.fps = fps["fp"]
