@@ -8,7 +8,8 @@ each variant, in shuffled order, device synchronised after each: ``plain`` (torc
 ``Module.__call__`` put back for that step: nothing of the tracer runs), ``nofp`` (the tracer with
 fingerprints off for that step), ``fp`` (tracer/fingerprint.py), ``fp2`` (a second instance of
 the same class: the noise floor of a paired difference), and ``fp-old`` (bench/_old_fingerprint.py,
-an earlier version, when present). Switching is a per-step attribute change (the tracer's
+an earlier version, when present), and with ``--native`` ``fp-native`` (bench/native_fp.py:
+the per-tensor work in C++, built first, its values checked against fp's on one step). Switching is a per-step attribute change (the tracer's
 ``fps`` object, its ``fingerprint`` flag), so consecutive steps differ only in the variant.
 Reports the median step time of each and the median and interquartile range of the per-round
 difference to ``fp``."""
@@ -33,6 +34,52 @@ except ImportError:
     OLD = None
 
 
+def check_same_values(tr, fps, run, sync) -> str:
+    """One step each of fp, fp2 and fp-native: the same fingerprint indices, and values equal
+    within what two steps of the same path differ by. The model itself is not bitwise
+    deterministic on a GPU (bf16 matrix products of large outputs), so fp against fp2 is
+    reported beside fp against fp-native; a native table reading the wrong memory would give
+    other sums of squares, which raises."""
+    import math
+    import struct
+
+    from tensor_trace import schema
+
+    got = {}
+    add = tr.writer.add
+    for v in ("fp", "fp2", "fp-native"):
+        for f in fps.values():
+            f.collect(wait=True)  # nothing of earlier steps left pending
+        recs = []
+        tr.writer.add = lambda rec, recs=recs: recs.append(rec) if rec[0] == schema.FINGERPRINTS else add(rec)
+        try:
+            run(v)
+            sync()
+            recs += fps[v].collect(wait=True)
+        finally:
+            tr.writer.add = add
+        vals = {}
+        for _, step, first, data, indices in recs:
+            n = len(data) // 8
+            idx = range(first, first + n) if indices is None else struct.unpack(f"<{n}I", indices)
+            vals.update(zip(idx, schema.FP_PAIR.iter_unpack(data)))
+        got[v] = vals
+    a = got["fp"]
+    out = []
+    for v in ("fp2", "fp-native"):
+        b = got[v]
+        if a.keys() != b.keys():
+            raise SystemExit(f"{v}: other indices ({len(a)} against {len(b)} values)")
+        off = [i for i in a if abs(a[i][0] - b[i][0]) > 1e-3 * math.sqrt(max(a[i][1], 1e-12)) + 1e-6
+               or not math.isclose(a[i][1], b[i][1], rel_tol=1e-4, abs_tol=1e-9)]
+        wrong = [i for i in a if abs(a[i][0] - b[i][0]) > 2e-2 * math.sqrt(max(a[i][1], 1e-12)) + 1e-6
+                 or not math.isclose(a[i][1], b[i][1], rel_tol=1e-3, abs_tol=1e-9)]
+        if wrong:
+            raise SystemExit(f"{v}: {len(wrong)} of {len(a)} values differ, e.g. {a[wrong[0]]} {b[wrong[0]]}")
+        out.append(f"{v}: {len(a)} values, {len(off)} beyond 1e-3 of the l2 norm or 1e-4 of the sum of squares")
+    return "; ".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 64])
@@ -40,25 +87,41 @@ def main() -> None:
     ap.add_argument("--shape", default="8b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--fingerprint-mode", default="auto",
+                    help="the tracer's fingerprint_mode (deferred: the GPU's path on a CPU, for a check)")
+    ap.add_argument("--native", action="store_true",
+                    help="add fp-native: bench/native_fp.py's C++ table (built first; checked "
+                         "against fp on one step before timing)")
     args = ap.parse_args()
+    native = None
+    if args.native:
+        import native_fp as native  # bench/native_fp.py
+
+        t0 = time.perf_counter()
+        native.ext()
+        print(f"# native extension built/loaded in {time.perf_counter() - t0:.1f} s")
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     shape = dict(ov.LLAMA_SHAPES[args.shape], kv_len=512)
     torch.manual_seed(0)
     model = ov.LlamaForCausalLM(shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
-    variants = ["plain", "nofp", "fp", "fp2"] + (["fp-old"] if OLD is not None else [])
+    variants = (["plain", "nofp", "fp", "fp2"] + (["fp-old"] if OLD is not None else [])
+                + (["fp-native"] if native is not None else []))
     print(f"# fp_ab {time.strftime('%Y-%m-%d %H:%M:%S')} device={dev} torch={torch.__version__} "
           f"rounds={args.rounds} variants={variants}")
     report = {}
     for batch in args.batch:
         model.set_batch(batch)
         ids = torch.randint(0, shape["vocab"], (batch, 1), device=dev)
-        tr = tracer.start(out_dir=tempfile.mkdtemp(prefix="tt-ab-"), fingerprint=True, lineage=False)
+        tr = tracer.start(out_dir=tempfile.mkdtemp(prefix="tt-ab-"), fingerprint=True, lineage=False,
+                          fingerprint_mode=args.fingerprint_mode)
         try:
             defer_cuda, defer_cpu = tr.fps.defer_cuda, tr.fps.defer_cpu
             fps = {"fp": tr.fps, "fp2": StepFingerprints(defer_cuda=defer_cuda, defer_cpu=defer_cpu)}
             if OLD is not None:
                 fps["fp-old"] = OLD.StepFingerprints(defer_cuda=defer_cuda, defer_cpu=defer_cpu)
+            if native is not None:
+                fps["fp-native"] = native.NativeStepFingerprints(defer_cuda=defer_cuda, defer_cpu=defer_cpu)
 
             traced_call = torch.nn.Module.__call__  # the tracer's wrapper (--intercept call)
             plain_call = traced_call.__wrapped__  # torch's own
@@ -80,6 +143,8 @@ def main() -> None:
                 for _ in range(5):
                     for v in variants:
                         run(v)
+                if native is not None:
+                    print(f"  fp-native against fp, one step: {check_same_values(tr, fps, run, sync)}")
                 for _ in range(args.rounds):
                     order = list(variants)
                     rng.shuffle(order)
