@@ -8,8 +8,8 @@ each variant, in shuffled order, device synchronised after each: ``plain`` (torc
 ``Module.__call__`` put back for that step: nothing of the tracer runs), ``nofp`` (the tracer with
 fingerprints off for that step), ``fp`` (tracer/fingerprint.py), ``fp2`` (a second instance of
 the same class: the noise floor of a paired difference), and ``fp-old`` (bench/_old_fingerprint.py,
-an earlier version, when present), and with ``--native`` ``fp-native`` (bench/native_fp.py:
-the per-tensor work in C++, built first, its values checked against fp's on one step). Switching is a per-step attribute change (the tracer's
+an earlier version, when present), and with ``--native`` ``fp-native`` (tracer/native.py's C++
+table, TENSOR_TRACE_NATIVE=1: built first, its values checked against fp's on one step). Switching is a per-step attribute change (the tracer's
 ``fps`` object, its ``fingerprint`` flag), so consecutive steps differ only in the variant.
 Reports the median step time of each and the median and interquartile range of the per-round
 difference to ``fp``."""
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -77,7 +78,9 @@ def check_same_values(tr, fps, run, sync) -> str:
         if wrong:
             raise SystemExit(f"{v}: {len(wrong)} of {len(a)} values differ, e.g. {a[wrong[0]]} {b[wrong[0]]}")
         out.append(f"{v}: {len(a)} values, {len(off)} beyond 1e-3 of the l2 norm or 1e-4 of the sum of squares")
-    return "; ".join(out)
+    if fps["fp-native"]._nt is None:
+        raise SystemExit("fp-native: the C++ table was not taken (kernel not usable here?)")
+    return "; ".join(out) + f"; fp-native's table held {fps['fp-native']._nt.device} tensors"
 
 
 def main() -> None:
@@ -90,15 +93,19 @@ def main() -> None:
     ap.add_argument("--fingerprint-mode", default="auto",
                     help="the tracer's fingerprint_mode (deferred: the GPU's path on a CPU, for a check)")
     ap.add_argument("--native", action="store_true",
-                    help="add fp-native: bench/native_fp.py's C++ table (built first; checked "
+                    help="add fp-native: tracer/native.py's C++ table (built first; checked "
                          "against fp on one step before timing)")
     args = ap.parse_args()
     native = None
     if args.native:
-        import native_fp as native  # bench/native_fp.py
+        from tensor_trace.tracer import native
 
+        os.environ["TENSOR_TRACE_NATIVE"] = "1"  # only while fp-native's objects are made
         t0 = time.perf_counter()
-        native.ext()
+        native.ensure(block=True)
+        del os.environ["TENSOR_TRACE_NATIVE"]
+        if native.table_class() is None:
+            raise SystemExit(f"fp-native: the extension is unavailable: {native.error()}")
         print(f"# native extension built/loaded in {time.perf_counter() - t0:.1f} s")
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -120,8 +127,10 @@ def main() -> None:
             fps = {"fp": tr.fps, "fp2": StepFingerprints(defer_cuda=defer_cuda, defer_cpu=defer_cpu)}
             if OLD is not None:
                 fps["fp-old"] = OLD.StepFingerprints(defer_cuda=defer_cuda, defer_cpu=defer_cpu)
-            if native is not None:
-                fps["fp-native"] = native.NativeStepFingerprints(defer_cuda=defer_cuda, defer_cpu=defer_cpu)
+            if native is not None:  # StepFingerprints with tracer/native.py's C++ table
+                os.environ["TENSOR_TRACE_NATIVE"] = "1"
+                fps["fp-native"] = StepFingerprints(defer_cuda=defer_cuda, defer_cpu=defer_cpu)
+                del os.environ["TENSOR_TRACE_NATIVE"]
 
             traced_call = torch.nn.Module.__call__  # the tracer's wrapper (--intercept call)
             plain_call = traced_call.__wrapped__  # torch's own

@@ -1,4 +1,4 @@
-"""The host cost of the eager GPU fingerprint path, Python against bench/native_fp.py's C++
+"""The host cost of the eager GPU fingerprint path, Python against tracer/native.py's C++
 table, on a CPU: bench/call_patterns.py's Llama structure (389 module calls per step) traced with
 fingerprint_mode="deferred" (the GPU's path), the kernel launches stubbed out, variants switched
 step by step as in bench/fp_ab.py.
@@ -8,6 +8,7 @@ step by step as in bench/fp_ab.py.
 What it leaves out, measured only on a GPU: the launch itself, and reading the held tensors
 again at the step's end after the rest of the step has evicted them from the CPU's caches."""
 import argparse
+import os
 import random
 import statistics
 import tempfile
@@ -16,20 +17,31 @@ import time
 import torch
 
 import call_patterns as cp  # bench/ is this script's folder, first on sys.path
-import native_fp
 from tensor_trace import tracer
-from tensor_trace.tracer import multi_tensor
+from tensor_trace.tracer import multi_tensor, native
+from tensor_trace.tracer.fingerprint import StepFingerprints
+
+
+def native_fps():
+    os.environ["TENSOR_TRACE_NATIVE"] = "1"
+    try:
+        return StepFingerprints(defer_cuda=False, defer_cpu=True)
+    finally:
+        del os.environ["TENSOR_TRACE_NATIVE"]
 
 
 def main() -> None:
     multi_tensor.usable = lambda t: True
     multi_tensor.sum_sumsq_table = lambda table, count, most, dtype, device: torch.zeros(count, 2)
-    native_fp.launch = lambda idx, buf, count, most, code, device: torch.zeros(count, 2)
+    multi_tensor.sum_sumsq_buffer = lambda buf, count, most, dtype, device: torch.zeros(count, 2)
+    os.environ["TENSOR_TRACE_NATIVE"] = "1"
+    native.ensure(block=True)
     torch.set_num_threads(1)
     llama = cp.LlamaCalls().eval()
     ids = torch.randint(0, 100, (cp.B,))
+    del os.environ["TENSOR_TRACE_NATIVE"]  # the tracer's own fps: the Python path
     tr = tracer.start(out_dir=tempfile.mkdtemp(), fingerprint=True, lineage=False, fingerprint_mode="deferred")
-    fps = {"fp": tr.fps, "fp-native": native_fp.NativeStepFingerprints(defer_cuda=False, defer_cpu=True)}
+    fps = {"fp": tr.fps, "fp-native": native_fps()}
     traced_call = torch.nn.Module.__call__
     plain_call = traced_call.__wrapped__
     times = {v: [] for v in ("plain", "nofp", "fp", "fp-native")}

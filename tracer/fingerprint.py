@@ -44,7 +44,7 @@ import weakref
 import torch
 
 from tensor_trace import schema
-from tensor_trace.tracer import multi_tensor
+from tensor_trace.tracer import multi_tensor, native
 
 _F32 = torch.float32
 _sum = torch.sum
@@ -161,10 +161,20 @@ class StepFingerprints:
         self.defer_bytes = DEFER_BYTES
         self.capturing = False  # between begin_capture and finish_capture
         self._fills: list = []
+        # The C++ table of tracer/native.py (TENSOR_TRACE_NATIVE=1), once built and the kernel
+        # is usable on a tensor's device; until then _native_wanted says to look again.
+        self._nt = None
+        self._nt_bytes = 0
+        self._native_wanted = native.enabled() and (defer_cuda or defer_cpu)
+        if self._native_wanted:
+            native.ensure()
         self.reset()
 
     def reset(self) -> None:
         self.count = 0
+        if self._nt is not None:  # (empty after a flush; not after an error mid-step)
+            self._nt.clear()
+            self._nt_bytes = 0
         self._imm_idx: list = []
         self._imm_vals: list = []  # (sum, l2) 0-d tensors, or (sum, None)
         self._host_idx: list = []  # values computed on the host (_host_pair): index, and
@@ -242,6 +252,20 @@ class StepFingerprints:
             if version is not False:
                 return self._last_idx
         if (self.defer_cuda and t.is_cuda) or self.defer_cpu:
+            nt = self._nt
+            if nt is not None:
+                if not self.capturing:
+                    idx = self.count
+                    held = nt.hold(t, idx)
+                    if held >= 0:  # in the C++ table (tracer/native.py)
+                        self.count = idx + 1
+                        self._last, self._last_idx, self._last_version = t, idx, True
+                        self._nt_bytes = held
+                        if held > self.defer_bytes:
+                            self._flush_mid_step()
+                        return idx
+            elif self._native_wanted:
+                self._native_table(t)
             size = _FLOAT_SIZE.get(t.dtype)
             if size is not None:
                 n = t.numel()
@@ -316,6 +340,17 @@ class StepFingerprints:
                         self._dups.append((idx, src))
                         idx += 1
                         continue
+                nt = self._nt
+                if nt is not None and not self.capturing:
+                    nt_held = nt.hold(t, idx)
+                    if nt_held >= 0:  # in the C++ table (tracer/native.py)
+                        self._nt_bytes = nt_held
+                        if held is not None:
+                            held.append((t, idx))
+                        idx += 1
+                        continue
+                elif nt is None and self._native_wanted:
+                    self._native_table(t)
                 n = t.numel()
                 if n <= DEFER_MAX_NUMEL or (self.capturing and multi_tensor.usable(t)
                                             and multi_tensor.supported(t)):
@@ -368,9 +403,23 @@ class StepFingerprints:
             self._last_out = held
             self._last, self._last_idx = held[-1]
             self._last_version = True
-        if self._def_bytes > self.defer_bytes:
+        if self._def_bytes > self.defer_bytes or self._nt_bytes > self.defer_bytes:
             self._flush_deferred()
         return base
+
+    def _native_table(self, t) -> None:
+        """Take the C++ table for ``t``'s device once it is built and the kernel is usable
+        there (the first step's tensors usually take the Python path while it builds)."""
+        cls = native.table_class()
+        if cls is None:
+            if native.error() is not None:
+                self._native_wanted = False  # unavailable: stop looking
+            return
+        if self.capturing:  # (the kernel cannot be compiled and checked during a capture)
+            return
+        if multi_tensor.usable(t):
+            self._nt = cls(DEFER_MAX_NUMEL, t.device)
+        self._native_wanted = False
 
     def _recent(self, t) -> int:
         """The index of ``t`` if it is a deferred tensor held just before (the tensor added
@@ -435,6 +484,17 @@ class StepFingerprints:
 
     def materialize(self, tensors) -> None:
         """Reduce deferred tensors now: the caller is about to update them in place."""
+        nt = self._nt
+        if nt is not None:
+            for t in tensors:
+                for index, stale in nt.materialize(t):
+                    if stale:
+                        self.stale += 1
+                    else:
+                        self._reduce_now(index, t)
+                if t is self._last:
+                    self._last = None
+            self._last_out = []
         ts = self._def_ts
         if not ts:
             return
@@ -480,6 +540,9 @@ class StepFingerprints:
         # device: one kernel launch each, eagerly. Otherwise tensors of one shape and dtype are
         # stacked (one copy) and reduced along the stacked dimension (two kernels): a decode
         # step has a handful of distinct shapes.
+        nt = self._nt
+        if nt is not None and nt.size():
+            self._flush_native(nt)
         ts, indices, versions = self._def_ts, self._def_i, self._def_v
         self._def_ts, self._def_i, self._def_v = [], [], []
         self._def_pos = {}
@@ -647,9 +710,23 @@ class StepFingerprints:
         _, host, event, _ = _to_host(None, static if static.is_cuda else static.clone(), False)
         self._pending.append((step, None, (captured.plan(base), host, event)))
 
+    def _flush_native(self, nt) -> None:
+        """The C++ table's tensors: one launch over the buffer it built; its held memory is let
+        go once the kernel that reads it is enqueued."""
+        try:
+            idx, buf, count, most, stale, code = nt.flush()
+            self.stale += stale
+            if idx is not None:
+                values = multi_tensor.sum_sumsq_buffer(buf, count, most, multi_tensor.DTYPES[code],
+                                                       nt.device)
+                self._blocks.append((idx, values, True))
+        finally:
+            nt.clear()
+            self._nt_bytes = 0
+
     def _reduce_rest(self) -> None:
         """Deferred tensors and immediate values of this step become blocks (on their devices)."""
-        if self._def_ts:
+        if self._def_ts or (self._nt is not None and self._nt.size()):
             self._flush_deferred()
         if self._imm_vals:
             by_device: dict = {}

@@ -391,7 +391,6 @@ def sum_sumsq_table(table: list, count: int, most: int, dtype, device):
     traced eager step waits for (a launch from Python costs tens of microseconds), while the
     device has time to spare for the row arithmetic and the programs of the small tensors that
     return at once."""
-    kernel = _kernel()
     # One buffer, one copy: the table, then the zeroed output (count int64 zeros are 2 * count
     # fp32 zeros, at an offset of 32 * count bytes: aligned as the warm-up's buffers were).
     n = len(table)
@@ -400,13 +399,22 @@ def sum_sumsq_table(table: list, count: int, most: int, dtype, device):
         ptr = host.data_ptr()
         ctypes.memmove(ptr, struct.pack(f"={n}q", *table), 8 * n)
         ctypes.memset(ptr + 8 * n, 0, 8 * count)
-        both = host.to(device, non_blocking=True)
     else:
-        both = torch.tensor(table + [0] * count, dtype=torch.int64)
+        host = torch.tensor(table + [0] * count, dtype=torch.int64)
+    return sum_sumsq_buffer(host, count, most, dtype, device)
+
+
+def sum_sumsq_buffer(host, count: int, most: int, dtype, device):
+    """``sum_sumsq_table`` over a buffer already built: ``4 * count`` int64 table entries, then
+    ``count`` int64 zeros for the output, on the host (pinned when ``device`` is a GPU; copied
+    there without waiting) or on ``device``. Returns the ``[count, 2]`` fp32 output."""
+    both = host.to(device, non_blocking=True) if host.device != device else host
+    n = 4 * count
     dev_table = both[:n]
     out = both[n:].view(torch.float32).view(count, 2)
-    kernel[(count, max(1, -(-most // CHUNK)))](dev_table, out, 0, CHUNK=CHUNK, BLOCK=BLOCK,
-                                       DTYPE=_state["tl_dtypes"][dtype], ROWS=True, num_warps=NUM_WARPS)
+    _kernel()[(count, max(1, -(-most // CHUNK)))](dev_table, out, 0, CHUNK=CHUNK, BLOCK=BLOCK,
+                                                  DTYPE=_state["tl_dtypes"][dtype], ROWS=True,
+                                                  num_warps=NUM_WARPS)
     return out
 
 
