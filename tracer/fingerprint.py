@@ -166,8 +166,6 @@ class StepFingerprints:
         self._nt = None
         self._nt_bytes = 0
         self._native_wanted = native.enabled() and (defer_cuda or defer_cpu)
-        if self._native_wanted:
-            native.ensure()
         self.reset()
 
     def reset(self) -> None:
@@ -409,7 +407,10 @@ class StepFingerprints:
 
     def _native_table(self, t) -> None:
         """Take the C++ table for ``t``'s device once it is built and the kernel is usable
-        there (the first step's tensors usually take the Python path while it builds)."""
+        there (the first step's tensors usually take the Python path while it builds). The
+        build starts here, at the first deferred tensor: processes that never run a traced
+        step (launchers, tokenizer workers) neither build nor load it."""
+        native.ensure()
         cls = native.table_class()
         if cls is None:
             if native.error() is not None:
