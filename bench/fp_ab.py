@@ -42,7 +42,6 @@ def check_same_values(tr, fps, run, sync) -> str:
     reported beside fp against fp-native; a native table reading the wrong memory would give
     other sums of squares, which raises."""
     import math
-    import struct
 
     from tensor_trace import schema
 
@@ -61,9 +60,7 @@ def check_same_values(tr, fps, run, sync) -> str:
             tr.writer.add = add
         vals = {}
         for _, step, first, data, indices in recs:
-            n = len(data) // 8
-            idx = range(first, first + n) if indices is None else struct.unpack(f"<{n}I", indices)
-            vals.update(zip(idx, schema.FP_PAIR.iter_unpack(data)))
+            vals.update((i, (s, q)) for i, s, q in schema.fingerprint_pairs(first, data, indices))
         got[v] = vals
     a = got["fp"]
     out = []

@@ -32,7 +32,6 @@ import bisect
 import collections
 import json
 import math
-import struct
 
 from tensor_trace import schema
 
@@ -136,10 +135,8 @@ class StepView:
                 "SELECT proc, first, data, indices FROM fingerprints WHERE step=?", (step,)):
             if proc not in fps:
                 continue
-            n = len(data) // 8
-            idx = range(first, first + n) if indices is None else struct.unpack(f"<{n}I", indices[:4 * n])
             d = fps[proc]
-            for i, (s, q) in zip(idx, schema.FP_PAIR.iter_unpack(data[:8 * n])):
+            for i, s, q in schema.fingerprint_pairs(first, data, indices):
                 d[i] = (s, None if math.isnan(q) else q)
         self.points: dict = {}  # (module, call, slot) -> {proc: T}
         self.times: dict = {}  # point key -> time on the first proc (ns from step start)
@@ -503,9 +500,7 @@ def _load_params(con, procs) -> dict:
     static = {}
     for proc, first, data, indices in con.execute(
             "SELECT proc, first, data, indices FROM fingerprints WHERE step=?", (schema.PARAMS_STEP,)):
-        n = len(data) // 8
-        idx = range(first, first + n) if indices is None else struct.unpack(f"<{n}I", indices[:4 * n])
-        for i, (s, q) in zip(idx, schema.FP_PAIR.iter_unpack(data[:8 * n])):
+        for i, s, q in schema.fingerprint_pairs(first, data, indices):
             static[(proc, i)] = (s, None if math.isnan(q) else q)
     out: dict = {}
     for proc, path, name, shape, ref in con.execute(

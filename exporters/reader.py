@@ -275,11 +275,8 @@ def load_rank_file(path: str) -> RankTrace:
                 steps.setdefault(rec[1], Step(rec[1])).t_end = rec[2]
             elif kind == schema.FINGERPRINTS:
                 _, step, first, data, indices = rec[:5]
-                n = len(data) // schema.FP_PAIR.size
-                idx = (range(first, first + n) if indices is None
-                       else struct.unpack(f"<{len(indices) // 4}I", indices))
                 st = steps.setdefault(step, Step(step))
-                for i, (s, q) in zip(idx, schema.FP_PAIR.iter_unpack(data[:n * schema.FP_PAIR.size])):
+                for i, s, q in schema.fingerprint_pairs(first, data, indices):
                     st.fingerprints[i] = (s, None if math.isnan(q) else q)
             elif kind == schema.PARAMS:
                 plist = params.setdefault(strings.get(rec[1], "?"), [])

@@ -109,6 +109,15 @@ FP_PAIR = struct.Struct("<ff")
 FP_WIDTH = 2  # numbers per tensor: sum, sum of squares (fp32 accumulation)
 
 
+def fingerprint_pairs(first: int, data: bytes, indices):
+    """The (index, sum, sum of squares) of a FINGERPRINTS record's values: indices run from
+    ``first`` when ``indices`` is None, else are its packed u32s. A NaN sum of squares means
+    none (the reader turns it into None). Bytes past the last whole pair are ignored."""
+    n = len(data) // FP_PAIR.size
+    idx = range(first, first + n) if indices is None else struct.unpack(f"<{n}I", indices[:4 * n])
+    return ((i, s, q) for i, (s, q) in zip(idx, FP_PAIR.iter_unpack(data[:n * FP_PAIR.size])))
+
+
 def chunk(payload: bytes) -> bytes:
     """Frame one msgpack payload as a chunk."""
     return CHUNK_HEAD.pack(SYNC, len(payload), zlib.crc32(payload)) + payload

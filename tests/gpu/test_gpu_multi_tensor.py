@@ -101,7 +101,6 @@ def test_deferred_step_fingerprints_equal_immediate_ones():
     """A step's deferred CUDA tensors (contiguous, row-strided splits, large ones, a mid-step
     flush) through the one-launch table, against immediate torch reductions of the same tensors."""
     import math
-    import struct
 
     from tensor_trace import schema
     from tensor_trace.tracer.fingerprint import StepFingerprints
@@ -128,9 +127,7 @@ def test_deferred_step_fingerprints_equal_immediate_ones():
         fps.finish_step(0)
         out = {}
         for _, _, first, data, indices in fps.collect(wait=True):
-            n = len(data) // 8
-            idx = range(first, first + n) if indices is None else struct.unpack(f"<{n}I", indices)
-            out.update(dict(zip(idx, schema.FP_PAIR.iter_unpack(data))))
+            out.update({i: (s, q) for i, s, q in schema.fingerprint_pairs(first, data, indices)})
         got[mode] = [(out[a], out[b]) for a, b in refs]  # KeyError: a value missing
         if mode == "deferred":  # (a mid-step flush ends the run of repeats: a new index)
             # deferred: a repeat is the same index (integers are reduced at once: a copy)

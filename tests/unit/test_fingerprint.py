@@ -12,10 +12,8 @@ from tensor_trace.tracer.fingerprint import StepFingerprints
 def _values(records):
     out = {}
     for _, step, first, data, indices in records:
-        n = len(data) // 8
-        idx = range(first, first + n) if indices is None else __import__("struct").unpack(f"<{n}I", indices)
-        for i, pair in zip(idx, schema.FP_PAIR.iter_unpack(data)):
-            out[(step, i)] = pair
+        for i, s, q in schema.fingerprint_pairs(first, data, indices):
+            out[(step, i)] = (s, q)
     return out
 
 

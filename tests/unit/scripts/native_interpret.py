@@ -3,7 +3,6 @@ fingerprint table (tracer/native.py) against the Python path, on CPU tensors thr
 interpreter. Prints one JSON line."""
 import json
 import math
-import struct
 
 import torch
 
@@ -19,9 +18,7 @@ report = {}
 def values(records):
     out = {}
     for _, step, first, data, indices in records:
-        n = len(data) // 8
-        idx = range(first, first + n) if indices is None else struct.unpack(f"<{n}I", indices)
-        out.update({(step, i): p for i, p in zip(idx, schema.FP_PAIR.iter_unpack(data))})
+        out.update({(step, i): (s, q) for i, s, q in schema.fingerprint_pairs(first, data, indices)})
     return out
 
 
