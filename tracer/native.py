@@ -66,6 +66,8 @@ struct Table {
 
   // Hold t as fingerprint index i: the bytes held then, or -1 when t is not one it takes.
   int64_t hold(const at::Tensor& t, int64_t i) {
+    // dense tensors with memory of their own only (not sparse, meta or wrapper subclasses)
+    if (t.layout() != c10::kStrided || !t.has_storage() || t.is_meta()) return -1;
     auto st = t.scalar_type();
     if (st != at::kFloat && st != at::kHalf && st != at::kBFloat16) return -1;
     if (t.device() != device) return -1;

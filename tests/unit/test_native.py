@@ -37,6 +37,7 @@ def test_native_table_equals_the_python_path():
     assert report["held_in_table"] == [10, 11]
     assert report["stale_True"] == report["stale_False"] == 2
     assert report["mid_step_left"] == 2  # flushed past the bound, then two more held
+    assert report["not_taken"] == [-1, -1, -1, 0]  # sparse, meta, integer: the Python path
 
 
 def test_not_built_or_used_unless_asked(monkeypatch):

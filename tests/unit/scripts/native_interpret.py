@@ -75,4 +75,9 @@ assert sorted(vals) == [(7, i) for i in range(6)]
 for i, x in enumerate(xs):
     assert math.isclose(vals[(7, i)][0], x.double().sum().item(), rel_tol=1e-4, abs_tol=1e-4)
 report["mid_step_left"] = sizes_after
+
+# What the table does not take goes back to the Python path: a sparse tensor, a meta tensor.
+nt = native.table_class()(1 << 24, torch.device("cpu"))
+report["not_taken"] = [nt.hold(torch.randn(4, 4).to_sparse(), 0), nt.hold(torch.empty(4, device="meta"), 1),
+                       nt.hold(torch.arange(4), 2), nt.size()]
 print(json.dumps(report))
