@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device-tool call: tests/gpu, then where a traced eager step's host time goes
+# One device-tool call: tests/gpu (the native table's test included), then where a traced eager step's host time goes
 # (bench/eager_fp_probe.py, with fp-old when bench/_old_fingerprint.py is present) and a cProfile
 # of the traced variants (bench/overhead.py --breakdown).   run: bash bench/gpu_probe.sh
 set -uo pipefail
@@ -14,6 +14,11 @@ echo "== eager probe"
 (cd "$REPO/bench" && timeout ${PROBE_LIMIT:-300} python3 eager_fp_probe.py --batch ${BATCHES:-8 64} --rounds ${ROUNDS:-8} \
     --variants ${VARIANTS:-plain nofp fp fp-old fp-holdonly fp-nokeep} --json "$OUT/probe.json" 2>&1 | grep -v Warn)
 date -u
+if [ "${NATIVE:-0}" = 1 ]; then
+  echo "== fp_ab with the native table (tracer/native.py), step by step"
+  (cd "$REPO/bench" && TORCH_EXTENSIONS_DIR=/tmp/tt-ext MAX_JOBS=16 timeout ${NATIVE_LIMIT:-300} \
+      python3 fp_ab.py --rounds ${AB_ROUNDS:-200} --native --json "$OUT/ab-native.json" 2>&1 | grep -v "Warn\|warn")
+fi
 if [ "${OVERHEAD:-0}" = 1 ]; then
   echo "== overhead, Llama-8B-shaped decode"
   timeout ${OVERHEAD_LIMIT:-330} python3 "$REPO/bench/overhead.py" --workload llama8b-decode --rounds ${OV_ROUNDS:-10} \
