@@ -1,18 +1,26 @@
-"""Two fingerprint implementations compared step by step on one traced model: robust to a host
-whose speed drifts (the lent H200's host: the same step measured 15 to 38 ms within a minute).
+"""The tracer's variants compared step by step on one traced model: robust to a host whose
+speed drifts (the lent H200's host: the same step measured 15 to 38 ms within a minute).
 
-    python bench/fp_ab.py [--batch 8 64] [--rounds 300]      # needs a GPU; bench/_old_fingerprint.py
+    python bench/fp_ab.py [--batch 8 64] [--rounds 300] [--python-only]     # needs a GPU
 
 One tracer runs the Llama-8B-shaped decode step of bench/overhead.py. Each round runs one step of
-each variant, in shuffled order, device synchronised after each: ``plain`` (torch's own
-``Module.__call__`` put back for that step: nothing of the tracer runs), ``nofp`` (the tracer with
-fingerprints off for that step), ``fp`` (tracer/fingerprint.py), ``fp2`` (a second instance of
-the same class: the noise floor of a paired difference), and ``fp-old`` (bench/_old_fingerprint.py,
-an earlier version, when present), and with ``--native`` ``fp-native`` (tracer/native.py's C++
-table, TENSOR_TRACE_NATIVE=1: built first, its values checked against fp's on one step). Switching is a per-step attribute change (the tracer's
-``fps`` object, its ``fingerprint`` flag), so consecutive steps differ only in the variant.
-Reports the median step time of each and the median and interquartile range of the per-round
-difference to ``fp``."""
+each variant, in shuffled order, device synchronised after each:
+
+- ``plain``   torch's own ``Module.__call__`` put back for that step: nothing of the tracer runs;
+- ``nofp``    the tracer as it comes, fingerprints off for that step;
+- ``fp``      the tracer as it comes, fingerprints on;
+- where tracer/native.py is available (the default where CUDA is, built first):
+  ``nofp-py`` and ``fp-py``, the same with the Python layout key and fingerprint table (the
+  tracer with ``TENSOR_TRACE_NATIVE=0``), and ``fp-py2``, a second instance of fp-py (the
+  noise floor of a paired difference); fp's values are checked on one step against fp-py's
+  and against torch's own at hook time;
+- ``fp-old``  bench/_old_fingerprint.py, an earlier version, when present.
+
+Switching is a per-step attribute change (the tracer's ``fps`` object, its ``fingerprint``
+flag, the layout key function), so consecutive steps differ only in the variant. Reports the
+median step time of each, its ratio to plain (of medians, and the median of per-round ratios),
+and the median and interquartile range of the per-round difference to fp-py (fp without
+native)."""
 from __future__ import annotations
 
 import argparse
@@ -35,49 +43,102 @@ except ImportError:
     OLD = None
 
 
-def check_same_values(tr, fps, run, sync) -> str:
-    """One step each of fp, fp2 and fp-native: the same fingerprint indices, and values equal
-    within what two steps of the same path differ by. The model itself is not bitwise
-    deterministic on a GPU (bf16 matrix products of large outputs), so fp against fp2 is
-    reported beside fp against fp-native; a native table reading the wrong memory would give
-    other sums of squares, which raises."""
+def _spy(f, meta):
+    """Wrap ``f``'s add_one and _add (instance attributes, so the tracer's calls find them) to note,
+    per fingerprint index, the tensor's layout, whether the C++ table took it, and torch's own
+    fp32 sum and sum of squares at hook time (on the device; read after the step)."""
+    add_one, add = f.add_one, f._add
+
+    def note(t, i, took):
+        if i not in meta:
+            meta[i] = (tuple(t.shape), tuple(t.stride()), str(t.dtype).replace("torch.", ""), took,
+                       t.float().sum(), t.float().pow(2).sum())
+
+    def size():
+        return f._nt.size() if f._nt is not None else 0
+
+    def spy_one(t, store=True):
+        n = size()
+        i = add_one(t, store)
+        if hasattr(t, "float"):
+            note(t, i, size() > n)
+        return i
+
+    def spy_add(tensors, store, immediate=False):
+        tensors = list(tensors)
+        n = size()
+        base = add(tensors, store, immediate)
+        for j, t in enumerate(tensors):
+            note(t, base + j, size() > n)
+        return base
+
+    f.add_one, f._add = spy_one, spy_add
+    return lambda: (f.__dict__.pop("add_one"), f.__dict__.pop("_add"))
+
+
+def check_same_values(tr, fps, run, sync, names) -> tuple:
+    """One step each of ``names`` (reference, its A/A twin, the candidate): the same
+    fingerprint indices, and values equal within what two steps of the same path differ by.
+    The model itself is not bitwise deterministic on the H200 (two steps of one path differ in
+    hundreds of values, each equal to torch's own at hook time), so each value is also checked
+    against torch's own fp32 sum and sum of squares of that tensor at hook time, which is the
+    verdict. Returns (summary line, ok, details of the values off)."""
     import math
 
     from tensor_trace import schema
 
-    got = {}
+    got, metas = {}, {}
     add = tr.writer.add
-    for v in ("fp", "fp2", "fp-native"):
+    ref, twin, cand = names
+    for v in names:
         for f in fps.values():
             f.collect(wait=True)  # nothing of earlier steps left pending
         recs = []
         tr.writer.add = lambda rec, recs=recs: recs.append(rec) if rec[0] == schema.FINGERPRINTS else add(rec)
+        meta = metas[v] = {}
+        unspy = _spy(fps[v], meta)
         try:
             run(v)
             sync()
             recs += fps[v].collect(wait=True)
         finally:
             tr.writer.add = add
+            unspy()
         vals = {}
         for _, step, first, data, indices in recs:
             vals.update((i, (s, q)) for i, s, q in schema.fingerprint_pairs(first, data, indices))
         got[v] = vals
-    a = got["fp"]
-    out = []
-    for v in ("fp2", "fp-native"):
+        for i, m in meta.items():
+            meta[i] = m[:4] + (m[4].item(), m[5].item())
+
+    def far(x, y, tol_l2, tol_sq):
+        return (abs(x[0] - y[0]) > tol_l2 * math.sqrt(max(x[1], 1e-12)) + 1e-6
+                or not math.isclose(x[1], y[1], rel_tol=tol_sq, abs_tol=1e-9))
+
+    a = got[ref]
+    out, ok, details = [], True, []
+    for v in (twin, cand):
         b = got[v]
         if a.keys() != b.keys():
-            raise SystemExit(f"{v}: other indices ({len(a)} against {len(b)} values)")
-        off = [i for i in a if abs(a[i][0] - b[i][0]) > 1e-3 * math.sqrt(max(a[i][1], 1e-12)) + 1e-6
-               or not math.isclose(a[i][1], b[i][1], rel_tol=1e-4, abs_tol=1e-9)]
-        wrong = [i for i in a if abs(a[i][0] - b[i][0]) > 2e-2 * math.sqrt(max(a[i][1], 1e-12)) + 1e-6
-                 or not math.isclose(a[i][1], b[i][1], rel_tol=1e-3, abs_tol=1e-9)]
-        if wrong:
-            raise SystemExit(f"{v}: {len(wrong)} of {len(a)} values differ, e.g. {a[wrong[0]]} {b[wrong[0]]}")
-        out.append(f"{v}: {len(a)} values, {len(off)} beyond 1e-3 of the l2 norm or 1e-4 of the sum of squares")
-    if fps["fp-native"]._nt is None:
-        raise SystemExit("fp-native: the C++ table was not taken (kernel not usable here?)")
-    return "; ".join(out) + f"; fp-native's table held {fps['fp-native']._nt.device} tensors"
+            out.append(f"{v}: other indices ({len(a)} against {len(b)} values)")
+            ok = False
+            continue
+        off = [i for i in a if far(a[i], b[i], 1e-3, 1e-4)]
+        wrong = [i for i in a if far(a[i], b[i], 2e-2, 1e-3)]
+        # against torch at hook time, in the same step: the verdict
+        vs_torch = [i for i in b if i in metas[v] and far(metas[v][i][4:], b[i], 2e-2, 1e-3)]
+        missing = [i for i in b if i not in metas[v]]
+        ok = ok and not vs_torch and not missing
+        out.append(f"{v}: {len(a)} values, {len(off)} beyond 1e-3 of the l2 norm or 1e-4 of the sum "
+                   f"of squares, {len(wrong)} beyond 2e-2 / 1e-3; {len(vs_torch)} beyond 2e-2 / 1e-3 "
+                   f"of torch's own at hook time, {len(missing)} not seen by the spy")
+        for i in sorted(set(wrong) | set(vs_torch))[:12]:
+            details.append(dict(variant=v, index=i, ref=a[i], other=b[i], meta_ref=metas[ref].get(i),
+                                meta_other=metas[v].get(i)))
+    if fps[cand]._nt is None:
+        out.append(f"{cand}: the C++ table was not taken (kernel not usable here?)")
+        ok = False
+    return "; ".join(out), ok, details
 
 
 def main() -> None:
@@ -89,30 +150,31 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--fingerprint-mode", default="auto",
                     help="the tracer's fingerprint_mode (deferred: the GPU's path on a CPU, for a check)")
-    ap.add_argument("--native", action="store_true",
-                    help="add fp-native: tracer/native.py's C++ table (built first; checked "
-                         "against fp on one step before timing)")
+    ap.add_argument("--python-only", action="store_true",
+                    help="TENSOR_TRACE_NATIVE=0: no native variants (the default, where CUDA is "
+                         "available, builds tracer/native.py and adds the -py variants)")
     args = ap.parse_args()
-    native = None
-    if args.native:
-        from tensor_trace.tracer import native
+    from tensor_trace.tracer import core, native
 
-        os.environ["TENSOR_TRACE_NATIVE"] = "1"  # only while fp-native's objects are made
+    if args.python_only:
+        os.environ["TENSOR_TRACE_NATIVE"] = "0"
+    have_native = False
+    if native.enabled():
         t0 = time.perf_counter()
         native.ensure(block=True)
-        del os.environ["TENSOR_TRACE_NATIVE"]
-        if native.table_class() is None:
-            raise SystemExit(f"fp-native: the extension is unavailable: {native.error()}")
-        print(f"# native extension built/loaded in {time.perf_counter() - t0:.1f} s")
+        have_native = native.table_class() is not None
+        print(f"# native extension {'built/loaded' if have_native else 'UNAVAILABLE'} in "
+              f"{time.perf_counter() - t0:.1f} s{'' if have_native else ': ' + str(native.error())}")
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     shape = dict(ov.LLAMA_SHAPES[args.shape], kv_len=512)
     torch.manual_seed(0)
     model = ov.LlamaForCausalLM(shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
-    variants = (["plain", "nofp", "fp", "fp2"] + (["fp-old"] if OLD is not None else [])
-                + (["fp-native"] if native is not None else []))
+    py = ["nofp-py", "fp-py", "fp-py2"] if have_native else []
+    variants = (["plain", "nofp", "fp"] + py + (["fp-old"] if OLD is not None else []))
+    ref_v = "fp-py" if have_native else "fp"
     print(f"# fp_ab {time.strftime('%Y-%m-%d %H:%M:%S')} device={dev} torch={torch.__version__} "
-          f"rounds={args.rounds} variants={variants}")
+          f"rounds={args.rounds} variants={variants} native={have_native}")
     report = {}
     for batch in args.batch:
         model.set_batch(batch)
@@ -121,13 +183,18 @@ def main() -> None:
                           fingerprint_mode=args.fingerprint_mode)
         try:
             defer_cuda, defer_cpu = tr.fps.defer_cuda, tr.fps.defer_cpu
-            fps = {"fp": tr.fps, "fp2": StepFingerprints(defer_cuda=defer_cuda, defer_cpu=defer_cpu)}
+            fps = {"fp": tr.fps}  # the default: the C++ table where native is available
+            if have_native:  # the Python path: StepFingerprints made with native off
+                old_env = os.environ.get("TENSOR_TRACE_NATIVE")
+                os.environ["TENSOR_TRACE_NATIVE"] = "0"
+                fps["fp-py"] = StepFingerprints(defer_cuda=defer_cuda, defer_cpu=defer_cpu)
+                fps["fp-py2"] = StepFingerprints(defer_cuda=defer_cuda, defer_cpu=defer_cpu)
+                if old_env is None:
+                    del os.environ["TENSOR_TRACE_NATIVE"]
+                else:
+                    os.environ["TENSOR_TRACE_NATIVE"] = old_env
             if OLD is not None:
                 fps["fp-old"] = OLD.StepFingerprints(defer_cuda=defer_cuda, defer_cpu=defer_cpu)
-            if native is not None:  # StepFingerprints with tracer/native.py's C++ table
-                os.environ["TENSOR_TRACE_NATIVE"] = "1"
-                fps["fp-native"] = StepFingerprints(defer_cuda=defer_cuda, defer_cpu=defer_cpu)
-                del os.environ["TENSOR_TRACE_NATIVE"]
 
             traced_call = torch.nn.Module.__call__  # the tracer's wrapper (--intercept call)
             plain_call = traced_call.__wrapped__  # torch's own
@@ -135,9 +202,14 @@ def main() -> None:
             def run(v) -> int:
                 # plain: torch's own __call__ for this step (nothing of the tracer runs)
                 torch.nn.Module.__call__ = plain_call if v == "plain" else traced_call
-                tr.fingerprint = v not in ("plain", "nofp")
+                tr.fingerprint = v not in ("plain", "nofp", "nofp-py")
                 if tr.fingerprint:
                     tr.fps = fps[v]
+                # the spans' layout key: native pair_key, or the Python tuple (-py, fp-old)
+                if "-py" in v or v == "fp-old":
+                    core.use_native_keys(None)
+                else:
+                    core.use_native_keys(native.pair_key(), native.call_key())
                 t0 = time.perf_counter_ns()
                 model(ids)
                 sync()
@@ -149,33 +221,38 @@ def main() -> None:
                 for _ in range(5):
                     for v in variants:
                         run(v)
-                if native is not None:
-                    print(f"  fp-native against fp, one step: {check_same_values(tr, fps, run, sync)}")
+                if have_native:
+                    line, ok, details = check_same_values(tr, fps, run, sync, ("fp-py", "fp-py2", "fp"))
+                    print(f"  fp (native) against fp-py, one step: {'ok' if ok else 'MISMATCH'}: {line}")
+                    for d in details:
+                        print(f"    {d}")
+                    report[f"check_b{batch}"] = dict(ok=ok, line=line, details=details)
                 for _ in range(args.rounds):
                     order = list(variants)
                     rng.shuffle(order)
                     for v in order:
                         times[v].append(run(v))
             torch.nn.Module.__call__ = traced_call
+            core.use_native_keys(native.pair_key(), native.call_key())
             for f in fps.values():
                 f.collect(wait=True)
             tr.fps = fps["fp"]
         finally:
             tracer.stop()
-        ref = times["fp"]
+        ref = times[ref_v]
         rows = {}
-        print(f"\n== batch {batch}: median ms/step; per-round difference to fp, ms: median [p25, p75]")
+        print(f"\n== batch {batch}: median ms/step; per-round difference to {ref_v}, ms: median [p25, p75]")
         for v in variants:
             med = statistics.median(times[v]) / 1e6
             diff = sorted((a - b) / 1e6 for a, b in zip(times[v], ref))
             q = lambda p: diff[min(len(diff) - 1, int(p * len(diff)))]
             rows[v] = dict(median_ms=med, p10_ms=sorted(times[v])[len(times[v]) // 10] / 1e6,
-                           diff_to_fp_median=statistics.median(diff), diff_p25=q(0.25), diff_p75=q(0.75))
+                           diff_to_ref_median=statistics.median(diff), diff_p25=q(0.25), diff_p75=q(0.75))
             rows[v]["ratio_to_plain"] = med / (statistics.median(times["plain"]) / 1e6)
             rows[v]["paired_ratio_to_plain"] = statistics.median(a / b for a, b in zip(times[v], times["plain"]))
             print(f"  {v:<8} {med:8.3f}  p10 {rows[v]['p10_ms']:8.3f}  x{rows[v]['ratio_to_plain']:.3f} "
-                  f"(paired x{rows[v]['paired_ratio_to_plain']:.3f}) | {v} - fp: {rows[v]['diff_to_fp_median']:+7.3f} "
-                  f"[{rows[v]['diff_p25']:+7.3f}, {rows[v]['diff_p75']:+7.3f}]")
+                  f"(paired x{rows[v]['paired_ratio_to_plain']:.3f}) | {v} - {ref_v}: "
+                  f"{rows[v]['diff_to_ref_median']:+7.3f} [{rows[v]['diff_p25']:+7.3f}, {rows[v]['diff_p75']:+7.3f}]")
         report[batch] = rows
     if args.json:
         with open(args.json, "w") as f:

@@ -7,17 +7,17 @@ source "$(dirname "$0")/gpu_env.sh" probe-session.txt
 date -u
 if [ "${SKIPTESTS:-0}" != 1 ]; then
   # (from /tmp: in the repository, its tensor_trace/ folder would shadow the import path)
-  echo "== tests/gpu"; timeout 240 python3 -m pytest -q -p no:cacheprovider "$REPO/tests/gpu" 2>&1 | tail -3
+  echo "== tests/gpu"; timeout 240 python3 -m pytest -q -p no:cacheprovider "$REPO/tests/gpu" 2>&1 | tail -${TEST_TAIL:-3}
 fi
-echo "== step-end pieces"; python3 "$REPO/bench/step_end_probe.py" 2>&1 | grep -v Warn
-echo "== eager probe"
+[ "${STEPEND:-1}" = 1 ] && echo "== step-end pieces" && python3 "$REPO/bench/step_end_probe.py" 2>&1 | grep -v Warn
+if [ "${PROBE:-1}" = 1 ]; then echo "== eager probe"
 (cd "$REPO/bench" && timeout ${PROBE_LIMIT:-300} python3 eager_fp_probe.py --batch ${BATCHES:-8 64} --rounds ${ROUNDS:-8} \
-    --variants ${VARIANTS:-plain nofp fp fp-old fp-holdonly fp-nokeep} --json "$OUT/probe.json" 2>&1 | grep -v Warn)
+    --variants ${VARIANTS:-plain nofp fp fp-old fp-holdonly fp-nokeep} --json "$OUT/probe.json" 2>&1 | grep -v Warn); fi
 date -u
 if [ "${NATIVE:-0}" = 1 ]; then
   echo "== fp_ab with the native table (tracer/native.py), step by step"
   (cd "$REPO/bench" && TORCH_EXTENSIONS_DIR=/tmp/tt-ext MAX_JOBS=16 timeout ${NATIVE_LIMIT:-300} \
-      python3 fp_ab.py --rounds ${AB_ROUNDS:-200} --native --json "$OUT/ab-native.json" 2>&1 | grep -v "Warn\|warn")
+      python3 fp_ab.py --rounds ${AB_ROUNDS:-200} --json "$OUT/ab-native.json" 2>&1 | grep -v "Warn\|warn")
 fi
 if [ "${OVERHEAD:-0}" = 1 ]; then
   echo "== overhead, Llama-8B-shaped decode"

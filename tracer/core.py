@@ -27,7 +27,7 @@ import torch
 from torch.nn.modules import module as _nn_module
 
 from tensor_trace import schema
-from tensor_trace.tracer import structures
+from tensor_trace.tracer import native, structures
 from tensor_trace.tracer.config import TraceConfig
 from tensor_trace.tracer.device_time import CollectiveDeviceTimes
 from tensor_trace.tracer.fingerprint import StepFingerprints
@@ -110,6 +110,7 @@ class Tracer:
         self.step_t0 = 0
         self.step_t0_raw = 0
         self.fp_now = False
+        self.native_pending = True  # tracer/native.py: asked for at the first traced step
         self.span_flags = 0
         self.max_spans = config.max_spans_per_step
         self.stack: list = []
@@ -519,6 +520,8 @@ class Tracer:
         if not self.global_handles:
             self._install_global_hooks()
         self.ensure_writer()
+        if self.native_pending:
+            self._poll_native()
         self.tracing_step = True
         self.stats["steps"] += 1
         self.capturing = _is_capturing()
@@ -553,6 +556,21 @@ class Tracer:
         if self.lineage is not None and self._lineage_due(entry[0], attrs):
             self.lineage.begin_step()
             self._set_quiet_hooks(True)
+
+    def _poll_native(self) -> None:
+        """Start tracer/native.py's build at the first traced step (processes that never trace
+        a step do not build), and take its pair_key once it is ready; the Python key until then
+        or if it is unavailable."""
+        if not native.enabled():
+            self.native_pending = False
+            return
+        native.ensure()
+        fn = native.pair_key()
+        if fn is not None:
+            use_native_keys(fn, native.call_key())
+            self.native_pending = False
+        elif native.error() is not None:
+            self.native_pending = False
 
     def begin_external_step(self, root, args, attrs=None) -> bool:
         """Start a step whose root a framework calls with ``root.forward(...)`` directly (so the
@@ -926,6 +944,31 @@ class Tracer:
         list of tensors and plain values (SGLang's ``(output, bias)``, ``(x, residual)``,
         rotary ``(q, k)``), without walking structures: the slots are those ``_pop_record``
         would name. False (nothing done) for any other call."""
+        writer = self.writer
+        ckey = _call_key(args, kwargs, result, _CONTEXT) if _call_key is not None else -1
+        if ckey >= 0:  # tracer/native.py read the call: its layout, if known to this file
+            known = writer._layouts_c.get(ckey)
+            if known is not None:
+                t1 = _now()
+                self.stack.pop()
+                layout, n_pre = known
+                fp_post = -1
+                if self.fp_now:
+                    post = [a for a in kwargs.values() if isinstance(a, _Tensor)] if kwargs else []
+                    if isinstance(result, _Tensor):
+                        post.append(result)
+                    elif result is not None:
+                        post += [r for r in result if isinstance(r, _Tensor)]
+                    if post:
+                        fp_post = self.fps.add(post)
+                t0 = frame[_F_T0]
+                buf = writer._buf
+                buf.append((_SPAN, self.step, frame[_F_INDEX], frame[_F_PARENT], frame[_F_PATH],
+                            frame[_F_CALL], t0 - self.step_t0_raw, t1 - t0, layout, frame[_F_FP_PRE],
+                            fp_post, n_pre, self.span_flags))
+                if len(buf) >= writer.max_buffered:
+                    writer.flush()
+                return True
         # The layout key: (position or keyword, shape, dtype, device) per tensor; outputs at
         # position -1 ("output") or -2 - i ("output.i").
         key = []
@@ -961,7 +1004,6 @@ class Tracer:
             return False
         t1 = _now()
         self.stack.pop()
-        writer = self.writer
         key = tuple(key)
         layout = writer._layouts_n.get(key)
         if layout is None:
@@ -972,6 +1014,8 @@ class Tracer:
                         _OUT if at == -1 else f"output.{-2 - at}")
                 slots.append((name, key[k + 1], key[k + 2], key[k + 3]))
             layout = writer._layouts_n[key] = writer.layout(tuple(slots))
+        if ckey >= 0:
+            writer._layouts_c[ckey] = (layout, n_pre)
         fp_post = self.fps.add(post) if self.fp_now and post else -1
         t0 = frame[_F_T0]
         buf = writer._buf
@@ -1104,6 +1148,7 @@ class Tracer:
             self.step = -1  # a forked child counts its own steps (and --steps windows)
             self.in_step = self.tracing_step = False
             self.fps = self._new_fingerprints()
+            self.native_pending = True
             self.device_times.reset()
             self.identity = {}
             self.stats = {k: 0 for k in self.stats}
@@ -1128,15 +1173,38 @@ def _open_span(t, path_id) -> tuple:
     return call, index
 
 
+def _py_pair_key(a, r):
+    return (a.shape, a.dtype, a.device, r.shape, r.dtype, r.device)
+
+
+# The layout key of a call of tensors and plain values (Tracer._record_tensors): tracer/native.py's
+# call_key once that is built, else None (the key built in Python).
+_call_key = None
+
+# The layout key of a one-tensor span: tracer/native.py's pair_key (an int; -1 for a tensor it
+# does not read) once that is built, until then the six values as a tuple (0.75 us a call).
+_pair_key = _py_pair_key
+
+
+def use_native_keys(pair_key, call_key=None) -> None:
+    """Key spans' layouts with tracer/native.py's ``pair_key`` (one tensor in, one out) and
+    ``call_key`` (tensors and plain values), or in Python where one is None."""
+    global _pair_key, _call_key
+    _pair_key = pair_key if pair_key is not None else _py_pair_key
+    _call_key = call_key
+
+
 def _span_one_tensor(t, index, parent, path_id, call, t0, t1, a, result, fp_pre, fp_now) -> None:
     """Write the span of a call with one tensor in and one out (the common call, from either
     interception): its layout keyed flat, no slot list."""
     writer = t.writer
-    key = (a.shape, a.dtype, a.device, result.shape, result.dtype, result.device)
+    key = _pair_key(a, result)
+    if key == -1:  # (a tensor the native key does not read)
+        key = _py_pair_key(a, result)
     layout = writer._layouts1.get(key)
     if layout is None:
         layout = writer._layouts1[key] = writer.layout(
-            ((_IN0, key[0], key[1], key[2]), (_OUT, key[3], key[4], key[5])))
+            ((_IN0, a.shape, a.dtype, a.device), (_OUT, result.shape, result.dtype, result.device)))
     buf = writer._buf
     buf.append((_SPAN, t.step, index, parent, path_id, call, t0 - t.step_t0_raw, t1 - t0, layout,
                 fp_pre, t.fps.add_one(result) if fp_now else -1, 1, t.span_flags))

@@ -1,21 +1,29 @@
-"""Optional C++ for the eager fingerprint path, opt-in with ``TENSOR_TRACE_NATIVE=1``.
+"""C++ for the tracer's hottest per-call work, on by default where CUDA is available.
 
-A traced eager GPU step holds a few hundred tensors for its fingerprint kernel; in Python each
-costs a dozen tensor attribute reads in the hook and again at the step's end, when they are
-cold in the CPU's caches. ``Table`` does that work in C++: in the hook it checks the tensor and
-records the kernel's table row (address, numel, row layout), its storage (so the memory is not
-reused before the kernel reads it) and its version counter (an in-place update is still seen);
-the Python tensor is not kept, so it dies in the step as it would untraced. At the step's end it
-builds the kernel's pinned buffer with no Python per tensor. The rest (repeats, immediate
-values, collecting) stays in ``tracer/fingerprint.py``; a tensor the table does not take (another
-dtype or device, another layout, too large) takes the Python path.
+``TENSOR_TRACE_NATIVE``: ``1`` always, ``0`` never, unset or ``auto`` where CUDA is available
+(a GPU step's host time is what this cuts; a CPU-only machine is spared a compiler run).
+
+- ``pair_key(a, b)``: the layout key of the common span (one tensor in, one out) as one int,
+  read from the TensorImpls, instead of six attribute reads and a tuple hash in Python
+  (about 0.75 of a traced call's 3.2 us on a CPU; bench/hook_cost.py).
+- ``Table``: the eager fingerprint path's deferred tensors. A traced eager GPU step holds a few
+  hundred tensors for its fingerprint kernel; in Python each costs a dozen tensor attribute
+  reads in the hook and again at the step's end, when they are cold in the CPU's caches. The
+  table does that work in C++: in the hook it checks the tensor and records the kernel's table
+  row (address, numel, row layout), its storage (so the memory is not reused before the
+  kernel reads it) and its version counter (an in-place update is still seen); the Python
+  tensor is not kept, so it dies in the step as it would untraced. At the step's end it builds
+  the kernel's pinned buffer with no Python per tensor. The rest (repeats, immediate values,
+  collecting) stays in ``tracer/fingerprint.py``; a tensor the table does not take (another
+  dtype or device, another layout, too large, a subclass) takes the Python path.
 
 Built with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler and ninja are needed) into
-torch's extension cache, once per machine and torch version (about 25 s on 2 cores, 30 s on the
-H200 host; ranks building at once wait for one another). ``ensure()`` loads or builds it in a
-background thread: a process uses the Python path until it is ready, and any failure is
+torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default under ``~/.cache``), once per
+machine and torch version: about 25 s on 2 cores, 20 to 30 s on the H200 host; ranks building
+at once wait for one another. The build starts at a process's first traced step, in a
+background thread: the process uses the Python path until it is ready, and any failure is
 reported once on stderr and leaves the Python path in place. Measured in bench/RESULTS.md
-(``bench/fp_ab.py --native``, ``bench/native_proxy.py``).
+(``bench/fp_ab.py``, ``bench/hook_cost.py``, ``bench/native_proxy.py``).
 """
 
 from __future__ import annotations
@@ -28,9 +36,150 @@ SOURCE = r"""
 #include <torch/extension.h>
 #include <algorithm>
 #include <cstring>
+#include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace {
+
+// -- pair_key: the (shape, dtype, device) of two tensors as one small int ----------------------
+// The hooks' common span has one tensor in and one out; its layout is looked up by these six
+// values, which from Python cost six attribute reads (torch.Size and device objects made each
+// time) and a tuple hash: about 0.75 us of a traced call's 3. Here they are read from the
+// TensorImpl and matched exactly (no hash collision can alias two layouts) in one map for the
+// process; the same metadata always gets the same int.
+struct KeyHash {
+  size_t operator()(const std::vector<int64_t>& v) const {
+    size_t h = 1469598103934665603ULL;
+    for (int64_t x : v) h = (h ^ static_cast<size_t>(x)) * 1099511628211ULL;
+    return h;
+  }
+};
+
+// never freed: process-wide tables read until the interpreter exits
+auto* pair_ids = new std::unordered_map<std::vector<int64_t>, int64_t, KeyHash>();
+auto* call_ids = new std::unordered_map<std::vector<int64_t>, int64_t, KeyHash>();
+auto* kw_ids = new std::unordered_map<std::string, int64_t>();
+std::vector<int64_t> key_buf;
+
+// A plain torch.Tensor or Parameter (a subclass may report other shapes: the caller's Python).
+bool put_meta(PyObject* o) {
+  if (!THPVariable_CheckExact(o)) return false;
+  const at::Tensor& t = THPVariable_Unpack(o);
+  try {
+    auto* impl = t.unsafeGetTensorImpl();
+    if (impl->is_nested() || impl->has_symbolic_sizes_strides()) return false;
+    auto sizes = t.sizes();
+    key_buf.push_back(static_cast<int64_t>(sizes.size()));
+    key_buf.insert(key_buf.end(), sizes.begin(), sizes.end());
+    key_buf.push_back(static_cast<int64_t>(t.scalar_type()));
+    auto d = t.device();
+    key_buf.push_back((static_cast<int64_t>(d.type()) << 16) | (static_cast<int64_t>(d.index()) & 0xffff));
+    return true;
+  } catch (...) {  // any tensor whose sizes cannot be read so: the caller's Python key
+    return false;
+  }
+}
+
+int64_t id_of(std::unordered_map<std::vector<int64_t>, int64_t, KeyHash>* ids) {
+  auto it = ids->find(key_buf);
+  if (it != ids->end()) return it->second;
+  int64_t id = static_cast<int64_t>(ids->size());
+  ids->emplace(key_buf, id);
+  return id;
+}
+
+// pair_key(a, b): an int (>= 0) standing for a's and b's (shape, dtype, device), or -1 for a
+// tensor it does not read (a subclass, nested, symbolic sizes, not a tensor). Under the GIL.
+PyObject* pair_key(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t id = -1;
+  if (nargs == 2) {
+    key_buf.clear();
+    if (put_meta(args[0]) && put_meta(args[1])) id = id_of(pair_ids);
+  }
+  return PyLong_FromLongLong(id);
+}
+
+// What core.Tracer._record_tensors skips: None, int, float, str (bool is an int) and the
+// registered batch-context types. 1 plain, 0 not, -1 error (raised).
+int plain(PyObject* o, PyObject* context) {
+  if (o == Py_None || PyLong_Check(o) || PyFloat_Check(o) || PyUnicode_Check(o)) return 1;
+  return PySet_Contains(context, reinterpret_cast<PyObject*>(Py_TYPE(o)));
+}
+
+// Slot tags in a call key, each followed by the tensor's metadata: position i >= 0 for
+// arguments, kKeyword - id for keyword arguments, -1 a tensor result, -2 - j item j of a
+// tuple or list result.
+constexpr int64_t kKeyword = -(int64_t(1) << 40);
+
+// call_key(args, kwargs, result, context): an int (>= 0) standing for the layout that
+// core.Tracer._record_tensors would build for this call, or -1 where it would not record it
+// (another kind of argument or result) or a tensor is not read here: the caller's Python then
+// decides. Under the GIL.
+PyObject* call_key(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  if (nargs != 4 || !PyTuple_Check(a[0]) || !PySet_Check(a[3])) return PyLong_FromLongLong(-1);
+  PyObject *args = a[0], *kwargs = a[1], *result = a[2], *context = a[3];
+  key_buf.clear();
+  Py_ssize_t n = PyTuple_GET_SIZE(args);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* x = PyTuple_GET_ITEM(args, i);
+    key_buf.push_back(i);
+    if (put_meta(x)) continue;
+    key_buf.pop_back();
+    int p = plain(x, context);
+    if (p < 0) return nullptr;
+    if (!p) return PyLong_FromLongLong(-1);
+  }
+  if (kwargs != Py_None) {
+    if (!PyDict_Check(kwargs)) return PyLong_FromLongLong(-1);
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(kwargs, &pos, &k, &v)) {
+      if (!PyUnicode_Check(k)) return PyLong_FromLongLong(-1);
+      Py_ssize_t len;
+      const char* name = PyUnicode_AsUTF8AndSize(k, &len);
+      if (name == nullptr) return nullptr;
+      std::string s(name, static_cast<size_t>(len));
+      auto it = kw_ids->find(s);
+      int64_t kid;
+      if (it == kw_ids->end()) {
+        kid = static_cast<int64_t>(kw_ids->size());
+        kw_ids->emplace(std::move(s), kid);
+      } else {
+        kid = it->second;
+      }
+      key_buf.push_back(kKeyword - kid);
+      if (put_meta(v)) continue;
+      key_buf.pop_back();
+      int p = plain(v, context);
+      if (p < 0) return nullptr;
+      if (!p) return PyLong_FromLongLong(-1);
+    }
+  }
+  if (result != Py_None) {
+    key_buf.push_back(-1);
+    if (!put_meta(result)) {
+      key_buf.pop_back();
+      if (!PyTuple_CheckExact(result) && !PyList_CheckExact(result)) return PyLong_FromLongLong(-1);
+      PyObject* seq = result;
+      Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+      for (Py_ssize_t j = 0; j < m; ++j) {
+        PyObject* r = PySequence_Fast_GET_ITEM(seq, j);
+        key_buf.push_back(-2 - j);
+        if (put_meta(r)) continue;
+        key_buf.pop_back();
+        if (!(r == Py_None || PyLong_Check(r) || PyFloat_Check(r) || PyUnicode_Check(r)))
+          return PyLong_FromLongLong(-1);
+      }
+    }
+  }
+  return PyLong_FromLongLong(id_of(call_ids));
+}
+
+PyMethodDef pair_key_def = {"pair_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(pair_key)),
+                            METH_FASTCALL, "pair_key(a, b) -> int: see tracer/native.py"};
+PyMethodDef call_key_def = {"call_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(call_key)),
+                            METH_FASTCALL, "call_key(args, kwargs, result, context) -> int: see tracer/native.py"};
 
 bool row_layout(const at::Tensor& t, int64_t& cols, int64_t& rstride) {
   auto sizes = t.sizes();
@@ -157,21 +306,50 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("clear", &Table::clear)
       .def("size", &Table::size)
       .def_readonly("device", &Table::device);
+  m.attr("pair_key") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&pair_key_def, nullptr, nullptr));
+  m.attr("call_key") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&call_key_def, nullptr, nullptr));
 }
 """
 
-_state: dict = {"table": None, "started": False, "error": None}
+_state: dict = {"table": None, "pair_key": None, "call_key": None, "started": False, "error": None}
 _lock = threading.Lock()
+_done = threading.Event()  # set when a build or load has finished, either way
 
 
 def enabled() -> bool:
-    """Whether this process asked for the C++ table (``TENSOR_TRACE_NATIVE=1``)."""
-    return os.environ.get("TENSOR_TRACE_NATIVE") == "1"
+    """Whether this process uses the extension: ``TENSOR_TRACE_NATIVE=1`` yes, ``0`` no; unset
+    (or ``auto``), yes where CUDA is available: a GPU step's host time is what it cuts, and a
+    CPU-only machine is spared a compiler run."""
+    mode = os.environ.get("TENSOR_TRACE_NATIVE", "auto")
+    if mode == "1":
+        return True
+    if mode != "auto" and mode != "":
+        return False
+    if _state.get("cuda") is None:
+        try:
+            import torch
+
+            _state["cuda"] = bool(torch.cuda.is_available())
+        except Exception:
+            _state["cuda"] = False
+    return _state["cuda"]
 
 
 def table_class():
     """The compiled ``Table`` class, or None (not asked for, not ready yet, or unavailable)."""
     return _state["table"]
+
+
+def pair_key():
+    """The compiled ``pair_key(a, b)`` (an int standing for both tensors' shape, dtype and
+    device, -1 for tensors it does not read), or None (not asked for, not ready, unavailable)."""
+    return _state["pair_key"]
+
+
+def call_key():
+    """The compiled ``call_key(args, kwargs, result, context)`` (an int standing for the layout
+    of a call of tensors and plain values, -1 where the caller's Python decides), or None."""
+    return _state["call_key"]
 
 
 def error():
@@ -180,24 +358,26 @@ def error():
 
 
 def ensure(block: bool = False) -> None:
-    """Load the extension, building it first if needed: now when ``block``, else in a
-    background thread. Does nothing unless enabled, or after the first call."""
-    if not enabled() or _state["started"]:
+    """Load the extension, building it first if needed, in a background thread; with
+    ``block``, return once that is done (also when another call started it). Does nothing
+    unless enabled."""
+    if not enabled():
         return
-    with _lock:
-        if _state["started"]:
-            return
-        _state["started"] = True
+    if not _state["started"]:
+        with _lock:
+            if not _state["started"]:
+                _state["started"] = True
+                threading.Thread(target=_build, name="tensor-trace-native", daemon=True).start()
     if block:
-        _build()
-    else:
-        threading.Thread(target=_build, name="tensor-trace-native", daemon=True).start()
+        _done.wait()
 
 
 def _after_fork_in_child() -> None:
     # A build thread of the parent does not exist in the child: look again when asked.
+    global _done
     if _state["table"] is None and _state["error"] is None:
         _state["started"] = False
+        _done = threading.Event()
 
 
 if hasattr(os, "register_at_fork"):
@@ -210,8 +390,13 @@ def _build() -> None:
 
         module = load_inline(name="tensor_trace_native", cpp_sources=[SOURCE],
                              extra_cflags=["-O2"], verbose=False)
+        _state["call_key"] = module.call_key
+        _state["pair_key"] = module.pair_key
         _state["table"] = module.Table
     except Exception as exc:  # no compiler, no ninja, no headers: the Python path stays
         _state["error"] = repr(exc)
-        sys.stderr.write(f"tensor-trace: the native fingerprint table is unavailable "
-                         f"({exc!r:.300}); fingerprints take the Python path\n")
+        sys.stderr.write(f"tensor-trace: the native extension is unavailable ({exc!r:.300}); "
+                         f"the tracer takes its Python path (TENSOR_TRACE_NATIVE=0 stops "
+                         f"trying)\n")
+    finally:
+        _done.set()

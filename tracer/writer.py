@@ -46,6 +46,7 @@ class RankWriter:
         # device) of each: building that key costs half of building the nested one.
         self._layouts1: dict[tuple, int] = {}
         self._layouts_n: dict[tuple, int] = {}  # all-tensor calls, keyed flat (Tracer._record_tensors)
+        self._layouts_c: dict[int, tuple] = {}  # the same by tracer/native.py's call_key: (layout, n_pre)
         self._modules: dict[str, int] = {}
         self.generation = object()  # replaced whenever interned ids are forgotten
         self._closed = False
@@ -109,6 +110,7 @@ class RankWriter:
             self._layouts.clear()
             self._layouts1.clear()
             self._layouts_n.clear()
+            self._layouts_c.clear()
             self._modules.clear()
             self.generation = object()
 

@@ -38,16 +38,52 @@ def test_native_table_equals_the_python_path():
     assert report["stale_True"] == report["stale_False"] == 2
     assert report["mid_step_left"] == 2  # flushed past the bound, then two more held
     assert report["not_taken"] == [-1, -1, -1, 0]  # sparse, meta, integer: the Python path
+    keys = report["pair_key"]
+    assert keys["same"] and keys["order"] and keys["distinct"] == 8
+    assert keys["unread"] == [-1, -1, -1]  # nested, not a tensor, one argument
+    calls = report["call_key"]
+    # 7 calls, 5 layouts: plain values and a context leave no slot (as in core's Python key), so
+    # (x, 3, None, ...) -> y and (x, ctx) -> y are one; a tuple result and a list are one
+    assert calls["same"] and calls["distinct"] == 5 and calls["tuple_is_list"]
+    assert calls["unread"] == [-1] * 5  # an object, a list in a keyword, a dict, a subclass
+    assert report["native_key_taken"] and report["tracer_layouts_equal"]
+    assert report["spans"] == 3 * (1 + 1 + 2 * 6)  # root, embed, 2 blocks of (block, norm, 2 x (Lin, Linear))
+    assert report["call_layouts"] >= 3  # the (x, residual) norm, the (output, bias) Lins: by call_key
 
 
-def test_not_built_or_used_unless_asked(monkeypatch):
+def test_not_built_or_used_without_cuda_unless_asked(monkeypatch, tmp_path):
     import torch
 
-    from tensor_trace.tracer import native
+    from tensor_trace import tracer
+    from tensor_trace.tracer import core, native
     from tensor_trace.tracer.fingerprint import StepFingerprints
 
+    monkeypatch.setitem(native._state, "cuda", False)  # as on a machine without CUDA
     monkeypatch.delenv("TENSOR_TRACE_NATIVE", raising=False)
     fps = StepFingerprints(defer_cuda=False, defer_cpu=True)
     fps.add_one(torch.randn(4))
     assert fps._nt is None and not fps._native_wanted
+    tr = tracer.start(out_dir=str(tmp_path), fingerprint=False, lineage=False)
+    try:
+        torch.nn.Linear(2, 2)(torch.randn(1, 2))
+        assert not tr.native_pending and core._pair_key is core._py_pair_key
+    finally:
+        tracer.stop()
     assert not native.enabled() and native.table_class() is None and not native._state["started"]
+
+
+def test_auto_means_where_cuda_is_and_the_variable_decides(monkeypatch):
+    from tensor_trace.tracer import native
+
+    monkeypatch.setitem(native._state, "cuda", True)
+    for value, expect in ((None, True), ("auto", True), ("1", True), ("0", False)):
+        if value is None:
+            monkeypatch.delenv("TENSOR_TRACE_NATIVE", raising=False)
+        else:
+            monkeypatch.setenv("TENSOR_TRACE_NATIVE", value)
+        assert native.enabled() is expect, value
+    monkeypatch.setitem(native._state, "cuda", False)
+    monkeypatch.delenv("TENSOR_TRACE_NATIVE", raising=False)
+    assert native.enabled() is False
+    monkeypatch.setenv("TENSOR_TRACE_NATIVE", "1")
+    assert native.enabled() is True

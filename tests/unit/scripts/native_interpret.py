@@ -80,4 +80,122 @@ report["mid_step_left"] = sizes_after
 nt = native.table_class()(1 << 24, torch.device("cpu"))
 report["not_taken"] = [nt.hold(torch.randn(4, 4).to_sparse(), 0), nt.hold(torch.empty(4, device="meta"), 1),
                        nt.hold(torch.arange(4), 2), nt.size()]
+
+# pair_key: one int per distinct (shape, dtype, device) pair, matched exactly; -1 for what it
+# does not read (then the tracer keys the span in Python).
+pk = native.pair_key()
+x, y = torch.randn(4, 64), torch.randn(4, 64)
+keys = {
+    "same": pk(x, y) == pk(torch.empty(4, 64), torch.zeros(4, 64)),  # values do not matter
+    "distinct": len({pk(x, y), pk(x, torch.randn(4, 65)), pk(x, torch.randn(64, 4)), pk(x, y.half()),
+                     pk(x, y.view(4, 1, 64)), pk(y.t(), x), pk(x, torch.empty(4, 64, device="meta")),
+                     pk(torch.randn(256), y)}),
+    "order": pk(x, torch.randn(2)) != pk(torch.randn(2), x),
+    "unread": [pk(torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]), x), pk(x, 3), pk(x)],
+}
+report["pair_key"] = keys
+
+# call_key: the layout of a call of tensors and plain values, or -1 where Python decides.
+ck = native.call_key()
+
+
+class Ctx:  # a batch context type (as SGLang's ForwardBatch is registered)
+    pass
+
+
+ctx_types = {Ctx}
+ctx = Ctx()
+calls = {
+    "plain_args": ck((x, 3, None, "s", 1.5, True), {}, y, ctx_types),
+    "plain_args_again": ck((torch.zeros(4, 64), 4, None, "t", 2.5, False), {}, torch.ones(4, 64), ctx_types),
+    "context": ck((x, ctx), {}, y, ctx_types),
+    "kw": ck((x,), {"residual": y}, (x, y), ctx_types),
+    "kw_other_name": ck((x,), {"other": y}, (x, y), ctx_types),
+    "tuple_bias": ck((x,), {}, (y, None), ctx_types),
+    "list_out": ck((x,), {}, [y, None], ctx_types),
+    "no_result": ck((x,), {}, None, ctx_types),
+    "unread": [ck((x, object()), {}, y, ctx_types), ck((x,), {"a": [y]}, y, ctx_types),
+               ck((x,), {}, {"a": y}, ctx_types), ck((x,), {}, (y, object()), ctx_types),
+               ck((torch.nn.Parameter(x).as_subclass(type("Sub", (torch.Tensor,), {})),), {}, y, ctx_types)],
+}
+report["call_key"] = {
+    "same": calls["plain_args"] == calls["plain_args_again"] >= 0,
+    "distinct": len({calls[k] for k in ("plain_args", "context", "kw", "kw_other_name", "tuple_bias",
+                                        "list_out", "no_result")}),
+    "tuple_is_list": calls["tuple_bias"] == calls["list_out"],  # as core's Python key has it
+    "unread": calls["unread"],
+}
+
+# The tracer with the native keys writes the same spans as with the Python ones: one tensor in
+# and out (pair_key), and SGLang's call shapes (call_key): (output, bias), (x, residual) with a
+# keyword, plain values and a batch context among the arguments.
+import tempfile
+
+from tensor_trace import tracer
+from tensor_trace.exporters.reader import load_rank_file, rank_files
+from tensor_trace.tracer import core, structures
+
+structures.add_context_type(Ctx)
+
+
+class Lin(torch.nn.Module):
+    def __init__(self, i, o):
+        super().__init__()
+        self.inner = torch.nn.Linear(i, o)
+
+    def forward(self, x):
+        return self.inner(x), None
+
+
+class Norm(torch.nn.Module):
+    def forward(self, x, residual=None):
+        return (x * 2, x + residual) if residual is not None else x * 2
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.norm = Lin(8, 16), Lin(16, 8), Norm()
+
+    def forward(self, positions, h, batch, residual):
+        h, residual = self.norm(h, residual=residual)
+        out, _ = self.up(h)
+        out, _ = self.down(torch.relu(out))
+        return out * positions.float().mean(), residual
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+
+    def forward(self, x):
+        h = self.embed(x)
+        residual = torch.zeros_like(h)
+        for b in self.blocks:
+            h, residual = b(torch.arange(x.shape[0]), h, ctx, residual)
+        return h
+
+
+model = Model()
+layouts = {}
+for use in (True, False):
+    out = tempfile.mkdtemp()
+    tr = tracer.start(out_dir=out, fingerprint=True, lineage=False)
+    if not use:  # the Python keys throughout
+        tr.native_pending = False
+        core.use_native_keys(None)
+    torch.manual_seed(1)
+    for batch in (2, 3, 2):
+        model(torch.randn(batch, 8))
+    if use:  # taken at the first step, as TENSOR_TRACE_NATIVE=1 asks
+        report["native_key_taken"] = core._pair_key is pk and core._call_key is ck
+        report["call_layouts"] = len(tr.writer._layouts_c)
+    tracer.stop()
+    trace = load_rank_file(rank_files(out)[0])
+    layouts[use] = [(s.step, s.path, s.call, [(t.slot, t.shape, t.dtype, t.fp) for t in s.tensors])
+                    for st in trace.steps.values() for s in st.spans]
+report["spans"] = len(layouts[True])
+report["tracer_layouts_equal"] = layouts[True] == layouts[False]
 print(json.dumps(report))
