@@ -16,7 +16,7 @@ if [ "${PROBE:-1}" = 1 ]; then echo "== eager probe"
 date -u
 if [ "${NATIVE:-0}" = 1 ]; then
   echo "== fp_ab with the native table (tracer/native.py), step by step"
-  (cd "$REPO/bench" && TORCH_EXTENSIONS_DIR=/tmp/tt-ext MAX_JOBS=16 timeout ${NATIVE_LIMIT:-300} \
+  (cd "$REPO/bench" && timeout ${NATIVE_LIMIT:-300} \
       python3 fp_ab.py --rounds ${AB_ROUNDS:-200} --json "$OUT/ab-native.json" 2>&1 | grep -v "Warn\|warn")
 fi
 if [ "${OVERHEAD:-0}" = 1 ]; then

@@ -709,6 +709,14 @@ def workload_llama(args, bench: Bench):
     print(f"  [llama8b-decode] built {n_params / 1e9:.3f} B parameters ({args.dtype}) on {device} "
           f"in {time.perf_counter() - t0:.1f} s", flush=True)
     cuda = device.type == "cuda"
+    from tensor_trace.tracer import native
+
+    if native.enabled():  # (the default where CUDA is): built or loaded now, not during the rounds
+        t0 = time.perf_counter()
+        native.ensure(block=True)
+        print(f"  [llama8b-decode] tracer/native.py "
+              f"{'ready' if native.pair_key() else 'UNAVAILABLE: ' + str(native.error())} "
+              f"in {time.perf_counter() - t0:.1f} s", flush=True)
     rounds = args.rounds or 7
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 3)
     steps = args.steps or (30 if cuda else 20)
