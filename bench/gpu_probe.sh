@@ -7,7 +7,7 @@ source "$(dirname "$0")/gpu_env.sh" probe-session.txt
 date -u
 if [ "${SKIPTESTS:-0}" != 1 ]; then
   # (from /tmp: in the repository, its tensor_trace/ folder would shadow the import path)
-  echo "== tests/gpu"; timeout 240 python3 -m pytest -q -p no:cacheprovider "$REPO/tests/gpu" 2>&1 | tail -${TEST_TAIL:-3}
+  echo "== tests/gpu"; timeout ${TEST_LIMIT:-240} python3 -m pytest -q -p no:cacheprovider "$REPO/tests/gpu" 2>&1 | tail -${TEST_TAIL:-3}
 fi
 [ "${STEPEND:-1}" = 1 ] && echo "== step-end pieces" && python3 "$REPO/bench/step_end_probe.py" 2>&1 | grep -v Warn
 if [ "${PROBE:-1}" = 1 ]; then echo "== eager probe"

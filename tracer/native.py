@@ -357,10 +357,10 @@ def error():
     return _state["error"]
 
 
-def ensure(block: bool = False) -> None:
+def ensure(block: bool = False, timeout: float | None = 900.0) -> None:
     """Load the extension, building it first if needed, in a background thread; with
-    ``block``, return once that is done (also when another call started it). Does nothing
-    unless enabled."""
+    ``block``, return once that is done (also when another call started it) or ``timeout``
+    seconds have passed. Does nothing unless enabled."""
     if not enabled():
         return
     if not _state["started"]:
@@ -369,7 +369,7 @@ def ensure(block: bool = False) -> None:
                 _state["started"] = True
                 threading.Thread(target=_build, name="tensor-trace-native", daemon=True).start()
     if block:
-        _done.wait()
+        _done.wait(timeout)
 
 
 def _after_fork_in_child() -> None:
@@ -384,12 +384,38 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def build_directory() -> str:
+    """Where the extension is built and cached: ``$TORCH_EXTENSIONS_DIR`` (else torch's default
+    root), one folder per Python and torch version."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    tag = "".join(c if c.isalnum() else "_" for c in torch.__version__)
+    return os.path.join(root, f"tensor_trace_native_py{sys.version_info[0]}{sys.version_info[1]}_{tag}")
+
+
 def _build() -> None:
     try:
+        import fcntl
+
         from torch.utils.cpp_extension import load_inline
 
-        module = load_inline(name="tensor_trace_native", cpp_sources=[SOURCE],
-                             extra_cflags=["-O2"], verbose=False)
+        folder = build_directory()
+        os.makedirs(folder, exist_ok=True)
+        # torch's own build lock is a file that a process killed mid-build (a traced process
+        # that exits while this background build runs) leaves behind, after which every later
+        # build waits for it forever. So builds of this extension also take an flock, which the
+        # OS releases when its holder dies: holding it, no build of ours is running, and a
+        # torch lock file found then is such a leftover.
+        with open(os.path.join(folder, "tensor_trace.flock"), "a+") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            try:
+                os.remove(os.path.join(folder, "lock"))
+            except FileNotFoundError:
+                pass
+            module = load_inline(name="tensor_trace_native", cpp_sources=[SOURCE],
+                                 extra_cflags=["-O2"], build_directory=folder, verbose=False)
         _state["call_key"] = module.call_key
         _state["pair_key"] = module.pair_key
         _state["table"] = module.Table

@@ -87,3 +87,25 @@ def test_auto_means_where_cuda_is_and_the_variable_decides(monkeypatch):
     assert native.enabled() is False
     monkeypatch.setenv("TENSOR_TRACE_NATIVE", "1")
     assert native.enabled() is True
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_stop_later_builds(tmp_path):
+    """torch's build lock is a plain file: a traced process that exits while its background
+    build runs leaves it, and torch then waits for it forever. native.py's flock clears it."""
+    env = _build_env()
+    if not (shutil.which("ninja", path=env["PATH"]) and (shutil.which("c++") or shutil.which("g++"))):
+        pytest.skip("no C++ compiler or ninja to build the extension")
+    from tensor_trace.tracer import native
+
+    folder = native.build_directory()
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "lock"), "w"):
+        pass  # what a process killed mid-build leaves
+    code = ("from tensor_trace.tracer import native\n"
+            "native.ensure(block=True, timeout=600)\n"
+            "print(native.pair_key() is not None, native.error())\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=700)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[0] == "True", proc.stdout + proc.stderr[-2000:]
+    assert not os.path.exists(os.path.join(folder, "lock"))
