@@ -161,9 +161,12 @@ class StepFingerprints:
         self.defer_bytes = DEFER_BYTES
         self.capturing = False  # between begin_capture and finish_capture
         self._fills: list = []
-        # The C++ table of tracer/native.py (TENSOR_TRACE_NATIVE=1), once built and the kernel
-        # is usable on a tensor's device; until then _native_wanted says to look again.
+        # The C++ table of tracer/native.py (by default where CUDA is), once built and the
+        # kernel is usable on a tensor's device; until then _native_wanted says to look again.
+        # Tensors go in through native.hold_in(slot, ...), a plain C call.
         self._nt = None
+        self._nt_slot = -1
+        self._hold = None
         self._nt_bytes = 0
         self._native_wanted = native.enabled() and (defer_cuda or defer_cpu)
         self.reset()
@@ -249,20 +252,21 @@ class StepFingerprints:
                 version = False
             if version is not False:
                 return self._last_idx
+        nt = self._nt
+        if nt is not None and not self.capturing:
+            # (first: the table takes tensors of its own device only, one where tensors are
+            # deferred, so the device test below is not needed for what it takes)
+            idx = self.count
+            held = self._hold(self._nt_slot, t, idx)
+            if held >= 0:  # in the C++ table (tracer/native.py)
+                self.count = idx + 1
+                self._last, self._last_idx, self._last_version = t, idx, True
+                self._nt_bytes = held
+                if held > self.defer_bytes:
+                    self._flush_mid_step()
+                return idx
         if (self.defer_cuda and t.is_cuda) or self.defer_cpu:
-            nt = self._nt
-            if nt is not None:
-                if not self.capturing:
-                    idx = self.count
-                    held = nt.hold(t, idx)
-                    if held >= 0:  # in the C++ table (tracer/native.py)
-                        self.count = idx + 1
-                        self._last, self._last_idx, self._last_version = t, idx, True
-                        self._nt_bytes = held
-                        if held > self.defer_bytes:
-                            self._flush_mid_step()
-                        return idx
-            elif self._native_wanted:
+            if nt is None and self._native_wanted:
                 self._native_table(t)
             size = _FLOAT_SIZE.get(t.dtype)
             if size is not None:
@@ -329,25 +333,42 @@ class StepFingerprints:
         defer_all = self.defer_cpu and not immediate
         defer_cuda = self.defer_cuda and not immediate
         held = [] if store else None
+        # The C++ table, when there is one and it may be used: tried first, as in add_one (it
+        # takes tensors of its own device only, one where tensors are deferred).
+        nt = None if immediate or self.capturing else self._nt
+        if nt is not None:
+            hold, slot = self._hold, self._nt_slot
+            last = self._last if self._last_version is True else None
+            last_out = self._last_out
         for t in tensors:
+            if nt is not None:
+                if not store:  # _recent, inline: an output held just before is a repeat
+                    src = self._last_idx if t is last else -1
+                    if src < 0:
+                        for u, i in last_out:
+                            if u is t:
+                                src = i
+                                break
+                    if src >= 0:
+                        self._dups.append((idx, src))
+                        idx += 1
+                        continue
+                nt_held = hold(slot, t, idx)
+                if nt_held >= 0:  # in the C++ table (tracer/native.py)
+                    self._nt_bytes = nt_held
+                    if held is not None:
+                        held.append((t, idx))
+                    idx += 1
+                    continue
             size = _FLOAT_SIZE.get(t.dtype) if (defer_cuda and t.is_cuda) or defer_all else None
             if size is not None:
-                if not store:
+                if not store and nt is None:  # (with the table: looked up above)
                     src = self._recent(t)
                     if src >= 0:  # an output held just before: its value at the flush
                         self._dups.append((idx, src))
                         idx += 1
                         continue
-                nt = self._nt
-                if nt is not None and not self.capturing:
-                    nt_held = nt.hold(t, idx)
-                    if nt_held >= 0:  # in the C++ table (tracer/native.py)
-                        self._nt_bytes = nt_held
-                        if held is not None:
-                            held.append((t, idx))
-                        idx += 1
-                        continue
-                elif nt is None and self._native_wanted:
+                if self._nt is None and self._native_wanted:
                     self._native_table(t)
                 n = t.numel()
                 if n <= DEFER_MAX_NUMEL or (self.capturing and multi_tensor.usable(t)
@@ -420,6 +441,7 @@ class StepFingerprints:
             return
         if multi_tensor.usable(t):
             self._nt = cls(DEFER_MAX_NUMEL, t.device)
+            self._nt_slot, self._hold = self._nt.slot, native.hold_in()
         self._native_wanted = False
 
     def _recent(self, t) -> int:
