@@ -60,7 +60,7 @@ struct KeyHash {
 auto* pair_ids = new std::unordered_map<std::vector<int64_t>, int64_t, KeyHash>();
 auto* call_ids = new std::unordered_map<std::vector<int64_t>, int64_t, KeyHash>();
 auto* kw_ids = new std::unordered_map<std::string, int64_t>();
-std::vector<int64_t> key_buf;
+std::vector<int64_t>& key_buf = *new std::vector<int64_t>();
 
 // A plain torch.Tensor or Parameter (a subclass may report other shapes: the caller's Python).
 bool put_meta(PyObject* o) {
@@ -231,8 +231,10 @@ struct Table {
     if (n > max_numel || n >= (int64_t(1) << 31)) return -1;
     int64_t cols = n, rs = n;
     if (!t.is_contiguous() && !row_layout(t, cols, rs)) return -1;
+    const void* ptr = t.data_ptr();
+    if (ptr == nullptr) return -1;  // no memory to read (an empty or meta-backed tensor)
     idx.push_back(i);
-    int64_t e[4] = {reinterpret_cast<int64_t>(t.data_ptr()), n, cols, rs};
+    int64_t e[4] = {reinterpret_cast<int64_t>(ptr), n, cols, rs};
     tab.insert(tab.end(), e, e + 4);
     keep.push_back(t.storage());
     if (t.is_inference()) {
@@ -302,7 +304,8 @@ struct Table {
 
 // Live tables by slot (a freed slot is null): hold_in finds its table with an index, not a
 // pybind instance lookup.
-std::vector<Table*> tables;
+// (never freed, as the maps above: a Table that Python frees late must find it)
+std::vector<Table*>& tables = *new std::vector<Table*>();
 
 Table::Table(int64_t max_numel_, c10::Device device_) : max_numel(max_numel_), device(device_) {
   slot = static_cast<int64_t>(tables.size());
@@ -316,7 +319,8 @@ Table::~Table() { tables[slot] = nullptr; }
 // step). -1 for anything it does not take, as hold. Under the GIL.
 PyObject* hold_in(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   int64_t held = -1;
-  if (nargs == 3 && THPVariable_Check(a[1])) {
+  // plain tensors only: a subclass (a FakeTensor, say) may have no real memory behind it
+  if (nargs == 3 && THPVariable_CheckExact(a[1])) {
     long long slot = PyLong_AsLongLong(a[0]);
     long long i = PyLong_AsLongLong(a[2]);
     if (PyErr_Occurred()) return nullptr;

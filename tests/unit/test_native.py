@@ -38,6 +38,8 @@ def test_native_table_equals_the_python_path():
     assert report["stale_True"] == report["stale_False"] == 2
     assert report["mid_step_left"] == 2  # flushed past the bound, then two more held
     assert report["not_taken"] == [-1, -1, -1, 0]  # sparse, meta, integer: the Python path
+    # a subclass, an empty tensor, no such table, not a tensor; then a float tensor: 16 bytes held
+    assert report["hold_in_not_taken"] == [-1, -1, -1, -1, 0] and report["hold_in_taken"]
     keys = report["pair_key"]
     assert keys["same"] and keys["order"] and keys["distinct"] == 8
     assert keys["unread"] == [-1, -1, -1]  # nested, not a tensor, one argument

@@ -80,6 +80,13 @@ report["mid_step_left"] = sizes_after
 nt = native.table_class()(1 << 24, torch.device("cpu"))
 report["not_taken"] = [nt.hold(torch.randn(4, 4).to_sparse(), 0), nt.hold(torch.empty(4, device="meta"), 1),
                        nt.hold(torch.arange(4), 2), nt.size()]
+# hold_in, the hooks' way in: plain tensors of the table's own device only
+hold_in = native.hold_in()
+Sub = type("Sub", (torch.Tensor,), {})
+report["hold_in_not_taken"] = [hold_in(nt.slot, torch.randn(4).as_subclass(Sub), 3),
+                               hold_in(nt.slot, torch.empty(0), 4), hold_in(10**6, torch.randn(4), 5),
+                               hold_in(nt.slot, "x", 6), nt.size()]
+report["hold_in_taken"] = hold_in(nt.slot, torch.randn(4), 7) == 16 and nt.size() == 1
 
 # pair_key: one int per distinct (shape, dtype, device) pair, matched exactly; -1 for what it
 # does not read (then the tracer keys the span in Python).
