@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import tempfile
 import time
@@ -34,6 +33,7 @@ import time
 import torch
 
 import overhead as ov  # bench/ is this script's folder, first on sys.path
+from _paired import shuffled_rounds
 from tensor_trace import tracer
 from tensor_trace.tracer.fingerprint import StepFingerprints
 
@@ -215,8 +215,6 @@ def main() -> None:
                 sync()
                 return time.perf_counter_ns() - t0
 
-            times = {v: [] for v in variants}
-            rng = random.Random(batch)
             with torch.inference_mode():
                 for _ in range(5):
                     for v in variants:
@@ -227,11 +225,7 @@ def main() -> None:
                     for d in details:
                         print(f"    {d}")
                     report[f"check_b{batch}"] = dict(ok=ok, line=line, details=details)
-                for _ in range(args.rounds):
-                    order = list(variants)
-                    rng.shuffle(order)
-                    for v in order:
-                        times[v].append(run(v))
+                times = shuffled_rounds(run, variants, args.rounds, seed=batch)
             torch.nn.Module.__call__ = traced_call
             core.use_native_keys(native.pair_key(), native.call_key())
             for f in fps.values():

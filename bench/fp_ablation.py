@@ -16,7 +16,6 @@ and _add, fp-countonly - nofp the rest of the tracer's fingerprint paths.
 """
 import argparse
 import os
-import random
 import statistics
 import tempfile
 import time
@@ -24,6 +23,7 @@ import time
 import torch
 
 import call_patterns as cp  # bench/ is this script's folder, first on sys.path
+from _paired import paired_median, shuffled_rounds
 from tensor_trace import tracer
 from tensor_trace.tracer import multi_tensor, native
 from tensor_trace.tracer.fingerprint import StepFingerprints
@@ -75,8 +75,6 @@ def main() -> None:
     nohold._nt, nohold._native_wanted, nohold._hold = _NoHoldTable(), False, lambda s, t, i: 0
     variants = {"nofp": None, "fp": tr.fps, "fp-nohold": nohold,
                 "fp-countonly": _CountOnly(defer_cuda=False, defer_cpu=True)}
-    times = {v: [] for v in variants}
-
     def run(v):
         tr.fingerprint = variants[v] is not None
         if tr.fingerprint:
@@ -85,23 +83,16 @@ def main() -> None:
         llama(ids)
         return time.perf_counter_ns() - t0
 
-    rng = random.Random(0)
     with torch.inference_mode():
-        for _ in range(30):
-            for v in variants:
-                run(v)
-        for _ in range(args.rounds):
-            order = list(variants)
-            rng.shuffle(order)
-            for v in order:
-                times[v].append(run(v))
+        shuffled_rounds(run, variants, 30)  # warm-up
+        times = shuffled_rounds(run, variants, args.rounds)
     tracer.stop()
     med = {v: statistics.median(t) / 1e3 for v, t in times.items()}
     print(f"# fp_ablation {time.strftime('%Y-%m-%d %H:%M')} rounds={args.rounds}; median us/step:",
           {v: round(m) for v, m in med.items()})
     for a, b in (("fp", "nofp"), ("fp", "fp-nohold"), ("fp-nohold", "fp-countonly"),
                  ("fp-countonly", "nofp")):
-        d = statistics.median(x - y for x, y in zip(times[a], times[b])) / 1e3
+        d = paired_median(times, a, b) / 1e3
         print(f"  paired {a} - {b}: {d:+.0f} us/step")
 
 

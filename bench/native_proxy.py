@@ -12,7 +12,6 @@ tensors again at the step's end after the rest of the step has evicted them from
 caches."""
 import argparse
 import os
-import random
 import statistics
 import tempfile
 import time
@@ -20,6 +19,7 @@ import time
 import torch
 
 import call_patterns as cp  # bench/ is this script's folder, first on sys.path
+from _paired import paired_median, shuffled_rounds
 from tensor_trace import tracer
 from tensor_trace.tracer import core, multi_tensor, native
 from tensor_trace.tracer.fingerprint import StepFingerprints
@@ -43,7 +43,7 @@ def main() -> None:
     keys = (native.pair_key(), native.call_key())
     traced_call = torch.nn.Module.__call__
     plain_call = traced_call.__wrapped__
-    times = {v: [] for v in ("plain", "nofp-py", "nofp", "fp-py", "fp")}
+    variants = ("plain", "nofp-py", "nofp", "fp-py", "fp")
 
     def run(v):
         torch.nn.Module.__call__ = plain_call if v == "plain" else traced_call
@@ -55,16 +55,9 @@ def main() -> None:
         llama(ids.view(cp.B, 1))
         return time.perf_counter_ns() - t0
 
-    rng = random.Random(0)
     with torch.inference_mode():
-        for _ in range(20):
-            for v in times:
-                run(v)
-        for _ in range(args.rounds):
-            o = list(times)
-            rng.shuffle(o)
-            for v in o:
-                times[v].append(run(v))
+        shuffled_rounds(run, variants, 20)  # warm-up
+        times = shuffled_rounds(run, variants, args.rounds)
     torch.nn.Module.__call__ = traced_call
     tracer.stop()
     med = {v: statistics.median(t) / 1e3 for v, t in times.items()}
@@ -72,7 +65,7 @@ def main() -> None:
           {v: round(m) for v, m in med.items()})
     for a, b in (("nofp", "plain"), ("nofp-py", "plain"), ("fp", "nofp"), ("fp-py", "nofp-py"),
                  ("nofp", "nofp-py"), ("fp", "fp-py")):
-        d = statistics.median(x - y for x, y in zip(times[a], times[b])) / 1e3
+        d = paired_median(times, a, b) / 1e3
         print(f"  paired {a} - {b}: {d:+.0f} us/step")
 
 

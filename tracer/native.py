@@ -112,6 +112,16 @@ int plain(PyObject* o, PyObject* context) {
 // tuple or list result.
 constexpr int64_t kKeyword = -(int64_t(1) << 40);
 
+// One argument at slot `tag`: a tensor (its slot and metadata keyed), or a plain value (no
+// slot). 1 done, 0 neither (the caller's Python decides), -1 error (raised).
+int put_argument(int64_t tag, PyObject* x, PyObject* context) {
+  key_buf.push_back(tag);
+  if (put_meta(x)) return 1;
+  key_buf.pop_back();
+  int p = plain(x, context);
+  return p < 0 ? -1 : p;
+}
+
 // call_key(args, kwargs, result, context): an int (>= 0) standing for the layout that
 // core.Tracer._record_tensors would build for this call, or -1 where it would not record it
 // (another kind of argument or result) or a tensor is not read here: the caller's Python then
@@ -122,13 +132,9 @@ PyObject* call_key(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   key_buf.clear();
   Py_ssize_t n = PyTuple_GET_SIZE(args);
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* x = PyTuple_GET_ITEM(args, i);
-    key_buf.push_back(i);
-    if (put_meta(x)) continue;
-    key_buf.pop_back();
-    int p = plain(x, context);
-    if (p < 0) return nullptr;
-    if (!p) return PyLong_FromLongLong(-1);
+    int r = put_argument(i, PyTuple_GET_ITEM(args, i), context);
+    if (r < 0) return nullptr;
+    if (r == 0) return PyLong_FromLongLong(-1);
   }
   if (kwargs != Py_None) {
     if (!PyDict_Check(kwargs)) return PyLong_FromLongLong(-1);
@@ -148,12 +154,9 @@ PyObject* call_key(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
       } else {
         kid = it->second;
       }
-      key_buf.push_back(kKeyword - kid);
-      if (put_meta(v)) continue;
-      key_buf.pop_back();
-      int p = plain(v, context);
-      if (p < 0) return nullptr;
-      if (!p) return PyLong_FromLongLong(-1);
+      int r = put_argument(kKeyword - kid, v, context);
+      if (r < 0) return nullptr;
+      if (r == 0) return PyLong_FromLongLong(-1);
     }
   }
   if (result != Py_None) {
