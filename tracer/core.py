@@ -1313,17 +1313,21 @@ class _CallWrapper:
                     except BaseException:
                         t.post_fn(module, args, None)  # the error path, as always_call hooks get it
                         raise
-                    if (type(result) is tensor_type and stack and stack[-1] is frame
-                            and not t.quiet_hooks):
+                    if stack and stack[-1] is frame and not t.quiet_hooks:
                         try:
-                            t1 = now()
-                            stack.pop()
-                            _span_one_tensor(t, index, parent, path_id, call, t0, t1, a, result,
-                                             fp_pre, fp_now)
+                            if type(result) is tensor_type:
+                                t1 = now()
+                                stack.pop()
+                                _span_one_tensor(t, index, parent, path_id, call, t0, t1, a,
+                                                 result, fp_pre, fp_now)
+                                return result
+                            # (output, bias) and the like: _global_post's own next step, direct
+                            if t._record_tensors(frame, args, kwargs, result):
+                                return result
                         except Exception as exc:
                             t._on_error("forward hook", exc)
-                    else:
-                        t.post_fn(module, args, kwargs, result)
+                            return result
+                    t.post_fn(module, args, kwargs, result)
                     return result
             t.pre_fn(module, args)
             try:
@@ -1331,6 +1335,18 @@ class _CallWrapper:
             except BaseException:
                 t.post_fn(module, args, None)  # the error path, as always_call hooks get it
                 raise
+            # A call of tensors and plain values whose frame _global_pre left on top: recorded
+            # here as _global_post would (its own checks already known true), else through it.
+            stack = t.stack
+            if len(stack) > 1 and not t.quiet_hooks:
+                frame = stack[-1]
+                if frame[0] is module and frame[8] and type(frame[6]) is tuple:
+                    try:
+                        if t._record_tensors(frame, frame[6], kwargs, result):
+                            return result
+                    except Exception as exc:
+                        t._on_error("forward hook", exc)
+                        return result
             t.post_fn(module, args, kwargs, result)
             return result
 

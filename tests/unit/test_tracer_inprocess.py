@@ -445,19 +445,56 @@ def test_framework_call_patterns_recorded_inline_as_the_general_path_does(tmp_pa
     net = _SglLike()
     args = (torch.arange(4), torch.randn(4, 8), batch_cls(torch.arange(4), torch.full((4,), 7), 1))
     tables = {}
+    inline_calls = []
+    real = core.Tracer._record_tensors
     for how in ("inline", "general"):
         with monkeypatch.context() as m:
             if how == "general":
                 m.setattr(core.Tracer, "_record_tensors", lambda self, *a: False)
-            tracer.start(out_dir=str(tmp_path / how), fingerprint=fingerprint)
+            else:
+                m.setattr(core.Tracer, "_record_tensors",
+                          lambda self, *a: inline_calls.append(1) or real(self, *a))
+            # (lineage off: steps that record lineage take the general path anyway)
+            tracer.start(out_dir=str(tmp_path / how), fingerprint=fingerprint, lineage=False)
             outs = [net(*args) for _ in range(2)]
             tracer.stop()
         tables[how] = _spans_by_step(tmp_path / how)
         assert torch.equal(outs[0], net(*args))
-    assert tables["inline"] == tables["general"]
+    assert tables["inline"] == tables["general"] and len(inline_calls) >= 2 * 8
     spans = {path: ts for _, _, path, _, _, ts in tables["inline"][1]}
     assert [s for s, *_ in spans[""]][:4] == ["input.0", "input.1", "input.2.positions", "input.2.seq_lens"]
     assert [s for s, *_ in spans["layers.0.attn"]] == ["input.0", "input.1", "input.2", "output"]
     assert [s for s, *_ in spans["layers.0.qkv"]] == ["input.0", "output.0"]
     assert [s for s, *_ in spans["layers.1.norm"]] == ["input.0", "input.1", "output.0", "output.1"]
     assert [s for s, *_ in spans["layers.1"]] == ["input.0", "input.1", "input.residual", "output.0", "output.1"]
+
+
+@pytest.mark.parametrize("fingerprint", [False, True])
+def test_framework_call_patterns_the_same_through_the_call_wrapper_and_the_hooks(tmp_path, monkeypatch,
+                                                                                 fingerprint):
+    # The call wrapper records calls of tensors and plain values itself (_record_tensors, with
+    # _global_post's checks known true); the hooks go through _global_post: same rank file.
+    from tensor_trace.tracer import core, structures
+
+    batch_cls = _batch_type()
+    monkeypatch.setattr(structures, "_CONTEXT", {batch_cls})
+    monkeypatch.setattr(core, "_CONTEXT", structures._CONTEXT)
+    torch.manual_seed(0)
+    net = _SglLike()
+    args = (torch.arange(4), torch.randn(4, 8), batch_cls(torch.arange(4), torch.full((4,), 7), 1))
+    calls = []
+    real = core.Tracer._record_tensors
+    monkeypatch.setattr(core.Tracer, "_record_tensors",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+    tables = {}
+    for intercept in ("call", "hooks"):
+        tracer.start(out_dir=str(tmp_path / intercept), fingerprint=fingerprint, intercept=intercept,
+                     lineage=False)  # (steps that record lineage take the general path)
+        for _ in range(2):
+            net(*args)
+        tracer.stop()
+        tables[intercept] = _spans_by_step(tmp_path / intercept)
+        calls.append(intercept)
+    assert tables["call"] == tables["hooks"] and len(tables["call"][1]) > 5
+    n_call = calls.index("call")
+    assert n_call > 0 and calls.count(1) == 2 * n_call, calls  # both record every such call once
