@@ -19,11 +19,14 @@
 
 Built with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler and ninja are needed) into
 torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default under ``~/.cache``), once per
-machine and torch version: about 25 s on 2 cores, 20 to 30 s on the H200 host; ranks building
-at once wait for one another. The build starts at a process's first traced step, in a
-background thread: the process uses the Python path until it is ready, and any failure is
-reported once on stderr and leaves the Python path in place. Measured in bench/RESULTS.md
-(``bench/fp_ab.py``, ``bench/hook_cost.py``, ``bench/native_proxy.py``).
+machine, Python and torch version: about 25 s on 2 cores, 20 to 30 s on the H200 host. A
+process's first traced step starts it from a background thread, which runs the compiler in an
+untraced child process of its own session: a traced process that exits first does not take the
+build with it, and the next one loads the finished build at once. Ranks building at once wait
+for one another (an flock, which a killed holder releases). The process uses the Python path
+until the build is ready; any failure is reported once on stderr and leaves the Python path in
+place. Measured in bench/RESULTS.md (``bench/fp_ab.py``, ``bench/hook_cost.py``,
+``bench/native_proxy.py``).
 """
 
 from __future__ import annotations
@@ -449,27 +452,77 @@ def build_directory() -> str:
     return os.path.join(root, f"tensor_trace_native_py{sys.version_info[0]}{sys.version_info[1]}_{tag}")
 
 
+def _stamp() -> str:
+    import hashlib
+
+    import torch
+
+    return hashlib.sha256(f"{torch.__version__}\n{SOURCE}".encode()).hexdigest()
+
+
+def _built(folder: str) -> bool:
+    """Whether ``folder`` holds a finished build of this source (a stamp written after it)."""
+    try:
+        with open(os.path.join(folder, "tensor_trace.stamp")) as f:
+            return f.read().strip() == _stamp()
+    except OSError:
+        return False
+
+
+def _load(folder: str):
+    """Build (if needed) and import the extension, under the build flock; stamps the folder."""
+    import fcntl
+
+    from torch.utils.cpp_extension import load_inline
+
+    os.makedirs(folder, exist_ok=True)
+    # torch's own build lock is a file that a process killed mid-build leaves behind, after
+    # which every later build waits for it forever. So builds of this extension also take an
+    # flock, which the OS releases when its holder dies: holding it, no build of ours is
+    # running, and a torch lock file found then is such a leftover.
+    with open(os.path.join(folder, "tensor_trace.flock"), "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            os.remove(os.path.join(folder, "lock"))
+        except FileNotFoundError:
+            pass
+        module = load_inline(name="tensor_trace_native", cpp_sources=[SOURCE],
+                             extra_cflags=["-O2"], build_directory=folder, verbose=False)
+        if not _built(folder):
+            with open(os.path.join(folder, "tensor_trace.stamp"), "w") as f:
+                f.write(_stamp())
+    return module
+
+
+def _build_detached(folder: str) -> None:
+    """Compile in a child process of its own session, and wait for it: a traced process that
+    exits first (a short run, a test) does not take the compiler down with it, so the build
+    finishes and the next process loads it at once. The child is not traced: the bootstrap
+    folder of ``tensor-trace record`` is left off its PYTHONPATH."""
+    import subprocess
+
+    bootstrap = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
+    env = dict(os.environ)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+             if p and os.path.abspath(p) != bootstrap]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    with open(os.path.join(folder, "tensor_trace.build.log"), "ab") as log:
+        child = subprocess.Popen([sys.executable, "-m", "tensor_trace.tracer.native", folder],
+                                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                 start_new_session=True, close_fds=True)
+    child.wait(timeout=1800)
+
+
 def _build() -> None:
     try:
-        import fcntl
-
-        from torch.utils.cpp_extension import load_inline
-
         folder = build_directory()
         os.makedirs(folder, exist_ok=True)
-        # torch's own build lock is a file that a process killed mid-build (a traced process
-        # that exits while this background build runs) leaves behind, after which every later
-        # build waits for it forever. So builds of this extension also take an flock, which the
-        # OS releases when its holder dies: holding it, no build of ours is running, and a
-        # torch lock file found then is such a leftover.
-        with open(os.path.join(folder, "tensor_trace.flock"), "a+") as held:
-            fcntl.flock(held, fcntl.LOCK_EX)
+        if not _built(folder):
             try:
-                os.remove(os.path.join(folder, "lock"))
-            except FileNotFoundError:
+                _build_detached(folder)
+            except Exception:  # (then the build below runs in this process)
                 pass
-            module = load_inline(name="tensor_trace_native", cpp_sources=[SOURCE],
-                                 extra_cflags=["-O2"], build_directory=folder, verbose=False)
+        module = _load(folder)
         _state["call_key"] = module.call_key
         _state["hold_in"] = module.hold_in
         _state["pair_key"] = module.pair_key
@@ -481,3 +534,7 @@ def _build() -> None:
                          f"trying)\n")
     finally:
         _done.set()
+
+
+if __name__ == "__main__":  # the detached build of _build_detached: python -m ... FOLDER
+    _load(sys.argv[1])
