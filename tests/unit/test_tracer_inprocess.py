@@ -431,19 +431,26 @@ class _SglLike(nn.Module):
         return hidden_states
 
 
-@pytest.mark.parametrize("fingerprint", [False, True])
-def test_framework_call_patterns_recorded_inline_as_the_general_path_does(tmp_path, monkeypatch, fingerprint):
-    # (output, None) results, (x, residual) pairs, plain values and a batch context among the
-    # arguments, keyword arguments: recorded without walking structures (_record_tensors), the
-    # same as the general path records them; the batch context only in the step root's span.
+def _sgl_like_with_context(monkeypatch):
+    """The SGLang-like model and its arguments, with its batch type registered as a context."""
     from tensor_trace.tracer import core, structures
 
     batch_cls = _batch_type()
     monkeypatch.setattr(structures, "_CONTEXT", {batch_cls})
     monkeypatch.setattr(core, "_CONTEXT", structures._CONTEXT)
     torch.manual_seed(0)
-    net = _SglLike()
     args = (torch.arange(4), torch.randn(4, 8), batch_cls(torch.arange(4), torch.full((4,), 7), 1))
+    return _SglLike(), args
+
+
+@pytest.mark.parametrize("fingerprint", [False, True])
+def test_framework_call_patterns_recorded_inline_as_the_general_path_does(tmp_path, monkeypatch, fingerprint):
+    # (output, None) results, (x, residual) pairs, plain values and a batch context among the
+    # arguments, keyword arguments: recorded without walking structures (_record_tensors), the
+    # same as the general path records them; the batch context only in the step root's span.
+    from tensor_trace.tracer import core
+
+    net, args = _sgl_like_with_context(monkeypatch)
     tables = {}
     inline_calls = []
     real = core.Tracer._record_tensors
@@ -474,14 +481,9 @@ def test_framework_call_patterns_the_same_through_the_call_wrapper_and_the_hooks
                                                                                  fingerprint):
     # The call wrapper records calls of tensors and plain values itself (_record_tensors, with
     # _global_post's checks known true); the hooks go through _global_post: same rank file.
-    from tensor_trace.tracer import core, structures
+    from tensor_trace.tracer import core
 
-    batch_cls = _batch_type()
-    monkeypatch.setattr(structures, "_CONTEXT", {batch_cls})
-    monkeypatch.setattr(core, "_CONTEXT", structures._CONTEXT)
-    torch.manual_seed(0)
-    net = _SglLike()
-    args = (torch.arange(4), torch.randn(4, 8), batch_cls(torch.arange(4), torch.full((4,), 7), 1))
+    net, args = _sgl_like_with_context(monkeypatch)
     calls = []
     real = core.Tracer._record_tensors
     monkeypatch.setattr(core.Tracer, "_record_tensors",
