@@ -27,7 +27,7 @@ import msgpack
 from tensor_trace.exporters.reader import ReadReport, iter_chunks, rank_files
 
 STORE_NAME = "merged.sqlite"
-STORE_VERSION = 7
+STORE_VERSION = 8
 BATCH = 20_000
 CLOCK_SAMPLE_STEPS = 64
 
@@ -68,7 +68,7 @@ CREATE TABLE errors(proc INTEGER, t INTEGER, location TEXT, message TEXT);
 CREATE TABLE collective_issues(group_id INTEGER, seq INTEGER, kind TEXT, ranks TEXT, detail TEXT);
 CREATE TABLE points(point TEXT PRIMARY KEY, module TEXT, call INTEGER, slot TEXT, placement TEXT,
     reduction TEXT, shapes TEXT, dtype TEXT, dtypes TEXT, steps INTEGER, evidence TEXT,
-    collective TEXT, fingerprint TEXT, semantics TEXT, sort_key INTEGER);
+    collective TEXT, fingerprint TEXT, semantics TEXT, sort_key INTEGER, rule TEXT, evidence_items TEXT);
 """
 
 INDEX_SQL = """
@@ -524,7 +524,7 @@ def merge_ranks(trace_dir: str, warn=None) -> dict:
         _check_missing_ranks(con, warn, report)
         report["collective_issues"] = align_collectives(con)
         report["clocks"] = estimate_clock_offsets(con)
-        from tensor_trace.exporters.placement import compute_verdicts
+        from tensor_trace.exporters.analysis import compute_verdicts
 
         report["points"] = compute_verdicts(con)
         con.commit()

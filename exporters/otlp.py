@@ -87,7 +87,7 @@ def readable_spans(con):
         return
     ref = procs[0]
     to_wall = (ref[8] or 0) - (ref[7] or 0)  # aligned monotonic -> wall clock
-    from tensor_trace.exporters.placement import inferred_tp_ranks
+    from tensor_trace.exporters.analysis import inferred_tp_ranks
 
     tp_of = inferred_tp_ranks(con)
     modules = dict(con.execute("SELECT module_id, path FROM modules"))

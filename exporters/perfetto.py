@@ -59,7 +59,7 @@ def _us(ns: int) -> float:
 
 def timeline_events(con):
     """Every trace event of a merged store, in a streaming order (processes, then per table)."""
-    from tensor_trace.exporters.placement import inferred_tp_ranks
+    from tensor_trace.exporters.analysis import inferred_tp_ranks
 
     tp_of = inferred_tp_ranks(con)
     procs = {}

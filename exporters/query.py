@@ -16,13 +16,14 @@ import sqlite3
 from tensor_trace.errors import BadInput, NoAnswer
 
 _POINT_COLS = ("point, module, call, slot, placement, reduction, shapes, dtype, dtypes, steps, evidence, "
-               "collective, fingerprint, semantics")
+               "collective, fingerprint, semantics, rule, evidence_items")
 
 
 def _point_row(row) -> dict:
     (point, module, call, slot, placement, reduction, shapes, dtype, dtypes, steps, evidence,
-     collective, fingerprint, semantics) = row
+     collective, fingerprint, semantics, rule, items) = row
     out = dict(point=point, module=module, call=call, slot=slot, placement=placement, reduction=reduction,
+               rule=rule, evidence_items=json.loads(items) if items else [],
                shapes={int(k): v for k, v in json.loads(shapes).items()}, dtype=dtype, steps=steps,
                evidence=json.loads(evidence), collective=json.loads(collective) if collective else None,
                fingerprint=json.loads(fingerprint) if fingerprint else None)
@@ -117,29 +118,28 @@ def _with_capture_info(con, pts: list) -> list:
 
 
 def _placement_at_step(con, pattern, step) -> list[dict]:
-    from tensor_trace.exporters import placement as pl
+    from tensor_trace.exporters.analysis.evidence import texts
+    from tensor_trace.exporters.analysis.verdicts import StoreContext, tp_groups_with_size
+    from tensor_trace.exporters.analysis.step_view import point_name
 
-    layouts = {lid: json.loads(s) for lid, s in con.execute("SELECT layout_id, slots FROM layouts")}
-    modules = dict(con.execute("SELECT module_id, path FROM modules"))
-    rank_of = {p: (r if r is not None else 0) for p, r in con.execute("SELECT proc, rank FROM processes")}
-    params = pl._load_params(con, None)
+    if not con.execute("SELECT 1 FROM steps WHERE step=? LIMIT 1", (step,)).fetchone():
+        raise NoAnswer(f"step {step} was not traced; traced steps: " + ", ".join(
+            str(s) for (s,) in con.execute("SELECT DISTINCT step FROM steps ORDER BY step LIMIT 20")))
+    ctx = StoreContext(con)
     out = []
     multi = {r[0] for r in con.execute("SELECT DISTINCT module FROM points WHERE call > 0")}
-    for procs in pl.tp_groups(con):
-        if not con.execute("SELECT 1 FROM steps WHERE step=? LIMIT 1", (step,)).fetchone():
-            raise NoAnswer(f"step {step} was not traced; traced steps: " + ", ".join(
-                str(s) for (s,) in con.execute("SELECT DISTINCT step FROM steps ORDER BY step LIMIT 20")))
-        view = pl.StepView(con, step, procs, layouts, modules, rank_of)
-        verdicts = pl.Judge(view, params, rank_of).judge_all()
+    for procs, size in tp_groups_with_size(con):
+        view, verdicts = ctx.judge_step(con, step, procs, size)
         for key in sorted(verdicts, key=lambda k: view.times.get(k, (1 << 62, 0, 0))):
             module, call, slot = key
             v = verdicts[key]
-            name = pl.point_name(module, call, slot, module in multi or view.max_call[module] > 0)
+            name = point_name(module, call, slot, module in multi or view.max_call[module] > 0)
+            dtypes = set(v["dtypes"].values())
             out.append(dict(point=name, module=module, call=call, slot=slot, placement=v["placement"],
-                            reduction=v["reduction"], shapes=v["shapes"],
-                            dtype=next(iter(set(v["dtypes"].values()))) if len(set(v["dtypes"].values())) == 1 else None,
-                            evidence=v["evidence"] + [f"step {step}"], collective=v["collective"], steps=1,
-                            fingerprint=v["fp"]))
+                            reduction=v["reduction"], rule=v["rule"], shapes=v["shapes"],
+                            dtype=next(iter(dtypes)) if len(dtypes) == 1 else None,
+                            evidence=texts(v["items"]) + [f"step {step}"], evidence_items=v["items"],
+                            collective=v["collective"], steps=1, fingerprint=v["fp"]))
     if pattern:
         keep = {p["point"] for p in match_points(con, pattern)}
         out = [p for p in out if p["point"] in keep]
@@ -151,8 +151,8 @@ def _placement_at_step(con, pattern, step) -> list[dict]:
 def reduction(con, point: str) -> dict:
     pts = find_point(con, point)
     p = pts[0]
-    return dict(point=p["point"], verdict=p["reduction"], placement=p["placement"],
-                collective=p["collective"], evidence=p["evidence"])
+    return dict(point=p["point"], verdict=p["reduction"], placement=p["placement"], rule=p.get("rule"),
+                collective=p["collective"], evidence=p["evidence"], evidence_items=p.get("evidence_items", []))
 
 
 def shapes(con, point: str) -> list[dict]:
@@ -262,7 +262,7 @@ def diff(con_a, con_b) -> dict:
 def _same_values(x: dict, y: dict) -> bool:
     """Same fingerprint on the lowest rank in the first sampled step (within the dtype's
     tolerance); unknown counts as the same. Meaningful when both runs had the same inputs."""
-    from tensor_trace.exporters.placement import T, fp_equal
+    from tensor_trace.exporters.analysis.tolerance import Observed as T, fp_equal
 
     if not x.get("fingerprint") or not y.get("fingerprint"):
         return True

@@ -36,16 +36,17 @@ def placement(pattern, trace_dir, step, as_json):
         return echo_json(pts)
     echo_table(["point", "placement", "reduction", "shape", "dtype", "evidence"],
                [[p["point"], p["placement"], p["reduction"], fmt_shapes(p["shapes"]), p.get("dtype") or "mixed",
-                 _key_evidence(p["evidence"])] for p in pts])
+                 _key_evidence(p)] for p in pts])
 
 
-def _key_evidence(ev: list) -> str:
-    for e in ev:
-        if e.startswith(("equals the output", "is the input", "is the output", "per-rank sums", "their concat",
-                         "derived", "the same values", "captures the")) or "weight" in e or "disagree" in e:
-            return e
-    rest = [e for e in ev if not e.startswith(("steps sampled", "same shape"))]
-    return rest[0] if rest else (ev[0] if ev else "")
+def _key_evidence(p: dict) -> str:
+    from tensor_trace.exporters.analysis.evidence import key_item
+
+    hit = key_item(p.get("evidence_items") or [])
+    if hit is not None:
+        return hit["text"]
+    ev = p["evidence"]
+    return ev[0] if ev else ""
 
 
 @query.command()

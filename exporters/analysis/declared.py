@@ -1,0 +1,65 @@
+"""What a framework declares about a tensor or a layer: extra evidence, never a replacement.
+
+Two sources: a DTensor's own placements (recorded by the tracer as the slot's ``meta``), and a
+framework's layer classes (SGLang's parallel linear and embedding layers, recorded as module
+attributes). A verdict that follows a declaration says so; a declaration that the values refute
+is reported as a disagreement.
+"""
+
+from __future__ import annotations
+
+import re
+
+_SHARD = re.compile(r"^_?(?:Strided)?Shard\((?:dim=)?(-?\d+)")
+
+
+def dtensor_placement(meta: dict | None, ndim: int) -> str | None:
+    """The placement a DTensor declares over its (one-dimensional) TP mesh, in this project's
+    vocabulary: ``shard(D)``, ``partial`` or ``replicate``; None for a plain tensor or a mesh
+    of several dimensions whose TP dimension is not known."""
+    if not meta or meta.get("kind") != "DTensor":
+        return None
+    placements = meta.get("placements") or []
+    if len(placements) != 1:
+        return None
+    p = str(placements[0])
+    m = _SHARD.match(p)
+    if m:
+        d = int(m.group(1))
+        return f"shard({d % ndim if ndim else d})"
+    if p.startswith("Partial") or p.startswith("_Partial") or "Partial" in p:
+        return "partial"
+    if p.startswith("Replicate"):
+        return "replicate"
+    return None
+
+
+def param_split_dim(meta: dict | None) -> int | None:
+    """The dimension along which a DTensor parameter is split across the TP mesh."""
+    placement = dtensor_placement(meta, 0) if meta else None
+    if placement and placement.startswith("shard("):
+        return int(placement[6:-1])
+    return None
+
+
+def expected_by_layer(attrs: dict | None, slot: str, ranks: int) -> dict | None:
+    """What a framework's layer class says its output is (SGLang's parallel layers), to be
+    cross-checked against the evidence, never used instead of it. Output slots only."""
+    if not attrs or slot not in ("output", "output.0") or ranks < 2:
+        return None
+    cls = attrs.get("sglang_class")
+    says = f"SGLang's {cls}"
+    if cls in ("ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear"):
+        gather = bool(attrs.get("gather_output"))
+        return dict(says=f"{says}(gather_output={gather})",
+                    placement="replicate" if gather else "shard", reduction=None)
+    if cls == "RowParallelLinear":
+        reduce = attrs.get("reduce_results", True)
+        return dict(says=f"{says}(reduce_results={reduce})",
+                    placement="replicate" if reduce else "partial",
+                    reduction="post-reduction" if reduce else "pre-reduction")
+    if cls == "VocabParallelEmbedding":
+        return dict(says=says, placement="replicate", reduction="post-reduction")
+    if cls == "ReplicatedLinear":
+        return dict(says=says, placement="replicate", reduction=None)
+    return None

@@ -1,0 +1,49 @@
+"""Evidence as structured items, rendered to text only at the edge.
+
+An item is ``{kind, text, refs}``: ``kind`` says what was observed (``rule``, ``shape``,
+``values``, ``collective``, ``concat``, ``weights``, ``dataflow``, ``declared``, ``semantics``,
+``missing``, ``sampling``, ``capture``), ``text`` is the sentence a person reads, ``refs`` names
+what it points at (points, collectives, parameters). Queries choose items by kind, never by the
+wording of their text.
+"""
+
+from __future__ import annotations
+
+# Kinds that say why a verdict is what it is, strongest first: the one-line summary of a point
+# shows the first of these it has.
+DECISIVE = ("collective", "concat", "weights", "dataflow", "declared", "semantics", "capture", "missing")
+
+
+def item(kind: str, text: str, **refs) -> dict:
+    return dict(kind=kind, text=text, refs={k: v for k, v in refs.items() if v is not None})
+
+
+def texts(items: list) -> list:
+    return [i["text"] for i in items]
+
+
+def key_item(items: list) -> dict | None:
+    """The item a one-line summary shows: the decisive observation, else the rule."""
+    for kind in DECISIVE:
+        for i in items:
+            if i["kind"] == kind:
+                return i
+    values = [i for i in items if i["kind"] == "values"]
+    if values:
+        return values[-1]
+    return next((i for i in items if i["kind"] == "rule"), items[0] if items else None)
+
+
+class Verdict:
+    """A point's placement and reduction in one step, the rule that decided them and the
+    evidence it saw."""
+
+    __slots__ = ("placement", "reduction", "rule", "items", "collective")
+
+    def __init__(self, placement, reduction, rule, items, collective=None):
+        self.placement, self.reduction, self.rule = placement, reduction, rule
+        self.items, self.collective = items, collective
+
+    def as_dict(self) -> dict:
+        return dict(placement=self.placement, reduction=self.reduction, rule=self.rule,
+                    items=self.items, collective=self.collective)

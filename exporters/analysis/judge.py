@@ -1,0 +1,139 @@
+"""Verdicts for the points of one TP group in one step: the rules of ``rules.py`` applied in
+execution order, so that a point's inputs (and the module's parameters) are judged before its
+outputs and placement propagates along the step's dataflow."""
+
+from __future__ import annotations
+
+import bisect
+
+from tensor_trace.exporters.analysis import rules
+from tensor_trace.exporters.analysis.evidence import Verdict, item
+from tensor_trace.exporters.analysis.step_view import point_name
+from tensor_trace.exporters.analysis.tolerance import Observed, fp_equal, sum_tol
+
+
+class Point:
+    """One point of the step as the rules see it: its tensor on each rank and what has been
+    observed about it so far (``items``)."""
+
+    __slots__ = ("key", "module", "call", "slot", "obs", "procs", "ts", "tref", "t_point", "items",
+                 "equal", "is_output")
+
+    def __init__(self, key, obs, procs, t_point):
+        self.key = key
+        self.module, self.call, self.slot = key
+        self.obs, self.procs, self.t_point = obs, procs, t_point
+        self.ts = [obs[p] for p in procs]
+        self.tref = self.ts[0] if self.ts else None
+        self.items: list = []
+        self.equal = None
+        self.is_output = self.slot.startswith("output")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.tref.shape)
+
+    def name(self) -> str:
+        return point_name(self.module, self.call, self.slot, False)
+
+
+class Judge:
+    """Verdicts for the points of one TP group in one step."""
+
+    def __init__(self, view, params: dict, rank_of: dict, group_size: int | None = None,
+                 layer_attrs: dict | None = None):
+        self.v = view
+        self.params = params  # (proc, module) -> [(name, shape, fp, meta)]
+        self.rank_of = rank_of
+        self.group_size = group_size or len(view.procs)
+        self.layer_attrs = layer_attrs or {}
+        self.done: dict = {}  # key -> Verdict
+        self.by_fp0: dict = {}  # (fingerprint, numel) on the first proc -> key of its producer
+
+    def ranks(self, procs) -> list:
+        return sorted(self.rank_of[p] for p in procs)
+
+    def judge_all(self) -> dict:
+        """Every point of the step, as ``{key: verdict dict}`` (placement, reduction, rule,
+        items, collective, shapes, dtypes, fp)."""
+        v = self.v
+        out = {}
+        for key in sorted(v.points, key=lambda k: v.times.get(k, (1 << 62, 0, 0))):
+            obs = v.points[key]
+            procs = [p for p in v.procs if p in obs]
+            pt = Point(key, obs, procs, v.times.get(key, (0, 0, 0))[0])
+            verdict = self.judge(pt)
+            self.done[key] = verdict
+            d = verdict.as_dict()
+            d["shapes"] = {self.rank_of[p]: list(obs[p].shape) for p in procs}
+            d["dtypes"] = {self.rank_of[p]: obs[p].dtype for p in procs}
+            d["fp"] = list(pt.tref.fp) if pt.tref is not None and pt.tref.fp is not None else None
+            out[key] = d
+            t0 = obs.get(v.procs[0])
+            if t0 is not None and t0.fp is not None and pt.is_output:
+                self.by_fp0.setdefault((t0.fp, t0.numel), key)
+        return out
+
+    def judge(self, pt: Point) -> Verdict:
+        for rule in rules.RULES:
+            verdict = rule(self, pt)
+            if verdict is not None:
+                return verdict
+        raise AssertionError("the last rule always decides")  # rules.divergent
+
+    # ------------------------------------------------------------------ lookups for the rules
+    def call_inputs(self, pt: Point) -> list:
+        """Verdicts of the inputs of the same module call, in slot order."""
+        return [(k, vd) for k, vd in self.done.items()
+                if k[0] == pt.module and k[1] == pt.call and k[2].startswith("input")]
+
+    def concat_dim(self, pt: Point):
+        """The dimension D such that a tensor of this step is the ranks' tensors put together
+        along D (found by its fingerprint: the sum of theirs)."""
+        ts, tref = pt.ts, pt.tref
+        n = len(ts)
+        s_total = sum(t.fp[0] for t in ts)
+        q_total = sum(t.fp[1] or 0 for t in ts)
+        want = Observed(tref.shape, tref.dtype, (s_total, q_total))
+        want.numel = tref.numel * n
+        sums, items = self.v.by_numel.get(tref.numel * n, ((), ()))
+        tol = sum_tol(want.numel, q_total, tref.dtype) + 1e-7 * abs(s_total)
+        lo = bisect.bisect_left(sums, s_total - 2 * tol)
+        hi = bisect.bisect_right(sums, s_total + 2 * tol)
+        for _, key, cand in items[lo:hi]:
+            if len(cand.shape) != len(tref.shape):
+                continue
+            diff = [d for d in range(len(tref.shape)) if cand.shape[d] != tref.shape[d]]
+            if len(diff) == 1 and cand.shape[diff[0]] == tref.shape[diff[0]] * n and fp_equal(want, cand):
+                return diff[0], key
+        return None
+
+    def module_params(self, module, procs) -> list | None:
+        per = [self.params.get((p, module)) for p in procs]
+        if any(x is None for x in per):
+            return None
+        return per
+
+    def enclosing_shard(self, pt: Point):
+        """The latest shard point before ``pt`` under the same enclosing module call."""
+        v = self.v
+        proc = v.procs[0]
+        t_key = v.times.get(pt.key)
+        if t_key is None:
+            return None
+        parent = v.span_of.get((proc, t_key[1]), (None, None, -1))[2]
+        best = None
+        for other, verdict in self.done.items():
+            if not verdict.placement.startswith("shard"):
+                continue
+            t_o = v.times.get(other)
+            if t_o is None or t_o >= t_key:
+                continue
+            if v.span_of.get((proc, t_o[1]), (None, None, -2))[2] == parent or t_o[1] == parent:
+                if best is None or t_o > v.times[best]:
+                    best = other
+        return best
+
+    def missing(self, pt: Point) -> Verdict:
+        return Verdict("unknown", "unknown", "missing-ranks", pt.items + [item(
+            "missing", f"seen on ranks {self.ranks(pt.procs)} only, of a TP group of {self.group_size}")])

@@ -1,0 +1,171 @@
+"""One step of one TP group, aligned across its ranks: every point's tensor on every rank, every
+collective with its inputs and outputs, and the order they happened in."""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import json
+import math
+
+from tensor_trace import schema
+from tensor_trace.exporters.analysis.tolerance import Observed
+
+REDUCING = {"all_reduce", "all_reduce_", "all_reduce_coalesced", "reduce", "reduce_scatter",
+            "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base",
+            "reduce_scatter_tensor_coalesced"}
+REDUCE_SCATTER = {"reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+                  "_reduce_scatter_base", "reduce_scatter_tensor_coalesced"}
+GATHER = {"all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base",
+          "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced", "gather"}
+SUM_OPS = {None, "sum", "avg", "redopType.sum", "SUM", "AVG"}
+# How far from a point to look for the collective that consumes or produced it: a partial sum
+# is reduced, and a shard gathered, within the next few collectives of its rank.
+WINDOW = 16
+
+
+class Collective:
+    """One collective of the step, matched across ranks by (group, sequence number)."""
+
+    __slots__ = ("key", "op", "reduce_op", "group", "seq", "module", "t_end", "t0", "ins", "outs",
+                 "bytes", "group_name", "group_ranks", "attrs", "attrs_of")
+
+    @property
+    def sums(self) -> bool:
+        return self.op in REDUCING and self.reduce_op in SUM_OPS
+
+
+def _collective_attrs_column(con) -> bool:
+    return any(r[1] == "attrs" for r in con.execute("PRAGMA table_info(collectives)"))
+
+
+def _slot_meta(slot) -> dict | None:
+    return slot[4] if len(slot) > 4 and isinstance(slot[4], dict) else None
+
+
+class StepView:
+    """Everything one TP group did in one step, aligned across its ranks."""
+
+    def __init__(self, con, step, procs, layouts, modules, rank_of):
+        self.step = step
+        self.procs = procs
+        fps = {p: {} for p in procs}
+        for proc, first, data, indices in con.execute(
+                "SELECT proc, first, data, indices FROM fingerprints WHERE step=?", (step,)):
+            if proc not in fps:
+                continue
+            d = fps[proc]
+            for i, s, q in schema.fingerprint_pairs(first, data, indices):
+                d[i] = (s, None if math.isnan(q) else q)
+        self.points: dict = {}  # (module, call, slot) -> {proc: Observed}
+        self.times: dict = {}  # point key -> (ns from step start, span idx, slot idx) on the first proc
+        self.span_of: dict = {}  # (proc, idx) -> (module, call, parent)
+        self.max_call = collections.Counter()
+        ph = ",".join("?" * len(procs))
+        rows = []
+        for proc, first, last in con.execute(
+                f"SELECT proc, span_first, span_last FROM steps WHERE step=? AND proc IN ({ph})", (step, *procs)):
+            if first is not None:
+                rows += con.execute(
+                    "SELECT proc, idx, parent, module_id, call, t0, dur, layout_id, fp_pre, fp_post, n_pre "
+                    "FROM spans WHERE rowid BETWEEN ? AND ? AND step=?", (first, last, step)).fetchall()
+        rows.sort(key=lambda r: procs.index(r[0]))
+        for proc, idx, parent, mid, call, t0, dur, lay, fp_pre, fp_post, n_pre in rows:
+            module = modules[mid]
+            self.span_of[(proc, idx)] = (module, call, parent)
+            self.max_call[module] = max(self.max_call[module], call)
+            d = fps[proc]
+            for i, slot in enumerate(layouts.get(lay, ())):
+                ref = (fp_pre + i if fp_pre >= 0 else -1) if i < n_pre else (
+                    fp_post + i - n_pre if fp_post >= 0 else -1)
+                key = (module, call, slot[0])
+                self.points.setdefault(key, {})[proc] = Observed(slot[1], slot[2], d.get(ref), _slot_meta(slot))
+                if proc == procs[0]:
+                    self.times[key] = (t0 if i < n_pre else t0 + dur, idx, i)
+        self.colls: dict = {}  # (group, seq) -> Collective with per-proc ins/outs
+        attrs_col = "c.attrs" if _collective_attrs_column(con) else "NULL"
+        for (proc, idx, parent, op, redop, gid, seq, t0, dur, lay, fp_pre, fp_post, n_pre, nbytes,
+             gname, granks, attrs) in con.execute(
+                f"SELECT c.proc, c.idx, c.parent, c.op, c.reduce_op, c.group_id, c.seq, c.t0, c.dur, "
+                f"c.layout_id, c.fp_pre, c.fp_post, c.n_pre, c.bytes, g.name, g.ranks, {attrs_col} "
+                f"FROM collectives c JOIN groups g USING(group_id) WHERE c.step=? AND c.proc IN ({ph})",
+                (step, *procs)):
+            key = (gid, seq)
+            c = self.colls.get(key)
+            if c is None:
+                c = Collective()
+                c.key, c.op, c.reduce_op, c.group, c.seq = key, op, redop, gid, seq
+                c.ins, c.outs, c.bytes, c.t_end, c.t0, c.module = {}, {}, nbytes, None, None, None
+                c.group_name, c.group_ranks = gname, json.loads(granks)
+                c.attrs, c.attrs_of = {}, {}
+                self.colls[key] = c
+            c.attrs_of[proc] = json.loads(attrs) if attrs else {}
+            d = fps[proc]
+            slots = layouts.get(lay, ())
+            c.ins[proc] = [Observed(s[1], s[2], d.get(fp_pre + i) if fp_pre >= 0 else None, _slot_meta(s))
+                           for i, s in enumerate(slots[:n_pre])]
+            c.outs[proc] = [Observed(s[1], s[2], d.get(fp_post + i) if fp_post >= 0 else None, _slot_meta(s))
+                            for i, s in enumerate(slots[n_pre:])]
+            if proc == procs[0]:
+                c.attrs = c.attrs_of[proc]
+                c.t_end, c.t0 = t0 + dur, t0
+                owner = self.span_of.get((proc, parent))
+                c.module = owner[0] if owner else None
+        self.coll_list = sorted((c for c in self.colls.values() if c.t_end is not None),
+                                key=lambda c: c.t_end)
+        self.coll_ends = [c.t_end for c in self.coll_list]
+        # Tensors of the first rank by element count, sorted by their sum: finding "a tensor
+        # whose fingerprint is this sum" is a bisection, not a scan of the step.
+        by_numel: dict = collections.defaultdict(list)
+        for key, obs in self.points.items():
+            t = obs.get(procs[0])
+            if t is not None and t.fp is not None:
+                by_numel[t.numel].append((t.fp[0], key, t))
+        for c in self.coll_list:
+            for t in c.outs.get(procs[0], []):
+                if t.fp is not None:
+                    by_numel[t.numel].append((t.fp[0], None, t))
+        self.by_numel = {}
+        for n, items in by_numel.items():
+            items.sort(key=lambda x: x[0])
+            self.by_numel[n] = ([x[0] for x in items], items)
+
+    def after(self, t_point, ops=None, limit=WINDOW):
+        """Up to ``limit`` collectives (of ``ops``, if given) ending at or after ``t_point``,
+        nearest first."""
+        out = []
+        for c in self.coll_list[bisect.bisect_left(self.coll_ends, t_point):]:
+            if ops is None or c.op in ops:
+                out.append(c)
+                if len(out) >= limit:
+                    break
+        return out
+
+    def before(self, t_point, ops=None, limit=WINDOW):
+        """Up to ``limit`` collectives (of ``ops``, if given) ending by ``t_point``, nearest first."""
+        out = []
+        for c in reversed(self.coll_list[:bisect.bisect_right(self.coll_ends, t_point)]):
+            if ops is None or c.op in ops:
+                out.append(c)
+                if len(out) >= limit:
+                    break
+        return out
+
+
+def point_name(module: str, call: int, slot: str, multi_call: bool) -> str:
+    if module.startswith("capture:"):  # a named capture point is its own name
+        return f"{module}#{call}" if multi_call else module
+    return f"{module}#{call}:{slot}" if multi_call else f"{module}:{slot}"
+
+
+def coll_desc(c: Collective) -> str:
+    op = f"{c.op}({c.reduce_op})" if c.reduce_op else c.op
+    return f"{op} #{c.seq} of group {c.group_name} {c.group_ranks}, issued by {c.module or '<root>'}"
+
+
+def coll_json(c: Collective, proc) -> dict:
+    ts = c.ins.get(proc) or c.outs.get(proc) or []
+    t = ts[0] if ts else None
+    return dict(op=c.op, reduce_op=c.reduce_op, group=c.group_name, group_ranks=c.group_ranks, seq=c.seq,
+                shape=list(t.shape) if t else None, dtype=t.dtype if t else None, bytes=c.bytes,
+                module=c.module)

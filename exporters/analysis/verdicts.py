@@ -1,0 +1,169 @@
+"""The ``points`` table: every capture point's verdict, voted over a few sampled steps of each
+kind, with its evidence rendered to text and kept as structured items."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+
+from tensor_trace import schema
+from tensor_trace.exporters.analysis import declared
+from tensor_trace.exporters.analysis.evidence import item, texts
+from tensor_trace.exporters.analysis.judge import Judge
+from tensor_trace.exporters.analysis.step_view import StepView, point_name
+
+MAX_SAMPLE_STEPS = 3
+
+
+def load_params(con) -> dict:
+    """(proc, module path) -> [(name, local shape, fingerprint, meta)] of its own parameters."""
+    static = {}
+    for proc, first, data, indices in con.execute(
+            "SELECT proc, first, data, indices FROM fingerprints WHERE step=?", (schema.PARAMS_STEP,)):
+        for i, s, q in schema.fingerprint_pairs(first, data, indices):
+            static[(proc, i)] = (s, None if math.isnan(q) else q)
+    has_meta = any(r[1] == "meta" for r in con.execute("PRAGMA table_info(params)"))
+    out: dict = {}
+    for proc, path, name, shape, ref, meta in con.execute(
+            f"SELECT p.proc, m.path, p.name, p.shape, p.fp_index, {'p.meta' if has_meta else 'NULL'} "
+            f"FROM params p JOIN modules m USING(module_id)"):
+        out.setdefault((proc, path), []).append(
+            (name, tuple(json.loads(shape)), static.get((proc, ref)), json.loads(meta) if meta else None))
+    return out
+
+
+def tp_groups(con) -> list:
+    """Processes partitioned into TP groups: declared ``tp_ranks``, else one group per world."""
+    return [procs for procs, _ in tp_groups_with_size(con)]
+
+
+def tp_groups_with_size(con) -> list:
+    """[(procs, size)]: each TP group's readable processes and its size as the processes
+    declared it (their TP ranks, else the world size), never as counted from readable files."""
+    rows = con.execute("SELECT proc, rank, tp_ranks, world_size FROM processes "
+                       "ORDER BY rank IS NULL, rank, proc").fetchall()
+    groups: dict = {}
+    sizes: dict = {}
+    for proc, rank, tp_ranks, world in rows:
+        if rank is None:
+            key, size = ("alone", proc), 1
+        elif tp_ranks:
+            key = ("tp", tp_ranks)
+            try:
+                size = len(json.loads(tp_ranks))
+            except (TypeError, ValueError):
+                size = None
+        else:
+            key, size = ("world", world), world
+        groups.setdefault(key, []).append(proc)
+        sizes[key] = max(sizes.get(key) or 0, size or 0) or None
+    return [(procs, sizes[key] or len(procs)) for key, procs in groups.items()]
+
+
+def inferred_tp_ranks(con) -> dict:
+    """TP rank per process: as recorded, or the position in its TP group (the merge's grouping:
+    declared groups, else all ranks of the world)."""
+    rank_of = dict(con.execute("SELECT proc, rank FROM processes"))
+    recorded = dict(con.execute("SELECT proc, tp_rank FROM processes WHERE tp_rank IS NOT NULL"))
+    out = {}
+    for procs in tp_groups(con):
+        ranked = sorted((rank_of[p], p) for p in procs if rank_of.get(p) is not None)
+        for pos, (_, p) in enumerate(ranked):
+            out[p] = recorded.get(p, pos)
+    return out
+
+
+def sample_steps(con, procs) -> list:
+    """A few steps every process of the group traced, one set per kind of step (root, mode)."""
+    ph = ",".join("?" * len(procs))
+    rows = con.execute(
+        f"SELECT step, root, attrs FROM steps WHERE proc IN ({ph}) AND t_end IS NOT NULL "
+        f"GROUP BY step HAVING COUNT(*) = ? ORDER BY step", (*procs, len(procs))).fetchall()
+    kinds: dict = {}
+    for step, root, attrs in rows:
+        a = json.loads(attrs or "{}")
+        kind = (root, a.get("forward_mode"), a.get("captured"), a.get("replay_of") is not None)
+        kinds.setdefault(kind, [])
+        if len(kinds[kind]) < MAX_SAMPLE_STEPS:
+            kinds[kind].append(step)
+    return sorted(s for steps in kinds.values() for s in steps)
+
+
+class StoreContext:
+    """What every step's judge of one store reads once."""
+
+    def __init__(self, con):
+        self.layouts = {lid: json.loads(s) for lid, s in con.execute("SELECT layout_id, slots FROM layouts")}
+        self.modules = dict(con.execute("SELECT module_id, path FROM modules"))
+        self.rank_of = {p: (r if r is not None else 0) for p, r in con.execute("SELECT proc, rank FROM processes")}
+        self.params = load_params(con)
+        self.layer_attrs = {m: json.loads(a) for m, a in con.execute("SELECT module, attrs FROM module_attrs")}
+
+    def judge_step(self, con, step, procs, size) -> tuple:
+        view = StepView(con, step, procs, self.layouts, self.modules, self.rank_of)
+        judge = Judge(view, self.params, self.rank_of, size, self.layer_attrs)
+        return view, judge.judge_all()
+
+
+def _semantics_check(sem, placement, reduction, items) -> None:
+    agrees = (placement.startswith("shard(") if sem["placement"] == "shard" else placement == sem["placement"])
+    if sem.get("reduction"):
+        agrees = agrees and reduction == sem["reduction"]
+    sem["agrees"] = agrees
+    items.append(item("semantics", f"{sem['says']}: {sem['placement']}"
+                      + (f"/{sem['reduction']}" if sem.get("reduction") else "")
+                      + (" (agrees with the observed evidence)" if agrees else
+                         f" -- DISAGREES with the observed {placement}/{reduction}")))
+
+
+def compute_verdicts(con) -> int:
+    """Fill the ``points`` table; return the number of points."""
+    ctx = StoreContext(con)
+    per_point: dict = {}
+    multi: collections.Counter = collections.Counter()
+    for procs, size in tp_groups_with_size(con):
+        for step in sample_steps(con, procs):
+            view, verdicts = ctx.judge_step(con, step, procs, size)
+            for m, c in view.max_call.items():
+                multi[m] = max(multi[m], c)
+            for key, verdict in verdicts.items():
+                verdict["step"] = step
+                verdict["order"] = view.times.get(key, (1 << 62, 0, 0))
+                per_point.setdefault(key, []).append(verdict)
+    seen_steps = {}  # traced steps each (module, call) was seen in, on the first process
+    bounds = con.execute("SELECT MIN(span_first), MAX(span_last) FROM steps WHERE proc = "
+                         "(SELECT MIN(proc) FROM steps WHERE span_first IS NOT NULL)").fetchone()
+    for mid, call, n in con.execute("SELECT module_id, call, COUNT(*) FROM spans WHERE rowid BETWEEN ? AND ? "
+                                    "GROUP BY module_id, call", bounds):
+        seen_steps[(ctx.modules[mid], call)] = n
+    captures = {p: json.loads(i) for p, i in con.execute("SELECT point, info FROM captures")}
+    rows = []
+    for key, verdicts in per_point.items():
+        module, call, slot = key
+        counts = collections.Counter((v["placement"], v["reduction"]) for v in verdicts)
+        (placement, reduction), _ = counts.most_common(1)[0]
+        chosen = next(v for v in verdicts if (v["placement"], v["reduction"]) == (placement, reduction))
+        items = list(chosen["items"])
+        if module in captures and captures[module].get("what"):
+            items.insert(0, item("capture", f"captures the {captures[module]['what']}"))
+        items.append(item("sampling", f"steps sampled: {sorted({v['step'] for v in verdicts})}"))
+        if len(counts) > 1:
+            items.append(item("sampling", "other steps disagree: " + ", ".join(
+                f"{p}/{r} in {n}" for (p, r), n in counts.items() if (p, r) != (placement, reduction))))
+        sem = declared.expected_by_layer(ctx.layer_attrs.get(module), slot, len(chosen["shapes"]))
+        if sem is not None:
+            _semantics_check(sem, placement, reduction, items)
+        dts = set(chosen["dtypes"].values())
+        rows.append((point_name(module, call, slot, multi[module] > 0), module, call, slot, placement,
+                     reduction, json.dumps(chosen["shapes"]), dts.pop() if len(dts) == 1 else None,
+                     json.dumps(chosen["dtypes"]) if len(set(chosen["dtypes"].values())) > 1 else None,
+                     seen_steps.get((module, call), 0), json.dumps(texts(items)),
+                     json.dumps(chosen["collective"]) if chosen["collective"] else None,
+                     json.dumps(verdicts[0]["fp"]) if verdicts[0]["fp"] else None,
+                     json.dumps(sem) if sem is not None else None,
+                     min(v["order"][0] for v in verdicts), chosen["rule"], json.dumps(items)))
+    rows.sort(key=lambda r: (r[14], r[0]))
+    con.executemany("INSERT OR REPLACE INTO points VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    [r[:14] + (i,) + r[15:] for i, r in enumerate(rows)])
+    return len(rows)
