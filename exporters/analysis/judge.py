@@ -33,9 +33,6 @@ class Point:
     def ndim(self) -> int:
         return len(self.tref.shape)
 
-    def name(self) -> str:
-        return point_name(self.module, self.call, self.slot, False)
-
 
 class Judge:
     """Verdicts for the points of one TP group in one step."""
@@ -49,6 +46,11 @@ class Judge:
         self.layer_attrs = layer_attrs or {}
         self.done: dict = {}  # key -> Verdict
         self.by_fp0: dict = {}  # (fingerprint, numel) on the first proc -> key of its producer
+
+    def name(self, key) -> str:
+        """A point's name as queries show it (``#K`` where its module runs more than once)."""
+        module, call, slot = key
+        return point_name(module, call, slot, self.v.max_call[module] > 0)
 
     def ranks(self, procs) -> list:
         return sorted(self.rank_of[p] for p in procs)

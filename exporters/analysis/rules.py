@@ -24,10 +24,10 @@ observed to the point's items and passes. Strongest first:
 
 from __future__ import annotations
 
-from tensor_trace.exporters.analysis import declared
+from tensor_trace.exporters.analysis import dataflow, declared
 from tensor_trace.exporters.analysis.evidence import Verdict, item
 from tensor_trace.exporters.analysis.step_view import (GATHER, REDUCE_SCATTER, REDUCING, coll_desc,
-                                                       coll_json, point_name)
+                                                       coll_json)
 from tensor_trace.exporters.analysis.tolerance import (Observed, all_equal, close, disjoint_sum,
                                                        fp_equal, linked)
 
@@ -48,6 +48,26 @@ def _ranks_text(j, pt) -> str:
 def _decide(pt, placement, reduction, rule, collective=None, *extra) -> Verdict:
     return Verdict(placement, reduction, rule, pt.items + [item("rule", f"rule: {rule}")] + list(extra),
                    collective)
+
+
+def _scale_ok(j, t, scale) -> bool:
+    """A link through a common scale factor is evidence unless the tensor has a single row: a
+    norm over the last dimension scales each row by its own factor, so a one-row tensor's norm
+    looks like a scaled copy. There only averaging over the group (1/N, N) counts."""
+    if scale is None:
+        return False
+    if scale == 1.0 or (t.shape and t.numel > t.shape[-1]):
+        return True
+    n = j.group_size
+    return any(abs(scale - k) <= 1e-3 * k for k in (n, 1.0 / n))
+
+
+def _sides(c, pt, side):
+    """Per tensor position of a collective's inputs (or outputs), ``{proc: Observed}`` over the
+    point's ranks, for positions every rank has (coalesced collectives carry several)."""
+    per = c.ins if side == "in" else c.outs
+    n = min((len(per.get(p) or ()) for p in pt.procs), default=0)
+    return [{p: per[p][i] for p in pt.procs} for i in range(n)]
 
 
 def _coll_item(c, text) -> dict:
@@ -131,8 +151,10 @@ def reduction_output(j, pt):
     for c in j.v.before(pt.t_point + 1, (REDUCING - REDUCE_SCATTER) | GATHER):  # the latest first
         if c.op in REDUCING and not c.sums:
             continue
-        outs = {p: c.outs[p][0] for p in pt.procs if c.outs.get(p) and len(c.outs[p]) == 1}
-        scale = linked(outs, pt.obs)
+        if c.op in GATHER and any(len(c.outs.get(p) or ()) != 1 for p in pt.procs):
+            continue  # a list of gathered slices is not the gathered tensor
+        scale = next((s for s in (linked(outs, pt.obs) for outs in _sides(c, pt, "out"))
+                      if _scale_ok(j, pt.tref, s)), None)
         if scale is None or (c.op in GATHER and scale != 1.0):
             continue
         times = f" (times {scale:.4g})" if scale != 1.0 else ""
@@ -155,9 +177,16 @@ def reduction_input(j, pt):
     for c in j.v.after(pt.t_point, REDUCING):
         if not c.sums:
             continue
-        ins = {p: c.ins[p][0] for p in pt.procs if c.ins.get(p)}
-        scale = linked(pt.obs, ins)
-        if scale is None:
+        ins = None
+        scale = None
+        for cand in _sides(c, pt, "in"):
+            s = linked(pt.obs, cand)
+            if _scale_ok(j, pt.tref, s):
+                ins, scale = cand, s
+                break
+        if ins is None and c.op in REDUCE_SCATTER and _is_concat_of_inputs(c, pt):
+            ins, scale = {p: pt.obs[p] for p in pt.procs}, 1.0
+        if ins is None:
             continue
         if pt.equal and (scale != 1.0 or _reduced_before(j, c, ins)):
             # Equal values summed again: a partial only if they are the very input, not a
@@ -177,6 +206,24 @@ def reduction_input(j, pt):
                        _coll_item(c, f"is the input of {coll_desc(c)} on every rank{times}: a partial sum "
                                      f"that this reduction completes"), *extra)
     return None
+
+
+def _is_concat_of_inputs(c, pt) -> bool:
+    """A reduce_scatter over a list of chunks: on every rank the point's fingerprint is the sum
+    of the chunks' (the chunks are views of it)."""
+    from tensor_trace.exporters.analysis.tolerance import Observed
+
+    for p in pt.procs:
+        parts = c.ins.get(p) or []
+        t = pt.obs[p]
+        if len(parts) < 2 or any(x.fp is None or x.fp[1] is None for x in parts) or t.fp is None:
+            return False
+        if sum(x.numel for x in parts) != t.numel:
+            return False
+        whole = Observed(t.shape, t.dtype, (sum(x.fp[0] for x in parts), sum(x.fp[1] for x in parts)))
+        if not fp_equal(whole, t):
+            return False
+    return True
 
 
 def _reduced_before(j, c, ins) -> bool:
@@ -200,11 +247,15 @@ def _gather_dim(j, pt, c):
     hit = j.concat_dim(pt)
     if hit is not None:
         return hit[0], f"their concatenation along dim {hit[0]} appears in this step"
-    out = c.outs.get(pt.procs[0]) if c is not None else None
-    if out and len(out) == 1 and len(out[0].shape) == pt.ndim:
-        diff = [d for d in range(pt.ndim) if out[0].shape[d] != pt.tref.shape[d]]
+    if c is not None and c.op in REDUCE_SCATTER:
+        # the point is the (scattered) output: the input is the larger tensor
+        other, what = c.ins.get(pt.procs[0]), "input"
+    else:
+        other, what = (c.outs.get(pt.procs[0]) if c is not None else None), "output"
+    if other and len(other) == 1 and len(other[0].shape) == pt.ndim:
+        diff = [d for d in range(pt.ndim) if other[0].shape[d] != pt.tref.shape[d]]
         if len(diff) == 1:
-            return diff[0], f"the collective's output is larger along dim {diff[0]}"
+            return diff[0], f"the collective's {what} is larger along dim {diff[0]}"
     return pt.ndim - 1, f"the dimension was not seen; dim {pt.ndim - 1} assumed"
 
 
@@ -272,6 +323,12 @@ def equal_values(j, pt):
     if not pt.tref.dtype.startswith(_FLOAT):
         return _decide(pt, "replicate", "no-reduction", "equal-values", None,
                        item("values", "integer values (ids, positions, lengths) equal on every rank"))
+    # Computed from a shard that only looks whole (identical shards): the dataflow says so.
+    for rule in (lineage_ops, same_values_as_producer, _derived_from_shard_inputs):
+        verdict = rule(j, pt)
+        if verdict is not None and verdict.placement != "replicate":
+            verdict.items.append(note)
+            return verdict
     return _decide(pt, "replicate", "no-reduction", "equal-values", None,
                    item("values", "not the output of a sum-reduction: computed locally from whole values"))
 
@@ -311,10 +368,33 @@ def concatenation(j, pt):
     if hit is None:
         return None
     dim, key = hit
-    where = point_name(*key, False) if key else "a collective's output"
+    where = j.name(key) if key else "a collective's output"
     return _decide(pt, f"shard({dim})", "no-reduction", "concatenation", None,
                    item("concat", f"their concatenation along dim {dim} appears in this step ({where})",
                         point=where))
+
+
+def lineage_ops(j, pt):
+    """Built by recorded ops (split, view, add, cat...) from points judged earlier."""
+    hit = dataflow.placement_from_lineage(j, pt)
+    if hit is None:
+        return None
+    placement, ops = hit
+    c = _next_sum_reduction(j, pt) if placement == "partial" else None
+    reduction = "pre-reduction" if c else ("unknown" if placement == "partial" else "no-reduction")
+    return _decide(pt, placement, reduction, "lineage-ops", coll_json(c, pt.procs[0]) if c else None,
+                   item("dataflow", f"built by recorded ops: {ops}"))
+
+
+def _derived_from_shard_inputs(j, pt):
+    """An output of a parameter-free module all of whose floating-point inputs are shards."""
+    if not pt.is_output or j.params.get((pt.procs[0], pt.module)):
+        return None
+    inputs = [(k, vd) for k, vd in j.call_inputs(pt)
+              if (j.v.points[k].get(pt.procs[0]) or pt.tref).dtype.startswith(_FLOAT)]
+    if not inputs or not all(vd.placement.startswith("shard(") for _, vd in inputs):
+        return None
+    return derived_from_shard(j, pt)
 
 
 def _sharded_param(j, pt):
@@ -363,7 +443,7 @@ def _from_weight(j, pt, split):
         else:
             return None
         text = f"{weight} has equal shapes and different values across ranks: each rank holds a slice"
-    in_text = f"its input {point_name(*inputs[0][0], False)} is {first.placement}" if first else "its input was not seen"
+    in_text = f"its input {j.name(inputs[0][0])} is {first.placement}" if first else "its input was not seen"
     if split_out:
         return _decide(pt, f"shard({last})", "no-reduction", "sharded-weight", None,
                        item("weights", text, param=f"{pt.module}.{name}"),
@@ -397,8 +477,8 @@ def same_values_as_producer(j, pt):
     if pv.placement in ("divergent", "unknown"):
         return None
     return _decide(pt, pv.placement, pv.reduction, "same-values", pv.collective,
-                   item("dataflow", f"the same values as {point_name(*prod, False)} on every rank",
-                        point=point_name(*prod, False)))
+                   item("dataflow", f"the same values as {j.name(prod)} on every rank",
+                        point=j.name(prod)))
 
 
 def derived_from_shard(j, pt):
@@ -420,9 +500,9 @@ def derived_from_shard(j, pt):
     same_rank = src_t is not None and len(src_t.shape) == pt.ndim and d < pt.ndim
     dim = d if same_rank else pt.ndim - 1
     return _decide(pt, f"shard({dim})", "no-reduction", "derived-from-shard", None,
-                   item("dataflow", f"derived locally from {point_name(*src, False)}, {placement}"
+                   item("dataflow", f"derived locally from {j.name(src)}, {placement}"
                                     + ("" if same_rank else f" (another rank of tensor: dim {dim} assumed)"),
-                        point=point_name(*src, False)))
+                        point=j.name(src)))
 
 
 def divergent(j, pt):
@@ -443,5 +523,5 @@ def _values(j, pt):
 
 
 RULES = (group_ranks, shapes, fingerprints, _values, reduction_output, scatter_output, reduction_input,
-         gather_input, equal_values, sums_add_up, declared_dtensor, concatenation, sharded_weight,
+         gather_input, equal_values, sums_add_up, declared_dtensor, concatenation, lineage_ops, sharded_weight,
          same_values_as_producer, derived_from_shard, divergent)

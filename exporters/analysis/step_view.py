@@ -60,6 +60,7 @@ class StepView:
         self.points: dict = {}  # (module, call, slot) -> {proc: Observed}
         self.times: dict = {}  # point key -> (ns from step start, span idx, slot idx) on the first proc
         self.span_of: dict = {}  # (proc, idx) -> (module, call, parent)
+        self.slot_key: dict = {}  # (proc, span idx, slot idx) -> point key
         self.max_call = collections.Counter()
         ph = ",".join("?" * len(procs))
         rows = []
@@ -79,6 +80,7 @@ class StepView:
                 ref = (fp_pre + i if fp_pre >= 0 else -1) if i < n_pre else (
                     fp_post + i - n_pre if fp_post >= 0 else -1)
                 key = (module, call, slot[0])
+                self.slot_key[(proc, idx, i)] = key
                 self.points.setdefault(key, {})[proc] = Observed(slot[1], slot[2], d.get(ref), _slot_meta(slot))
                 if proc == procs[0]:
                     self.times[key] = (t0 if i < n_pre else t0 + dur, idx, i)
@@ -111,6 +113,8 @@ class StepView:
                 c.t_end, c.t0 = t0 + dur, t0
                 owner = self.span_of.get((proc, parent))
                 c.module = owner[0] if owner else None
+        self._con = con
+        self._lineage = None
         self.coll_list = sorted((c for c in self.colls.values() if c.t_end is not None),
                                 key=lambda c: c.t_end)
         self.coll_ends = [c.t_end for c in self.coll_list]
@@ -129,6 +133,18 @@ class StepView:
         for n, items in by_numel.items():
             items.sort(key=lambda x: x[0])
             self.by_numel[n] = ([x[0] for x in items], items)
+
+    def lineage(self) -> tuple:
+        """The first process's lineage records of this step: ({node: (op, attrs, inputs)},
+        {(span, slot): ref}); empty where the step did not watch."""
+        if self._lineage is None:
+            proc = self.procs[0]
+            nodes = {n: (op, json.loads(a) if a else {}, json.loads(i)) for n, op, a, i in self._con.execute(
+                "SELECT node, op, attrs, inputs FROM lineage WHERE proc=? AND step=?", (proc, self.step))}
+            sources = {(span, slot): json.loads(ref) for span, slot, ref in self._con.execute(
+                "SELECT span, slot, ref FROM slot_sources WHERE proc=? AND step=?", (proc, self.step))}
+            self._lineage = (nodes, sources)
+        return self._lineage
 
     def after(self, t_point, ops=None, limit=WINDOW):
         """Up to ``limit`` collectives (of ``ops``, if given) ending at or after ``t_point``,

@@ -77,8 +77,10 @@ def linked(xs: dict, ys: dict) -> float | None:
     else:
         # A common scale factor is believable only when the sums carry it: both far from zero
         # (the sum of squares alone fits any scale).
-        tol = sum_tol(x.numel, max(x.fp[1], y.fp[1]), x.dtype)
-        if min(abs(x.fp[0]), abs(y.fp[0] or 0.0)) < 64 * tol:
+        # Each sum is measured against its own sum of squares, so the test does not depend
+        # on the scale itself.
+        if (abs(x.fp[0]) < 64 * sum_tol(x.numel, x.fp[1], x.dtype)
+                or abs(y.fp[0] or 0.0) < 64 * sum_tol(y.numel, y.fp[1], y.dtype)):
             return None
         scale = math.sqrt(y.fp[1] / x.fp[1])
         if x.fp[0] * y.fp[0] < 0:

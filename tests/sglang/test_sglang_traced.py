@@ -144,7 +144,43 @@ def test_eagle3_aux_hidden_states_are_named_capture_points(seeded_model, tmp_pat
     # --return-aux-hidden-state-layer-ids 0: SGLang captures the residual stream entering layer 1.
     assert p["point"] == "capture:eagle3.aux.0"
     assert p["capture"]["layer"] == "model.layers.1" and p["capture"]["eagle3_layer_id"] == 0
-    assert (p["placement"], p["reduction"]) == ("replicate", "post-reduction")
+    # The residual stream is layer 0's reduced output plus the residual, added locally: whole
+    # values that are not a reduction's output (design.md: no-reduction).
+    assert (p["placement"], p["reduction"]) == ("replicate", "no-reduction"), p
     assert list(p["shapes"].values())[0][-1] == 64
     shapes = q("shapes", "capture:eagle3.aux.0", "--trace", out)
     assert shapes[0]["capture"]["what"].startswith("residual stream entering model.layers.1")
+
+
+@pytest.fixture(scope="module")
+def traced_dummy(tmp_path_factory):
+    """TP=2 with `--load-format dummy`, the usual quick way to run SGLang: every rank's shards
+    are identical, so values alone cannot tell a partial sum or a shard from a whole tensor."""
+    d = tmp_path_factory.mktemp("sglang-dummy")
+    out = d / "trace"
+    srv = server.SGLangServer(2, log_path=d / "dummy.log", prefix=[TT, "record", "-o", str(out), "--"])
+    with srv:
+        tokens = server.output_ids(srv.generate(server.DEFAULT_INPUT_IDS, max_new_tokens=4))
+    assert tokens and not srv.killed, srv.log_tail()
+    return str(out)
+
+
+def test_dummy_weights_follow_the_collectives_and_the_layer_classes(traced_dummy):
+    pts = {p["point"]: p for p in q("placement", "model.layers.*", "--trace", traced_dummy)}
+    for layer in range(LAYERS):
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            point = f"model.layers.{layer}.{name}:output.0"
+            p = pts[point]
+            # Equal on both ranks, yet the very input of the all_reduce that completes it.
+            assert p["shapes"]["0"] == p["shapes"]["1"] and p["fingerprint"] is not None
+            assert (p["placement"], p["reduction"]) == ("partial", "pre-reduction"), p
+            r = q("reduction", point, "--trace", traced_dummy)
+            assert r["collective"]["op"] == "all_reduce" and r["collective"]["group"] == "tp", r
+            assert any(i["kind"] == "values" and "identical shards" in i["text"] for i in r["evidence_items"]), r
+        for name in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
+            p = pts[f"model.layers.{layer}.{name}:output.0"]
+            assert p["placement"] == f"shard({len(p['shapes']['0']) - 1})", p
+            assert p["reduction"] == "no-reduction" and p["layer_semantics"]["agrees"] is True, p
+            assert any("dummy weights" in e for e in p["evidence"]), p
+    r = q("reduction", "model.embed_tokens", "--trace", traced_dummy)
+    assert (r["verdict"], r["placement"]) == ("post-reduction", "replicate"), r

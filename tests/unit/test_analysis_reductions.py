@@ -219,9 +219,6 @@ def test_reduce_scatter_input_is_partial(tmp_path):
     names_collective(p, "reduce_scatter_tensor", 0)
 
 
-@pytest.mark.xfail(strict=True, reason="rules._gather_dim compares a reduce_scatter's OUTPUT shape with the "
-                                       "point (its own output, same shape), so the scatter dim falls back to "
-                                       "'dim ndim-1 assumed': shard(1) for a dim-0 scatter")
 def test_reduce_scatter_output_is_a_reduced_shard(tmp_path):
     p = point(_reduce_scatter(tmp_path, gen()), "post:input.0")
     check(p, "shard(0)", "post-reduction", "reduce-scatter-output")
@@ -229,7 +226,7 @@ def test_reduce_scatter_output_is_a_reduced_shard(tmp_path):
 
 
 def test_reduce_scatter_output_is_post_reduction_shard(tmp_path):
-    """Placement kind and reduction, whatever the dim (see the xfail above for the dim)."""
+    """Placement kind and reduction, whatever the dim."""
     p = point(_reduce_scatter(tmp_path, gen()), "post:input.0")
     assert p["placement"].startswith("shard(") and p["reduction"] == "post-reduction", p["evidence"]
     assert p["rule"] == "reduce-scatter-output"
@@ -277,10 +274,6 @@ def _zero_mean_reduction(tr, n_rows=8, hidden=2048):
     return total
 
 
-@pytest.mark.xfail(strict=True, reason="tolerance.linked accepts a scale only when min(|sum x|, |sum y|) >= "
-                                       "64 * sum_tol(n, max(sumsq x, sumsq y)): the smaller sum against the "
-                                       "tolerance of the larger sumsq, so the threshold grows with the scale "
-                                       "(never met in bf16 for a scale of 1/8 or sqrt(2048) of zero-mean values)")
 @pytest.mark.parametrize("scale", [0.125, 2048 ** 0.5], ids=["1/8", "sqrt2048"])
 def test_zero_mean_bf16_reduction_output_times_a_scale_is_post_reduction(tmp_path, scale):
     """Gemma-style embedding normalizer (times sqrt(hidden)), or a 1/8 scaling, of a reduced
@@ -330,25 +323,17 @@ def test_coalesced_all_reduce_first_input_is_partial(tmp_path):
     names_collective(p, "all_reduce_coalesced", 0)
 
 
-@pytest.mark.xfail(strict=True, reason="rules.reduction_input links a point to c.ins[p][0] only: the second "
-                                       "tensor of a coalesced all_reduce is never its input (divergent)")
 def test_coalesced_all_reduce_second_input_is_partial(tmp_path):
     p = point(_coalesced(tmp_path), "pb:output")
     check(p, "partial", "pre-reduction", "reduction-input")
 
 
-@pytest.mark.xfail(strict=True, reason="rules.reduction_output skips collectives with more than one output "
-                                       "(len(c.outs[p]) == 1): no output of a coalesced all_reduce is "
-                                       "post-reduction (equal-values, no-reduction)")
 @pytest.mark.parametrize("name", ["ua:input.0", "ub:input.0"])
 def test_coalesced_all_reduce_outputs_are_post_reduction(tmp_path, name):
     p = point(_coalesced(tmp_path), name)
     check(p, "replicate", "post-reduction", "reduction-output")
 
 
-@pytest.mark.xfail(strict=True, reason="a list reduce_scatter's inputs are the chunks (views) of the partial "
-                                       "sum; rules.reduction_input links the point to c.ins[p][0] only and "
-                                       "sums_add_up leaves reduce_scatters out, so the partial is divergent")
 def test_list_reduce_scatter_input_is_partial(tmp_path):
     p = point(_uneven_reduce_scatter(tmp_path), "proj:output")
     check(p, "partial", "pre-reduction", "reduction-input")

@@ -1,0 +1,134 @@
+"""Placement through the ops the tracer's lineage watcher records (tracer/lineage.py): one rule
+per op family, mapping input placements to the output's, as DTensor's sharding propagation does.
+They apply between module boundaries: a tensor that a module received was built by a split, a
+view, an add or a cat of tensors judged earlier in the step.
+"""
+
+from __future__ import annotations
+
+import math
+
+# single-input ops that keep every value (a dtype, layout or memory change)
+_KEEP = {"clone", "to", "contiguous", "detach"}
+_RESHAPE = {"view", "reshape", "flatten"}
+_PARTS = {"split", "chunk", "unbind"}
+MAX_DEPTH = 32
+
+
+def _shard_dim(p: str):
+    return int(p[6:-1]) if p.startswith("shard(") else None
+
+
+def reshape_placement(placement: str, old_shape, new_shape):
+    """A shard along dim d of ``old_shape`` lies, after a reshape, along the outermost new
+    dimension that the old dimension d was split into (heads out of a hidden dimension), or
+    along the dimension it was merged into."""
+    d = _shard_dim(placement)
+    if d is None:
+        return placement
+    old, new = list(old_shape or ()), list(new_shape or ())
+    if not old or not new or d >= len(old):
+        return None
+    if new.count(-1) == 1:  # view(-1, h): the inferred size
+        rest = math.prod(n for n in new if n != -1)
+        if rest <= 0:
+            return None
+        new[new.index(-1)] = math.prod(old) // rest
+    if -1 in new or math.prod(new) != math.prod(old):
+        return None
+    before = math.prod(old[:d])
+    acc = 1
+    for i, n in enumerate(new):
+        if acc <= before < acc * n:
+            return f"shard({i})"
+        acc *= n
+    return None
+
+
+def combine(op: str, placements: list):
+    """The placement of a multi-input op's result from its inputs' placements, or None when
+    the op does not determine it (a partial plus a whole tensor, mixed shards)."""
+    if not placements or any(p in (None, "unknown", "divergent") for p in placements):
+        return None
+    first = placements[0]
+    if all(p == first for p in placements):
+        return first  # add, cat or stack of like placements: shards stay shards of the result
+    return None
+
+
+class LineageWalk:
+    """Resolves a point's lineage reference to the judged points it was built from."""
+
+    def __init__(self, judge, pt):
+        self.j, self.pt = judge, pt
+        self.nodes, self.sources = judge.v.lineage()
+        self.proc = judge.v.procs[0]
+        self.ops: list = []  # op names along the way, for the evidence
+
+    def slot_ref(self):
+        t = self.j.v.times.get(self.pt.key)
+        if t is None:
+            return None
+        return self.sources.get((t[1], t[2]))
+
+    def placement_of(self, ref, depth=0):
+        """(placement, shape) of what ``ref`` points at, or (None, None)."""
+        if depth > MAX_DEPTH or not ref:
+            return None, None
+        if ref[0] == 0:
+            if ref[1] != self.j.v.step:
+                return None, None
+            key = self.j.v.slot_key.get((self.proc, ref[2], ref[3]))
+            verdict = self.j.done.get(key) if key else None
+            if verdict is None:
+                return None, None
+            t = self.j.v.points[key].get(self.proc)
+            self.ops.append(f"from {self.j.name(key)} ({verdict.placement})")
+            return verdict.placement, t.shape if t is not None else None
+        if ref[0] != 1 or ref[1] != self.j.v.step:
+            return None, None
+        node = self.nodes.get(ref[2])
+        if node is None:
+            return None, None
+        op, attrs, inputs = node
+        if op in _KEEP or op in _PARTS:
+            if len(inputs) != 1:
+                return None, None
+            placement, shape = self.placement_of(inputs[0], depth + 1)
+            self.ops.append(op)
+            return placement, (None if op in _PARTS else shape)
+        if op in _RESHAPE:
+            placement, shape = self.placement_of(inputs[0], depth + 1) if len(inputs) == 1 else (None, None)
+            new_shape = attrs.get("shape")
+            self.ops.append(op)
+            if placement is None or shape is None or new_shape is None:
+                return (placement if placement in ("replicate", "partial") else None), None
+            return reshape_placement(placement, shape, new_shape), new_shape
+        if op in ("add", "add_", "cat", "stack"):
+            parts = [self.placement_of(r, depth + 1) for r in inputs]
+            self.ops.append(op + (f"(dim={attrs['dim']})" if "dim" in attrs else ""))
+            if op in ("add", "add_") and len(parts) < 2:
+                return None, None
+            placement = combine(op, [p for p, _ in parts])
+            if placement is not None and op == "stack":
+                d = _shard_dim(placement)
+                dim = attrs.get("dim", 0)
+                if d is not None and dim <= d:
+                    placement = f"shard({d + 1})"
+            return placement, None
+        return None, None
+
+
+def placement_from_lineage(judge, pt):
+    """(placement, ops text) for ``pt`` from the recorded ops that built it, or None."""
+    walk = LineageWalk(judge, pt)
+    ref = walk.slot_ref()
+    if ref is None:
+        return None
+    placement, shape = walk.placement_of(ref)
+    if placement is None:
+        return None
+    d = _shard_dim(placement)
+    if d is not None and d >= pt.ndim:
+        return None
+    return placement, ", ".join(reversed(walk.ops))
