@@ -1,27 +1,39 @@
-"""Lineage answers and capture contracts over a merged store.
+"""Lineage answers over a merged store.
 
 ``lineage(con, point)`` says what a point's tensor was built from: the ops recorded by the
 tracer (tracer/lineage.py) are followed from the point's slot back to recorded module tensors
 (by identity), through single-input ops (clone, view, reshape, split...) which are reported as
-``via``, down to the op that combined several tensors (cat, stack, add), whose inputs are the
-ordered ``sources``. A tensor the tracer met only as a copy is matched by its fingerprint to a
-recorded tensor of the same step ("matched by values").
+``via``, down to the op that combined several tensors (cat, stack, add, writes into slices of a
+buffer), whose inputs are the ordered ``sources``. A tensor the tracer met only as a copy is
+matched by its fingerprint to a recorded tensor of the same step ("matched by values").
 
-A *contract* is a saved lineage (``contract save``); ``compare`` lists how a trace's lineage
-departs from it: another source at a position, a missing or extra source, another order, or a
-change of shape, dtype or placement of the point or of a source. ``contract check`` and
-``query diff`` both use it.
+Module boundaries: a source that is a module's output which that module built by laying
+tensors side by side (cat, stack, copies into slices of a buffer) is followed inside, and the
+boundaries crossed are listed as ``inside``; one computed otherwise (an add, a leaf module's
+body, a compiled region: nothing recorded there) stays the source. Concatenations nested along
+the same dim are flattened: the sources are the pieces in their place in the result.
+
+Writes into a buffer (``buf[:, a:b].copy_(x)``, ``buf[..., a:b] = x``, ``index_copy_``,
+``slice_scatter``) are ordered by where they land, not when; a write overwritten whole by a
+later one is dropped, and a region no recorded write filled is named as such.
+
+Contracts (``contract save/check``, ``query diff``) live in exporters/contracts.py.
 """
 
 from __future__ import annotations
 
 import json
 
-from tensor_trace.errors import BadInput, NoAnswer
+from tensor_trace.errors import NoAnswer
+from tensor_trace.exporters.contracts import (CONTRACT_FORMAT, compare, load_contract,  # noqa: F401
+                                             make_contract)
 
-CONTRACT_FORMAT = 1
 MAX_DEPTH = 64
 MAX_STEPS = 16
+MAX_WRITES = 4096  # writes into one buffer followed back
+MAX_NEST = 4  # combining ops nested inside a source
+_SIDE_BY_SIDE = ("cat", "slices")  # concatenations along a dim: flattened when nested
+_LAID_OUT = ("cat", "stack", "slices")  # module outputs built so are followed inside
 
 
 def _shared(con) -> tuple:
@@ -43,8 +55,19 @@ class _Resolver:
         self.con, self.proc, self.step = con, proc, step
         if shared is None:
             shared = _shared(con)
+        self.shared = shared
         self.modules, self.points, self.layouts = shared
         self._view = None
+        self._steps = {step: self}
+
+    def at_step(self, step) -> "_Resolver":
+        """The resolver of another step of this process (a ref into an earlier step: the
+        target's step, for a draft step that consumes its captures)."""
+        hit = self._steps.get(step)
+        if hit is None:
+            hit = self._steps[step] = _Resolver(self.con, self.proc, step, self.shared)
+            hit._steps = self._steps
+        return hit
 
     def slots(self, layout_id) -> list:
         hit = self.layouts.get(layout_id)
@@ -81,30 +104,44 @@ class _Resolver:
         if row is None:
             return None
         op, attrs, inputs, shape = row
-        return op, json.loads(attrs) if attrs else {}, json.loads(inputs), json.loads(shape)
+        # A fingerprint index is one of the node's step: the step goes with it.
+        inputs = [r + [step] if r[0] == 2 and len(r) == 3 else r for r in json.loads(inputs)]
+        return op, json.loads(attrs) if attrs else {}, inputs, json.loads(shape)
 
-    def by_values(self, fp_index, shape, before=None) -> dict | None:
-        """The latest recorded output of this step (ending by ``before``, ns from the step's
-        start, if given) whose fingerprint equals fingerprint ``fp_index``."""
+    def slot_src(self, step, span, slot_i):
+        """The node ref a module call's slot was built by, if any (a SLOT_SRC record)."""
+        row = self.con.execute("SELECT ref FROM slot_sources WHERE proc=? AND step=? AND span=? AND slot=?",
+                               (self.proc, step, span, slot_i)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def view(self):
+        """This process's view of the step (placement.StepView) and its fingerprints by index."""
         from tensor_trace.exporters import placement as pl
 
         if self._view is None:
+            import struct
+
             layouts = {lid: json.loads(s) for lid, s in self.con.execute("SELECT layout_id, slots FROM layouts")}
             rank_of = {p: (r if r is not None else 0) for p, r in self.con.execute("SELECT proc, rank FROM processes")}
             self._view = pl.StepView(self.con, self.step, [self.proc], layouts, self.modules, rank_of)
             self._fps = {}
             for first, data, indices in self.con.execute(
                     "SELECT first, data, indices FROM fingerprints WHERE proc=? AND step=?", (self.proc, self.step)):
-                import struct
-
                 n = len(data) // 8
                 idx = range(first, first + n) if indices is None else struct.unpack(f"<{n}I", indices[:4 * n])
                 for i, pair in zip(idx, struct.iter_unpack("<ff", data[:8 * n])):
                     self._fps[i] = pair
+        return self._view
+
+    def by_values(self, fp_index, shape, before=None) -> dict | None:
+        """The latest recorded output of this step (ending by ``before``, ns from the step's
+        start, if given) whose fingerprint equals fingerprint ``fp_index``."""
+        from tensor_trace.exporters import placement as pl
+
+        view = self.view()
         fp = self._fps.get(fp_index)
         if fp is None:
             return None
-        view = self._view
         best = None
         for key, obs in view.points.items():
             t = obs.get(self.proc)
@@ -122,8 +159,10 @@ class _Resolver:
         if best is None:
             return None
         module, call, slot = best[1]
-        return dict(self.points.get((module, call, slot)) or dict(point=f"{module}:{slot}", placement="unknown",
-                                                                 shapes={}, dtype=None))
+        out = dict(self.points.get((module, call, slot)) or dict(point=f"{module}:{slot}", placement="unknown",
+                                                                shapes={}, dtype=None))
+        out["at"] = (self.step, best[0][1], best[0][2])  # (step, span, slot): where it was recorded
+        return out
 
 
 def _op_text(op, attrs) -> str:
@@ -137,49 +176,174 @@ def _op_text(op, attrs) -> str:
     return op
 
 
+class _Node:
+    """A combining op as the answer shows it: its text, its family (``cat``, ``stack``,
+    ``slices``, or the op's own name), the dim it lays tensors along (normalized, or None) and
+    its ordered inputs ``[(ref or None, op text for that input, placeholder point)]``."""
+
+    __slots__ = ("text", "family", "dim", "items")
+
+    def __init__(self, text, family, dim, items):
+        self.text, self.family, self.dim, self.items = text, family, dim, items
+
+
+def _placeholder(point) -> dict:
+    return dict(point=point, placement="unknown", shapes={}, dtype=None)
+
+
 def _follow(res: _Resolver, ref, depth=0):
-    """Follow single-input ops from ``ref``. Returns (kind, payload, via): kind "leaf" with a
-    point dict, "node" with (op text, input refs, shape) of a combining op, or "unknown"."""
-    via = []
+    """Follow single-input ops (and module outputs laid out inside their module) from ``ref``.
+    Returns (kind, payload, via, inside): kind "leaf" with a point dict, "node" with a _Node,
+    or "unknown" with a placeholder point; ``via`` the ops met (from the point toward the
+    source) and ``inside`` the module outputs passed through."""
+    via, inside = [], []
     while depth < MAX_DEPTH:
         depth += 1
         kind = ref[0]
         if kind == 0:
-            return "leaf", res.leaf(ref[1], ref[2], ref[3]), via
+            leaf = res.leaf(ref[1], ref[2], ref[3])
+            inner = _enter(res, (ref[1], ref[2], ref[3]), depth)
+            if inner is not None:
+                return inner[0], inner[1], via + inner[2], inside + [leaf["point"]] + inner[3]
+            return "leaf", leaf, via, inside
         if kind == 2:
-            hit = res.by_values(ref[1], ref[2])
+            hit = (res.at_step(ref[3]) if len(ref) > 3 else res).by_values(ref[1], ref[2])
             if hit is None:
-                return "unknown", dict(point=f"<unrecorded tensor {ref[2]}>", placement="unknown",
-                                       shapes={}, dtype=None), via
+                return "unknown", _placeholder(f"<unrecorded tensor {ref[2]}>"), via, inside
             via.append("copy (matched by values)")
-            return "leaf", hit, via
+            inner = _enter(res, hit["at"], depth)
+            if inner is not None:
+                return inner[0], inner[1], via + inner[2], inside + [hit["point"]] + inner[3]
+            return "leaf", hit, via, inside
         if kind == 3:
-            return "unknown", dict(point=f"<unrecorded tensor {ref[1]}>", placement="unknown",
-                                   shapes={}, dtype=None), via
+            return "unknown", _placeholder(f"<unrecorded tensor {ref[1]}>"), via, inside
         node = res.node(ref[1], ref[2])
         if node is None:
-            return "unknown", dict(point="<lost lineage record>", placement="unknown", shapes={}, dtype=None), via
+            return "unknown", _placeholder("<lost lineage record>"), via, inside
         op, attrs, inputs, shape = node
+        if "into" in attrs:  # a write into a buffer
+            packed = _pack(res, ref)
+            if isinstance(packed, _Node):
+                return "node", packed, via, inside
+            via.append(packed[0])
+            ref = packed[1]
+            continue
         if len(inputs) == 1:
             via.append(_op_text(op, attrs))
             ref = inputs[0]
             continue
-        return "node", (_op_text(op, attrs), inputs, shape), via
-    return "unknown", dict(point="<lineage too deep>", placement="unknown", shapes={}, dtype=None), via
+        text = _op_text(op, attrs)
+        dim = attrs.get("dim")
+        if op in ("cat", "stack") and isinstance(dim, int) and shape:
+            dim %= len(shape)
+        return "node", _Node(text, op, dim, [(r, text, None) for r in inputs]), via, inside
+    return "unknown", _placeholder("<lineage too deep>"), via, inside
 
 
-def _source(res, ref, op_text, depth=0) -> dict:
-    kind, payload, via = _follow(res, ref)
-    if kind == "node":
-        inner_op, inputs, shape = payload
-        inner = [_source(res, r, inner_op, depth + 1) for r in inputs] if depth < 4 else []
-        return dict(point=f"{inner_op} of [{', '.join(s['point'] for s in inner)}]", op=op_text,
-                    shapes={}, placement="unknown", dtype=None, via=list(reversed(via)), sources=inner)
-    out = dict(point=payload["point"], op=op_text, shapes=payload.get("shapes", {}),
-               placement=payload.get("placement", "unknown"), dtype=payload.get("dtype"),
-               via=list(reversed(via)))
-    if payload.get("module"):
-        out["module"] = payload["module"]
+def _enter(res, at, depth):
+    """The answer inside a module output (``at`` = (step, span, slot)) that its module laid out
+    from other tensors, or None where it computed it (or nothing inside was recorded)."""
+    ref = res.slot_src(*at)
+    if ref is None or depth >= MAX_DEPTH:
+        return None
+    inner = _follow(res, ref, depth)
+    if inner[0] == "node" and inner[1].family in _LAID_OUT:
+        return inner
+    return None
+
+
+def _pack(res, ref):
+    """The writes into one buffer that made ``ref``, as a _Node ordered by place, or
+    (op text, source ref) where one write replaced the whole buffer (a copy)."""
+    writes = []  # newest first: (op, attrs, source ref)
+    base = None
+    r = ref
+    while len(writes) < MAX_WRITES:
+        node = res.node(r[1], r[2]) if r[0] == 1 else None
+        if node is None or "into" not in node[1]:
+            base = r
+            break
+        op, attrs, inputs, _shape = node
+        writes.append((op, attrs, inputs[0]))
+        if len(inputs) < 2:
+            break
+        r = inputs[1]
+    into = writes[0][1]["into"]
+    nd = len(into)
+    live, seen = [], set()
+    for op, attrs, src in writes:  # newest first: a region written again keeps its last write
+        box = (tuple(attrs["at"]), tuple(attrs["len"])) if "at" in attrs else None
+        if box is not None:
+            if box in seen:
+                continue
+            seen.add(box)
+        live.append((op, box, src))
+        if box is not None and box[0] == (0,) * nd and list(box[1]) == into:
+            base = None  # this write replaced the whole buffer: nothing before it shows
+            break
+    live.reverse()  # time order
+    if len(live) == 1 and base is None and live[0][1] is not None and list(live[0][1][1]) == into:
+        return live[0][0], live[0][2]  # a copy of the whole: followed through
+    if any(b is None for _, b, _ in live):
+        items = [(src, op, None) for op, _, src in live]  # no place known: in time order
+        if base is not None:
+            items.insert(0, (base, "written into", None))
+        return _Node("slices", "slices", None, items)
+    dims = {d for _, (at, ln), _ in live for d in range(nd) if (at[d], ln[d]) != (0, into[d])}
+    live.sort(key=lambda w: w[1][0])
+    if len(dims) != 1:
+        items = [(src, f"{op}(at={list(b[0])}, len={list(b[1])})", None) for op, b, src in live]
+        if base is not None:
+            items.insert(0, (base, "written into", None))
+        return _Node("slices", "slices", None, items)
+    (d,) = dims
+    items, end = [], 0
+    for op, (at, ln), src in live:
+        a, b = at[d], at[d] + ln[d]
+        if a > end:
+            items.append(_gap(base, d, end, a))
+        items.append((src, f"{op}(dim={d}, {a}:{b})", None))
+        end = max(end, b)
+    if end < into[d]:
+        items.append(_gap(base, d, end, into[d]))
+    return _Node(f"slices(dim={d})", "slices", d, items)
+
+
+def _gap(base, d, a, b):
+    """A region of a buffer no recorded write filled: what it held before, where that is known."""
+    if base is not None:
+        return base, f"written into (dim={d}, {a}:{b})", None
+    return None, f"slices(dim={d}, {a}:{b})", f"<no recorded write: dim {d} [{a}:{b}]>"
+
+
+def _sources(res, node: _Node, depth=0) -> list[dict]:
+    """A combining op's inputs as sources, in order. An input that is itself laid out along
+    the same dim (directly, or inside a module output) is replaced by its own sources."""
+    out = []
+    for ref, op_text, placeholder in node.items:
+        if ref is None:
+            out.append(dict(_placeholder(placeholder), op=op_text, via=[]))
+            continue
+        kind, payload, via, inside = _follow(res, ref)
+        if kind == "node":
+            inner = _sources(res, payload, depth + 1) if depth < MAX_NEST else []
+            if (not via and depth < MAX_NEST and payload.family in _SIDE_BY_SIDE and node.family in _SIDE_BY_SIDE
+                    and payload.dim is not None and payload.dim == node.dim):
+                for s in inner:
+                    s["inside"] = inside + s.get("inside", [])
+                out += inner
+                continue
+            s = dict(point=f"{payload.text} of [{', '.join(s['point'] for s in inner)}]", op=op_text,
+                     shapes={}, placement="unknown", dtype=None, via=list(reversed(via)), sources=inner)
+        else:
+            s = dict(point=payload["point"], op=op_text, shapes=payload.get("shapes", {}),
+                     placement=payload.get("placement", "unknown"), dtype=payload.get("dtype"),
+                     via=list(reversed(via)))
+            if payload.get("module"):
+                s["module"] = payload["module"]
+        if inside:
+            s["inside"] = inside
+        out.append(s)
     return out
 
 
@@ -194,16 +358,9 @@ def _slot_index(res, proc, step, module_id, call, slot):
     return (row[0], names.index(slot)) if slot in names else None
 
 
-def lineage(con, point: str) -> dict:
-    """What ``point``'s tensor was built from (see the module docstring)."""
-    from tensor_trace.exporters.query import find_point
-
-    p = find_point(con, point)[0]
-    module, call, slot = p["module"], p["call"], p["slot"]
-    row = con.execute("SELECT module_id FROM modules WHERE path=?", (module,)).fetchone()
-    if row is None:
-        raise NoAnswer(f"no module {module!r} in this trace")
-    mid = row[0]
+def _find(con, mid, call, slot):
+    """(resolver, (span, slot index), ref or None) on the first process and step that recorded
+    the slot, preferring one where a node built it; None if no step has it."""
     procs = [r[0] for r in con.execute("SELECT proc FROM processes ORDER BY rank IS NULL, rank, proc")]
     found = None
     shared = _shared(con)
@@ -215,14 +372,23 @@ def lineage(con, point: str) -> dict:
             where = _slot_index(res, proc, step, mid, call, slot)
             if where is None:
                 continue
-            ref = con.execute("SELECT ref FROM slot_sources WHERE proc=? AND step=? AND span=? AND slot=?",
-                              (proc, step, *where)).fetchone()
+            ref = res.slot_src(step, *where)
             found = found or (res, where, None)
             if ref is not None:
-                found = (res, where, json.loads(ref[0]))
-                break
-        if found is not None and found[2] is not None:
-            break
+                return res, where, ref
+    return found
+
+
+def lineage(con, point: str) -> dict:
+    """What ``point``'s tensor was built from (see the module docstring)."""
+    from tensor_trace.exporters.query import find_point
+
+    p = find_point(con, point)[0]
+    module, call, slot = p["module"], p["call"], p["slot"]
+    row = con.execute("SELECT module_id FROM modules WHERE path=?", (module,)).fetchone()
+    if row is None:
+        raise NoAnswer(f"no module {module!r} in this trace")
+    found = _find(con, row[0], call, slot)
     out = dict(point=p["point"], module=module, shapes=p["shapes"], dtype=p.get("dtype"),
                placement=p["placement"], op=None, via=[], sources=[])
     if found is None:
@@ -231,26 +397,28 @@ def lineage(con, point: str) -> dict:
     if ref is None and slot.startswith("input"):
         # A module input that no watched op built is, as a rule, an earlier call's output: found
         # by its values (same fingerprint), since identity is only written where ops combine.
-        row = con.execute("SELECT s.fp_pre, s.n_pre, s.t0 FROM steps st JOIN spans s ON s.rowid BETWEEN "
-                          "st.span_first AND st.span_last WHERE st.proc=? AND st.step=? AND s.proc=st.proc "
-                          "AND s.step=st.step AND s.idx=? LIMIT 1", (res.proc, res.step, span)).fetchone()
-        if row is not None and row[0] >= 0 and slot_i < row[1]:
-            hit = res.by_values(row[0] + slot_i, (p["shapes"].get(min(p["shapes"])) or []) if p["shapes"] else [],
-                                before=row[2])
-            if hit is not None:
-                out.update(op="identity", via=["same values"])
-                out["sources"] = [dict(point=hit["point"], op="identity", shapes=hit.get("shapes", {}),
-                                       placement=hit.get("placement", "unknown"), dtype=hit.get("dtype"),
-                                       via=["same values"])]
-        return out
-    if ref is None:
+        hit = _same_values(res, span, slot_i, p)
+        if hit is None:
+            return out
+        inner = _enter(res, hit["at"], 0)
+        if inner is None:
+            out.update(op="identity", via=["same values"])
+            out["sources"] = [dict(point=hit["point"], op="identity", shapes=hit.get("shapes", {}),
+                                   placement=hit.get("placement", "unknown"), dtype=hit.get("dtype"),
+                                   via=["same values"])]
+            return out
+        kind, payload, via, inside = inner
+        via, inside = ["same values"] + via, [hit["point"]] + inside
+    elif ref is None:
         return out  # nothing recorded built it: a module computed it
-    kind, payload, via = _follow(res, ref)
+    else:
+        kind, payload, via, inside = _follow(res, ref)
     out["via"] = list(reversed(via))
+    if inside:
+        out["inside"] = inside
     if kind == "node":
-        op_text, inputs, _shape = payload
-        out["op"] = op_text
-        out["sources"] = [_source(res, r, op_text) for r in inputs]
+        out["op"] = payload.text
+        out["sources"] = _sources(res, payload)
     else:
         out["op"] = "identity"
         out["sources"] = [dict(point=payload["point"], op="identity", shapes=payload.get("shapes", {}),
@@ -259,8 +427,20 @@ def lineage(con, point: str) -> dict:
     return out
 
 
+def _same_values(res, span, slot_i, p):
+    """The recorded output (ended before this call began) whose values a module input has."""
+    row = res.con.execute("SELECT s.fp_pre, s.n_pre, s.t0 FROM steps st JOIN spans s ON s.rowid BETWEEN "
+                          "st.span_first AND st.span_last WHERE st.proc=? AND st.step=? AND s.proc=st.proc "
+                          "AND s.step=st.step AND s.idx=? LIMIT 1", (res.proc, res.step, span)).fetchone()
+    if row is None or row[0] < 0 or slot_i >= row[1]:
+        return None
+    shape = (p["shapes"].get(min(p["shapes"])) or []) if p["shapes"] else []
+    return res.by_values(row[0] + slot_i, shape, before=row[2])
+
+
 def points_with_lineage(con) -> list[str]:
-    """Points whose tensor some recorded op built (on the first process that has any)."""
+    """Points whose tensor some recorded op built (on the first process that has any), and the
+    module inputs that have the values of a module output laid out inside its module."""
     modules = dict(con.execute("SELECT module_id, path FROM modules"))
     names = {}
     rows = con.execute(
@@ -278,89 +458,35 @@ def points_with_lineage(con) -> list[str]:
             hit = con.execute("SELECT point FROM points WHERE module=? AND call=? AND slot=?", key).fetchone()
             if hit:
                 names[hit[0]] = True
+    for name in _consumers_of_laid_out(con):
+        names[name] = True
     return sorted(names)
 
 
-# ---------------------------------------------------------------- contracts
+def _consumers_of_laid_out(con) -> list[str]:
+    """Module inputs whose values are those of a module output laid out inside its module (a
+    target returning its captures concatenated): their lineage goes through it."""
+    from tensor_trace.exporters import placement as pl
 
-def make_contract(lin: dict) -> dict:
-    """A lineage answer as a contract: what a check expects of another trace."""
-    return dict(
-        tensor_trace_contract=CONTRACT_FORMAT, point=lin["point"], op=lin["op"],
-        shapes=lin["shapes"], dtype=lin["dtype"], placement=lin["placement"],
-        sources=[dict(position=i, point=s["point"], module=s.get("module"),
-                      role=f"input {i} of {s['op']}", op=s["op"], via=s.get("via", []),
-                      shapes=s["shapes"], dtype=s.get("dtype"), placement=s["placement"])
-                 for i, s in enumerate(lin["sources"])])
-
-
-def load_contract(path: str) -> dict:
-    try:
-        with open(path) as f:
-            c = json.load(f)
-    except OSError as exc:
-        raise BadInput(f"{path}: cannot read the contract ({exc.strerror})")
-    except ValueError:
-        raise BadInput(f"{path}: not a JSON contract")
-    if not isinstance(c, dict) or c.get("tensor_trace_contract") != CONTRACT_FORMAT or "sources" not in c:
-        raise BadInput(f"{path}: not a tensor-trace contract (format {CONTRACT_FORMAT})")
-    return c
-
-
-def _norm_shapes(shapes) -> dict:
-    return {int(k): list(v) for k, v in (shapes or {}).items()}
-
-
-def compare(expected: dict, actual: dict) -> list[dict]:
-    """How ``actual`` (a lineage answer) departs from ``expected`` (a contract or another
-    lineage answer): a list of {kind, message, ...}; empty when they agree."""
+    row = con.execute("SELECT proc, step FROM slot_sources ORDER BY proc, step LIMIT 1").fetchone()
+    if row is None:
+        return []
+    res = _Resolver(con, row[0], row[1])
+    outs = con.execute("SELECT span, slot FROM slot_sources WHERE proc=? AND step=?", row).fetchall()
+    laid = [(span, slot) for span, slot in outs if _enter(res, (row[1], span, slot), 0) is not None]
+    if not laid:
+        return []
+    view = res.view()
+    by_place = {(t[1], t[2]): key for key, t in view.times.items()}
+    targets = [view.points[by_place[w]].get(res.proc) for w in laid if w in by_place]
+    targets = [t for t in targets if t is not None and t.fp is not None]
     out = []
-    exp = [s["point"] for s in expected["sources"]]
-    act = [s["point"] for s in actual["sources"]]
-    name = expected["point"]
-    if (expected.get("op") or None) != (actual.get("op") or None):
-        out.append(dict(kind="op", expected=expected.get("op"), actual=actual.get("op"),
-                        message=f"{name} is built by {actual.get('op') or 'no recorded op'}, "
-                                f"not {expected.get('op') or 'no recorded op'}"))
-    for i, p in enumerate(act):
-        if p not in exp:
-            there = f" (the contract has {exp[i]} there)" if i < len(exp) else ""
-            out.append(dict(kind="extra", source=p, position=i,
-                            message=f"unexpected source {p} at position {i}{there}"))
-    for i, p in enumerate(exp):
-        if p not in act:
-            out.append(dict(kind="missing", source=p, position=i,
-                            message=f"missing source {p} (position {i} in the contract)"))
-    common_e = [p for p in exp if p in act]
-    common_a = [p for p in act if p in exp]
-    if common_e != common_a:
-        out.append(dict(kind="order", expected=common_e, actual=common_a,
-                        message=f"sources in another order: contract {common_e}, trace {common_a}"))
-    for p in common_e:
-        i, j = exp.index(p), act.index(p)
-        if i != j:
-            out.append(dict(kind="moved", source=p, expected=i, actual=j,
-                            message=f"source {p} moved from position {i} to {j}"))
-        es, as_ = expected["sources"][i], actual["sources"][j]
-        out += _fields(f"source {p}", es, as_)
-    out += _fields(name, expected, actual)
+    for key, obs in view.points.items():
+        t = obs.get(res.proc)
+        if t is None or t.fp is None or not key[2].startswith("input"):
+            continue
+        if any(t.numel == u.numel and pl.fp_equal(t, u) for u in targets):
+            hit = res.points.get(key)
+            if hit is not None:
+                out.append(hit["point"])
     return out
-
-
-def _fields(what, e, a) -> list:
-    out = []
-    if _norm_shapes(e.get("shapes")) != _norm_shapes(a.get("shapes")) and e.get("shapes") and a.get("shapes"):
-        out.append(dict(kind="shape", what=what, expected=e.get("shapes"), actual=a.get("shapes"),
-                        message=f"{what}: shape {_shape_text(a.get('shapes'))}, contract {_shape_text(e.get('shapes'))}"))
-    if e.get("dtype") and a.get("dtype") and e["dtype"] != a["dtype"]:
-        out.append(dict(kind="dtype", what=what, expected=e["dtype"], actual=a["dtype"],
-                        message=f"{what}: dtype {a['dtype']}, contract {e['dtype']}"))
-    if e.get("placement") and a.get("placement") and e["placement"] != a["placement"]:
-        out.append(dict(kind="placement", what=what, expected=e["placement"], actual=a["placement"],
-                        message=f"{what}: placement {a['placement']}, contract {e['placement']}"))
-    return out
-
-
-def _shape_text(shapes) -> str:
-    vals = {json.dumps(v) for v in (shapes or {}).values()}
-    return vals.pop() if len(vals) == 1 else json.dumps(shapes)

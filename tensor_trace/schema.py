@@ -67,6 +67,7 @@ REPLAY = 19  # step, captured step, span base, collective base, fingerprint base
 LINEAGE = 20  # step, node, op string id, attrs (dict or None), input refs, output shape: an op
 #               that built a tensor out of others (tracer/lineage.py says what a ref is)
 SLOT_SRC = 21  # step, span index, slot position in its layout, ref: that slot's tensor is a node's result
+#               (or, ref [0, ...], a module output that a cat, stack or write laid out, passed on as is)
 
 RECORD_NAMES = {
     HEADER: "header",

@@ -14,12 +14,22 @@ a reference to where each input came from:
   its fingerprint, so that the merge can find where the values came from;
 - ``[3, shape]``: unknown (fingerprints off).
 
+Writes into a tensor (``copy_``, ``__setitem__``, ``index_copy_``; ``slice_scatter``,
+``select_scatter``, ``index_copy`` out of place) are how packers lay captures side by side in a
+preallocated buffer (``buf[:, 0:h].copy_(a)``). Each becomes a node ``[src]`` or ``[src, prev]``
+(``prev``: what the tensor held before) whose attrs give the written tensor's shape (``into``)
+and, where the region is a box of it, its start and extent per dim (``at``, ``len``): the reader
+orders the pieces by place, not time. The region is read off storage offsets and strides (no
+values; an index is read only when it is a short CPU tensor).
+
 A module input (or output) that is a node's result gets a ``SLOT_SRC`` record linking the span's
-slot to the node. Inputs that are plainly another module's output need no record: the merge
-links those by identity of values (fingerprints). An op none of whose inputs was recorded
-(rotary tables, norms' intermediates) is not recorded either. Every other torch call goes
-straight through (one dictionary lookup), and the tracer's own hooks run with the mode off. Nothing is recorded outside traced steps, and the tracer's own
-fingerprint ops never are (``tracer.busy``).
+slot to the node; so does one that is, as is, a module output that a cat, stack or write laid
+out (its identity, which values cannot tell from an equal copy). Inputs that are plainly another
+module's output need no record: the merge links those by identity of values (fingerprints). An
+op none of whose inputs was recorded (rotary tables, norms' intermediates) is not recorded
+either. Every other torch call goes straight through (one dictionary lookup), and the tracer's
+own hooks run with the mode off, as do leaf modules' bodies. Nothing is recorded outside traced
+steps, and the tracer's own fingerprint ops never are (``tracer.busy``).
 """
 
 from __future__ import annotations
@@ -30,8 +40,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tensor_trace import schema
+from tensor_trace.tracer.regions import PLAIN as _PLAIN
+from tensor_trace.tracer.regions import box as _box
+from tensor_trace.tracer.regions import disjoint as _disjoint
+from tensor_trace.tracer.regions import scatter_region as _scatter_region
+from tensor_trace.tracer.regions import written as _written
 
 MAX_PRODUCERS = 1 << 16  # tensors remembered per process (cleared, not grown, past this)
+MAX_WRITES = 256  # writes kept per storage and step (each view of it read later carries them)
 
 T = torch.Tensor
 # op -> (name, kind): kind "many" (first argument is a sequence of tensors), "one" (first
@@ -55,6 +71,12 @@ for _f, _name, _kind in [
     # copies that keep the values (a dtype or layout change): followed, not matched by values
     (T.to, "to", "one"), (T.float, "to", "one"), (T.half, "to", "one"), (T.bfloat16, "to", "one"),
     (T.contiguous, "contiguous", "one"), (T.detach, "detach", "one"),
+    # writes into (a region of) a buffer: how packers lay captures side by side in a preallocated
+    # tensor; "write" updates its first argument in place, "scatter" returns an updated copy
+    (T.copy_, "copy_", "write"), (T.__setitem__, "setitem", "write"), (T.index_copy_, "index_copy_", "write"),
+    (torch.index_copy, "index_copy", "scatter"), (T.index_copy, "index_copy", "scatter"),
+    (torch.slice_scatter, "slice_scatter", "scatter"), (T.slice_scatter, "slice_scatter", "scatter"),
+    (torch.select_scatter, "select_scatter", "scatter"), (T.select_scatter, "select_scatter", "scatter"),
 ]:
     _TRACKED[_f] = (_name, _kind)
 _get_ident = __import__("threading").get_ident
@@ -102,6 +124,9 @@ class LineageRecorder:
         self.nodes = 0  # node ids of the current step
         self.pending: list = []
         self.used: list = []
+        self.writes: dict = {}  # storage -> [weak handle, writes into it]: this step's, not yet on a tensor
+        self.write_seen: dict = {}  # id(tensor) -> (weak reference, writes of its storage it carries)
+        self.laid_out: set = set()  # (step, span, slot) of module outputs laid out by cat/stack/writes
         self.mode = None
 
     # ------------------------------------------------------------------ step
@@ -109,8 +134,10 @@ class LineageRecorder:
         self.nodes = 0
         self.pending = []  # this step's nodes, written at its end if a module boundary uses them
         self.used = []  # node refs that SLOT_SRC records point at
+        self._drop_writes()
         if len(self.producers) > MAX_PRODUCERS:
             self.producers = {}
+            self.laid_out = set()
         mode = LineageMode(self)
         mode.__enter__()
         self.mode = mode
@@ -133,6 +160,7 @@ class LineageRecorder:
             pass
         pending, self.pending = self.pending, []
         used, self.used = self.used, []
+        self._drop_writes()
         if not pending:
             return
         step = self.tracer.step
@@ -149,7 +177,9 @@ class LineageRecorder:
         producers = self.producers
         for node, (name, attrs, shape, refs, unknown, out_id) in enumerate(pending):
             if node not in keep:
-                producers.pop(out_id, None)  # a later step must not point at a node never written
+                hit = producers.get(out_id)
+                if hit is not None and hit[1] == [1, step, node]:
+                    del producers[out_id]  # a later step must not point at a node never written
                 continue
             for i, t in unknown:
                 # Concatenations are where captures get combined: an input made by an op not
@@ -176,12 +206,24 @@ class LineageRecorder:
         become that span's tensors."""
         producers = self.producers
         writer = None
+        writes = self.writes
         for i, (name, t) in enumerate(slots):
+            if writes:
+                self._sight(t)
             hit = producers.get(id(t))
-            if hit is not None and hit[1][0] == 1 and hit[0]() is t:
-                writer = writer or self.tracer.writer
-                writer.add((schema.SLOT_SRC, step, span, i, hit[1]))
-                self.used.append(hit[1])
+            if hit is not None and hit[0]() is t:
+                ref = hit[1]
+                if ref[0] == 1:
+                    writer = writer or self.tracer.writer
+                    writer.add((schema.SLOT_SRC, step, span, i, ref))
+                    self.used.append(ref)
+                    if name[0] == "o" and self._laid_out(ref):
+                        self.laid_out.add((step, span, i))
+                elif ref[0] == 0 and self.laid_out and (ref[1], ref[2], ref[3]) in self.laid_out:
+                    # Passed on as is (the draft receiving the target's packed captures): its
+                    # identity is written, since values alone cannot tell it from an equal copy.
+                    writer = writer or self.tracer.writer
+                    writer.add((schema.SLOT_SRC, step, span, i, ref))
             if name[0] == "o":  # "output..."
                 # The innermost call that produced a tensor names it: an outer module that
                 # passes it on (a model returning its layers' hidden states) does not.
@@ -192,6 +234,24 @@ class LineageRecorder:
                 # An input nobody recorded making (the step's input ids, a cache) is named by
                 # the first call that receives it.
                 self.note(t, [0, step, span, i])
+
+    def _laid_out(self, ref) -> bool:
+        """Whether a node of this step laid tensors side by side (cat, stack, writes into a
+        buffer), possibly behind single-input ops (a dtype change, a view)."""
+        step = self.tracer.step
+        pending = self.pending
+        for _ in range(8):
+            if ref[0] == 0:
+                return (ref[1], ref[2], ref[3]) in self.laid_out
+            if ref[0] != 1 or ref[1] != step or ref[2] >= len(pending):
+                return False
+            name, attrs, _shape, refs, _unknown, _out = pending[ref[2]]
+            if name == "cat" or name == "stack" or (attrs is not None and "into" in attrs):
+                return True
+            if len(refs) != 1:
+                return False
+            ref = refs[0]
+        return False
 
     # ------------------------------------------------------------------ nodes
     def node(self, name, kind, args, kwargs, out) -> None:
@@ -206,6 +266,8 @@ class LineageRecorder:
             if not isinstance(a0, Tensor) or (kind == "one" and out is a0):
                 return  # .to() / .contiguous() that returned its input: the identity holds
             ins = [a0]
+        elif kind == "write" or kind == "scatter":
+            return self.write(name, kind, args, kwargs, out)
         else:  # binary / inplace: a scalar operand combines nothing
             ins = [a for a in args[:2] if isinstance(a, Tensor)]
             if len(ins) < 2:
@@ -213,6 +275,9 @@ class LineageRecorder:
                     self.producers.pop(id(ins[0]), None)  # its old identity no longer holds
                 return
         producers = self.producers
+        if self.writes:
+            for t in ins:
+                self._sight(t)
         refs = []
         known = False
         for t in ins:
@@ -257,3 +322,116 @@ class LineageRecorder:
                 a = dict(attrs or {}, index=k, of=len(outs))
             pending.append((name, a, list(o.shape), refs, unknown, id(o)))
             self.note(o, [1, step, node])
+
+    # ------------------------------------------------------------------ writes
+    # A write into a view changes the tensor the view was taken from, which a consumer uses
+    # later; under inference_mode a view does not know that tensor (``_base`` is None). So a
+    # write is kept by storage, with where it landed (storage offset, sizes, strides), and
+    # turned into nodes on the first tensor of that storage seen afterwards (``_sight``), its
+    # region then computed in that tensor's dims.
+    def write(self, name, kind, args, kwargs, out) -> None:
+        """A write of one tensor into (a region of) another, as nodes ``[src]`` or ``[src,
+        prev]`` (what the tensor held before) with ``into`` (the written tensor's shape) and,
+        where the region is a plain box of it, ``at`` and ``len`` per dim, so that the reader
+        orders the pieces by place."""
+        Tensor = torch.Tensor
+        a = args
+        if name == "copy_":
+            dst, src = a[0], a[1] if len(a) > 1 else kwargs.get("src")
+        elif name == "setitem":
+            dst, src = a[0], a[2] if len(a) > 2 else None
+        elif name in ("slice_scatter", "select_scatter"):
+            dst, src = a[0] if a else kwargs.get("input"), a[1] if len(a) > 1 else kwargs.get("src")
+        else:  # index_copy(_)(input, dim, index, source)
+            dst = a[0] if a else kwargs.get("input")
+            src = a[3] if len(a) > 3 else kwargs.get("source")
+        if not isinstance(src, Tensor) or not isinstance(dst, Tensor) or type(dst) not in _PLAIN:
+            return  # a scalar fill combines nothing; subclasses (DTensor) keep their own storage
+        if self.writes:
+            self._sight(src)  # a source read from a buffer written earlier in the step
+        producers = self.producers
+        hit = producers.get(id(src))
+        sref = hit[1] if hit is not None and hit[0]() is src else None
+        if kind == "scatter":  # a new tensor: its nodes now, in the input's dims
+            if not isinstance(out, Tensor):
+                return
+            hit = producers.get(id(dst))
+            prev = hit[1] if hit is not None and hit[0]() is dst else None
+            if sref is None and prev is None:
+                return
+            try:
+                region = _scatter_region(name, dst, args, kwargs, src)
+            except Exception:
+                region = None
+            self._write_node(name, out, region, sref, src, prev)
+            return
+        storage = dst.untyped_storage()
+        key = storage._cdata
+        entry = self.writes.get(key)
+        if entry is None:
+            hit = producers.get(id(dst))
+            if sref is None and (hit is None or hit[0]() is not dst):
+                return  # nothing recorded on either side (caches, scratch buffers)
+            # The weak handle keeps the storage's address from being reused by another
+            # storage while this step may still look it up.
+            entry = self.writes[key] = [storage._weak_ref(), []]
+        if len(entry[1]) >= MAX_WRITES:
+            return
+        try:
+            geom = _written(name, dst, args, kwargs)
+        except Exception:
+            geom = None  # an unusual index: the reader falls back to time order
+        entry[1].append((name, sref, src if sref is None else None, geom))
+
+    def _sight(self, t) -> None:
+        """``t`` is used: writes into its storage since it was last seen become its nodes."""
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            return
+        try:
+            entry = self.writes.get(t.untyped_storage()._cdata)
+        except Exception:
+            return  # no storage (sparse, ...)
+        if entry is None:
+            return
+        events = entry[1]
+        seen = self.write_seen.get(id(t))
+        done = seen[1] if seen is not None and seen[0]() is t else 0
+        if done >= len(events):
+            return
+        self.write_seen[id(t)] = (weakref.ref(t), len(events))
+        hit = self.producers.get(id(t))
+        prev = hit[1] if hit is not None and hit[0]() is t else None
+        mine = (t.storage_offset(), tuple(t.shape), t.stride())
+        for name, sref, src, geom in events[done:]:
+            region = None
+            if geom is not None:
+                if _disjoint(geom, mine):
+                    continue  # another part of the storage (a neighbouring view)
+                region = _box(geom, mine)
+            prev = self._write_node(name, t, region, sref, src, prev)
+
+    def _write_node(self, name, result, region, sref, src, prev):
+        attrs = {"into": list(result.shape)}
+        if region is not None:
+            attrs["at"], attrs["len"] = region
+        unknown = []
+        if sref is None:
+            sref = [3, list(src.shape)]
+            unknown.append((0, src))  # matched by values at the step's end
+        step = self.tracer.step
+        node = self.nodes
+        self.nodes = node + 1
+        self.pending.append((name, attrs, list(result.shape), [sref] if prev is None else [sref, prev],
+                             unknown, id(result)))
+        ref = [1, step, node]
+        self.note(result, ref)
+        return ref
+
+    def _drop_writes(self) -> None:
+        for handle, _events in self.writes.values():
+            try:
+                torch.UntypedStorage._free_weak_ref(handle)
+            except Exception:
+                pass
+        self.writes = {}
+        self.write_seen = {}

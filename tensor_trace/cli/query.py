@@ -130,10 +130,16 @@ def echo_lineage(res) -> None:
         click.echo(f"{head}: no recorded op built it (computed inside its module)")
         return
     via = f" <- {' <- '.join(res['via'])}" if res.get("via") else ""
-    click.echo(f"{head} = {res['op']}{via} of:")
-    echo_table(["#", "source", "shape", "placement", "via"],
-               [[i, s["point"], fmt_shapes(s["shapes"]) if s["shapes"] else "-", s["placement"],
-                 " <- ".join(s.get("via") or []) or "-"] for i, s in enumerate(res["sources"])])
+    inside = f" (inside {', '.join(res['inside'])})" if res.get("inside") else ""
+    click.echo(f"{head} = {res['op']}{inside}{via} of:")
+
+    def path(s):
+        parts = [" <- ".join(s.get("via") or [])] + [f"inside {p}" for p in s.get("inside") or []]
+        return ", ".join(p for p in parts if p) or "-"
+
+    echo_table(["#", "source", "op", "shape", "placement", "via"],
+               [[i, s["point"], s["op"], fmt_shapes(s["shapes"]) if s["shapes"] else "-", s["placement"], path(s)]
+                for i, s in enumerate(res["sources"])])
 
 
 @query.command()
