@@ -16,7 +16,7 @@ import collections
 import json
 import sys
 
-from tensor_trace.exporters import placement as pl
+from tensor_trace.exporters.analysis import tolerance as pl
 from tensor_trace.exporters.merge import open_store
 
 
@@ -46,9 +46,9 @@ def main(argv=None) -> int:
     dtypes = sorted({v["dtype"] for v in b.values() if v["dtype"] in pl.EPS})
     print(f"reference {args.reference}: {len(a)} points; other {args.other}: {len(b)} points")
     print("verdicts of the reference: " + ", ".join(f"{k[0]}/{k[1]} {n}" for k, n in counts.most_common()))
-    print(f"tolerance (exporters/placement.py): two sums of the same n values agree when "
+    print(f"tolerance (exporters/analysis/tolerance.py): two sums of the same n values agree when "
           f"|a-b| <= eps*sqrt(sumsq) + 2**-20*sqrt(n*sumsq); eps = "
-          + ", ".join(f"{d} {pl._eps(d):g}" for d in dtypes))
+          + ", ".join(f"{d} {pl.eps(d):g}" for d in dtypes))
     print(f"same verdict: {len(a.keys() & b.keys()) - len(differ)} of {len(a.keys() & b.keys())} common points; "
           f"different: {len(differ)}; only in reference: {len(only_a)}; only in other: {len(only_b)}; "
           f"points whose shapes differ: {shapes_differ}")

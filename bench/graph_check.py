@@ -8,7 +8,7 @@ the example's ``--out`` of an untraced and of the traced ``--cuda-graph`` run. C
 replayed step:
 
 1. fingerprints of every point equal the eager step's of the same input, within the
-   tolerance of exporters/placement.py (printed);
+   tolerance of exporters/analysis/tolerance.py (printed);
 2. the graph's outputs are bitwise the same with tracing on as without (sha256 of the logits
    and of the draft output, per step);
 3. placement and reduction verdicts equal the eager step's, point by point.
@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 
-from tensor_trace.exporters import placement as pl
+from tensor_trace.exporters.analysis import tolerance as pl
 from tensor_trace.exporters import query as q
 from tensor_trace.exporters.merge import open_store
 
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
                 continue
             shape = next(iter(x["shapes"].values()))
             dtype = x.get("dtype") or "bfloat16"
-            if pl.fp_equal(pl.T(shape, dtype, tuple(fx)), pl.T(shape, dtype, tuple(fy))):
+            if pl.fp_equal(pl.Observed(shape, dtype, tuple(fx)), pl.Observed(shape, dtype, tuple(fy))):
                 fp_equal += 1
             else:
                 bad_fp.append(f"{name}: eager {fx} replay {fy}")
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         ok = ok and not bad_fp and not bad_v
     dtypes = sorted({v for (v,) in cg.execute("SELECT DISTINCT dtype FROM points") if v in pl.EPS})
     print(f"fingerprints: {fp_equal} of {fp_total} equal ({fp_missing} missing); tolerance: sums agree when "
-          f"|a-b| <= eps*sqrt(sumsq) + 2**-20*sqrt(n*sumsq), eps " + ", ".join(f"{d} {pl._eps(d):g}" for d in dtypes))
+          f"|a-b| <= eps*sqrt(sumsq) + 2**-20*sqrt(n*sumsq), eps " + ", ".join(f"{d} {pl.eps(d):g}" for d in dtypes))
     print(f"verdicts: {verdict_same} of {verdict_total} equal")
     with open(args.plain_out) as f:
         plain = json.load(f)["steps"]

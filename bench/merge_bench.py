@@ -146,7 +146,7 @@ def store_counts(trace_dir: str) -> dict:
 def merge_child(trace_dir: str, out_path: str, flush_fix: bool) -> None:
     """Run in a fresh process: merge once, with light timers around the phases."""
     from tensor_trace.exporters import merge as mg
-    from tensor_trace.exporters import placement as pl
+    from tensor_trace.exporters import analysis as pl
 
     if flush_fix:
         install_flush_fix(mg)
@@ -353,7 +353,7 @@ def profile_merge(d: str, top: int = 15) -> dict:
     """cProfile of one merge_ranks call; a second profiler takes over inside compute_verdicts, so
     besides the whole merge the rest of it (loading, inserts, indexes) is shown on its own."""
     from tensor_trace.exporters import merge as mg
-    from tensor_trace.exporters import placement as pl
+    from tensor_trace.exporters import analysis as pl
 
     rest, verdicts = cProfile.Profile(), cProfile.Profile()
     orig = pl.compute_verdicts

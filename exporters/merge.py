@@ -8,7 +8,7 @@ same store (files are taken in sorted order; nothing depends on the time of the 
 After loading, the merge (1) matches collectives across ranks by (group, sequence number) and
 records ranks that skipped one or issued a different one, (2) estimates clock offsets between
 processes from matched blocking collectives, and (3) computes placement and reduction verdicts
-for every capture point (``tensor_trace.exporters.placement``). The schema is documented in
+for every capture point (``tensor_trace.exporters.analysis``). The schema is documented in
 ``docs/store-schema.md``; ``tensor-trace query sql`` exposes it.
 """
 

@@ -241,7 +241,7 @@ def diff(con_a, con_b) -> dict:
         if per(x) != per(y):
             changed.append(dict(point=f"collectives:{key[0] or '<root>'}:{key[1]}", fields=[
                 dict(field="count_per_step", a=per(x), b=per(y))]))
-    from tensor_trace.exporters import lineage as lin
+    from tensor_trace.exporters.analysis import lineage as lin
 
     for name in sorted(set(lin.points_with_lineage(con_a)) | set(lin.points_with_lineage(con_b))):
         if name not in a or name not in b:

@@ -57,7 +57,8 @@ def fp_equal(x: Observed, y: Observed, scale: float = 1.0) -> bool:
         return False
     (sx, qx), (sy, qy) = x.fp, y.fp
     if qx is None or qy is None:
-        return False
+        # booleans and other kinds fingerprinted by their sum alone: exact sums of counts
+        return qx is None and qy is None and scale == 1.0 and sx == sy
     dtype = x.dtype if eps(x.dtype) > eps(y.dtype) else y.dtype
     qx2 = qx * scale * scale
     return sumsq_close(qx2, qy, x.numel, dtype) and close(sx * scale, sy, x.numel, max(qx2, qy), dtype)

@@ -17,7 +17,7 @@ Writes into a buffer (``buf[:, a:b].copy_(x)``, ``buf[..., a:b] = x``, ``index_c
 ``slice_scatter``) are ordered by where they land, not when; a write overwritten whole by a
 later one is dropped, and a region no recorded write filled is named as such.
 
-Contracts (``contract save/check``, ``query diff``) live in exporters/contracts.py.
+Contracts (``contract save/check``, ``query diff``) live in exporters/analysis/contracts.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 
 from tensor_trace.errors import NoAnswer
-from tensor_trace.exporters.contracts import (CONTRACT_FORMAT, compare, load_contract,  # noqa: F401
+from tensor_trace.exporters.analysis.contracts import (CONTRACT_FORMAT, compare, load_contract,  # noqa: F401
                                              make_contract)
 
 MAX_DEPTH = 64
@@ -116,14 +116,14 @@ class _Resolver:
 
     def view(self):
         """This process's view of the step (placement.StepView) and its fingerprints by index."""
-        from tensor_trace.exporters import placement as pl
+        from tensor_trace.exporters.analysis import step_view as sv, tolerance as tol
 
         if self._view is None:
             import struct
 
             layouts = {lid: json.loads(s) for lid, s in self.con.execute("SELECT layout_id, slots FROM layouts")}
             rank_of = {p: (r if r is not None else 0) for p, r in self.con.execute("SELECT proc, rank FROM processes")}
-            self._view = pl.StepView(self.con, self.step, [self.proc], layouts, self.modules, rank_of)
+            self._view = sv.StepView(self.con, self.step, [self.proc], layouts, self.modules, rank_of)
             self._fps = {}
             for first, data, indices in self.con.execute(
                     "SELECT first, data, indices FROM fingerprints WHERE proc=? AND step=?", (self.proc, self.step)):
@@ -136,7 +136,7 @@ class _Resolver:
     def by_values(self, fp_index, shape, before=None) -> dict | None:
         """The latest recorded output of this step (ending by ``before``, ns from the step's
         start, if given) whose fingerprint equals fingerprint ``fp_index``."""
-        from tensor_trace.exporters import placement as pl
+        from tensor_trace.exporters.analysis import step_view as sv, tolerance as tol
 
         view = self.view()
         fp = self._fps.get(fp_index)
@@ -147,8 +147,8 @@ class _Resolver:
             t = obs.get(self.proc)
             if t is None or t.fp is None or not key[2].startswith("output"):
                 continue
-            probe = pl.T(shape, t.dtype, fp)
-            if t.numel == probe.numel and pl.fp_equal(t, probe):
+            probe = tol.Observed(shape, t.dtype, fp)
+            if t.numel == probe.numel and tol.fp_equal(t, probe):
                 order = view.times.get(key, (0, 0, 0))
                 if before is not None and order[0] > before:
                     continue
@@ -466,7 +466,7 @@ def points_with_lineage(con) -> list[str]:
 def _consumers_of_laid_out(con) -> list[str]:
     """Module inputs whose values are those of a module output laid out inside its module (a
     target returning its captures concatenated): their lineage goes through it."""
-    from tensor_trace.exporters import placement as pl
+    from tensor_trace.exporters.analysis import step_view as sv, tolerance as tol
 
     row = con.execute("SELECT proc, step FROM slot_sources ORDER BY proc, step LIMIT 1").fetchone()
     if row is None:
@@ -485,7 +485,7 @@ def _consumers_of_laid_out(con) -> list[str]:
         t = obs.get(res.proc)
         if t is None or t.fp is None or not key[2].startswith("input"):
             continue
-        if any(t.numel == u.numel and pl.fp_equal(t, u) for u in targets):
+        if any(t.numel == u.numel and tol.fp_equal(t, u) for u in targets):
             hit = res.points.get(key)
             if hit is not None:
                 out.append(hit["point"])
