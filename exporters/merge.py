@@ -55,7 +55,7 @@ CREATE TABLE collective_summary(module_id INTEGER, op TEXT, reduce_op TEXT, grou
 CREATE TABLE collectives(proc INTEGER, step INTEGER, idx INTEGER, parent INTEGER, op TEXT,
     reduce_op TEXT, group_id INTEGER, seq INTEGER, t0 INTEGER, dur INTEGER, layout_id INTEGER,
     fp_pre INTEGER, fp_post INTEGER, n_pre INTEGER, flags INTEGER, bytes INTEGER, module_id INTEGER,
-    device_ns INTEGER, PRIMARY KEY(proc, step, idx)) WITHOUT ROWID;
+    device_ns INTEGER, attrs TEXT, PRIMARY KEY(proc, step, idx)) WITHOUT ROWID;
 CREATE TABLE fingerprints(proc INTEGER, step INTEGER, first INTEGER, data BLOB, indices BLOB);
 CREATE TABLE params(proc INTEGER, module_id INTEGER, name TEXT, shape TEXT, dtype TEXT, fp_index INTEGER);
 CREATE TABLE captures(point TEXT PRIMARY KEY, info TEXT);
@@ -86,12 +86,17 @@ CREATE VIEW span_view AS
 CREATE VIEW collective_view AS
     SELECT c.proc, p.rank, c.step, c.idx, m.path AS module, c.op, c.reduce_op, g.name AS grp,
            g.ranks AS group_ranks, c.seq, st.t_begin + c.t0 + COALESCE(p.clock_offset_ns, 0) AS start_ns,
-           c.dur AS dur_ns, c.device_ns, c.bytes, l.slots AS tensors, c.flags
+           c.dur AS dur_ns, c.device_ns, c.bytes, l.slots AS tensors, c.flags, c.attrs
     FROM collectives c JOIN processes p USING(proc) JOIN groups g USING(group_id)
     JOIN steps st ON st.proc = c.proc AND st.step = c.step
     LEFT JOIN modules m ON m.module_id = c.module_id
     LEFT JOIN layouts l ON l.layout_id = c.layout_id;
 """
+
+
+def _attrs_json(attrs):
+    """A collective's attributes (a dict in the rank file) as the store's JSON text."""
+    return json.dumps(attrs, sort_keys=True) if isinstance(attrs, dict) and attrs else None
 
 
 def store_path(trace_dir: str) -> str:
@@ -175,7 +180,7 @@ class _FileLoader:
             con.executemany("INSERT INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", self.spans)
             self.spans.clear()
         if self.colls:
-            con.executemany("INSERT OR IGNORE INTO collectives VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            con.executemany("INSERT OR IGNORE INTO collectives VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                             self.colls)
             self.colls.clear()
         if self.fps:
@@ -229,7 +234,7 @@ class _FileLoader:
             con.execute(
                 f"INSERT OR IGNORE INTO collectives SELECT proc, ?, idx + ?, "
                 f"CASE WHEN parent >= 0 THEN parent + ? ELSE -1 END, op, reduce_op, group_id, "
-                f"seq, t0, dur, layout_id, {fp}, n_pre, (flags & ?) | ?, bytes, module_id, NULL "
+                f"seq, t0, dur, layout_id, {fp}, n_pre, (flags & ?) | ?, bytes, module_id, NULL, attrs "
                 f"FROM collectives WHERE proc = ? AND step = ?",
                 (step, cb, sb, fb, fb, fb, fb, keep_flags, schema.FLAG_REPLAYED, proc, cap))
         # Replayed collectives count in the per-module summary (their host time is not measured).
@@ -296,7 +301,8 @@ class _FileLoader:
                     step_colls.append([proc, rec[1], rec[2], rec[3], strings.get(rec[4]),
                                        strings.get(rec[5]) if rec[5] >= 0 else None,
                                        self.groups.get(rec[6]), rec[7], rec[8], rec[9], layouts.get(rec[10]),
-                                       rec[11], rec[12], rec[13], rec[14], rec[15], None, None])
+                                       rec[11], rec[12], rec[13], rec[14], rec[15], None, None,
+                                       _attrs_json(rec[16]) if len(rec) > 16 else None])
                     n += 1
                 elif kind == schema.COLL_DEVICE:
                     # Written once the CUDA events completed: after the collective, often after

@@ -172,6 +172,7 @@ class Collective:
     bytes: int
     fp_refs: list
     device_ns: int | None = None  # device time from CUDA events (COLL_DEVICE), when recorded
+    attrs: dict | None = None  # what the issuing Python layer knew (gather_dim, ...), when it said
 
 
 @dataclasses.dataclass
@@ -254,10 +255,12 @@ def load_rank_file(path: str) -> RankTrace:
                  flags, nbytes) = rec[:16]
                 tensors = tensors_of(lay)
                 st = steps.setdefault(step, Step(step))
+                attrs = rec[16] if len(rec) > 16 and isinstance(rec[16], dict) else None
                 st.collectives.append(Collective(step, index, parent, strings.get(op, "?"),
                                                  strings.get(redop) if redop >= 0 else None, gid, seq,
                                                  t0, dur, tensors, flags, nbytes,
-                                                 _fp_refs(len(tensors), n_pre, fp_pre, fp_post)))
+                                                 _fp_refs(len(tensors), n_pre, fp_pre, fp_post),
+                                                 attrs=attrs))
             elif kind == schema.STRING:
                 strings[rec[1]] = rec[2]
             elif kind == schema.META:
@@ -304,6 +307,8 @@ def load_rank_file(path: str) -> RankTrace:
             t.fp = static.get(ref)
         params[path_] = [t for t, _ in plist]
     for st in steps.values():
+        # In issue order: a functional collective's record is written once it was waited.
+        st.collectives.sort(key=lambda c: c.index)
         if device_ns:
             for c in st.collectives:
                 c.device_ns = device_ns.get((c.step, c.index))

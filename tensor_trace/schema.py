@@ -42,7 +42,12 @@ STEP_END = 8  # step, mono_ns, n_spans, n_collectives
 SPAN = 9  # step, index, parent index (-1 = none), path id, call, t0, dur, layout id,
 #            fp_pre, fp_post, n_pre, flags
 COLLECTIVE = 10  # step, index, parent span index, op id, reduce-op id (-1 none), group id, seq,
-#                  t0, dur, layout id, fp_pre, fp_post, n_pre, flags, bytes
+#                  t0, dur, layout id, fp_pre, fp_post, n_pre, flags, bytes[, attrs]
+# attrs (optional, a dict, only when non-empty): what the Python layer that issued the op knew
+# and the op does not (tracer/functional.py): "gather_dim" / "scatter_dim" (int, or a list per
+# input for the coalesced functions), "gather_dim" and "shard_dim" of DTensor's
+# shard_dim_alltoall, "redistribute" ({"from": [...], "to": [...], "async_op": bool}: a DTensor
+# redistribution's placements as str() gives them, e.g. "P(sum)", "S(1)", "R").
 # Fingerprint indices: the first n_pre tensors of the layout (seen when the call began) have
 # fingerprints fp_pre, fp_pre+1, ...; the others (seen when it ended) fp_post, fp_post+1, ...
 # -1 means no fingerprints.

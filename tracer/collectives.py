@@ -2,16 +2,19 @@
 
 Covered: ``torch.distributed`` all_reduce, reduce_scatter(_tensor), _reduce_scatter_base,
 all_gather(_into_tensor, _object), _all_gather_base, all_to_all(_single), broadcast, reduce,
-gather, scatter, barrier, send/recv, isend/irecv; and the functional collectives, intercepted at
-the ``torch.ops._c10d_functional`` namespace (which ``torch.distributed._functional_collectives``
-looks up at every call), with the span of an async result ending at its ``wait_tensor``.
+gather, scatter, barrier, send/recv, isend/irecv; and the functional collectives (funcol,
+DTensor redistribution), intercepted at the ``torch.ops._c10d_functional`` namespace (which
+``torch.distributed._functional_collectives`` looks up at every call), with the span of an
+async result ending at its ``wait_tensor`` (tracer/functional.py).
 
 Names bound at import time. Code such as ``from torch.distributed import all_reduce`` (SGLang
 binds ``reduce_scatter_tensor`` this way) keeps the function object it got. Two things reach such
 names: (1) the bootstrap patches right after ``import torch`` finishes, before user modules run
 their imports, so they bind the wrapper; (2) ``install`` also walks ``sys.modules`` and rebinds
 every module-level attribute that *is* an original function to its wrapper, for code imported
-before tracing started. ``uninstall`` reverses both.
+before tracing started. ``uninstall`` reverses both. The same holds for the Python functions
+of funcol and DTensor that tracer/functional.py wraps; those modules are usually imported after
+tracing started, and are wrapped when they are (``on_import``, through the bootstrap's watcher).
 
 No double counting: a collective called while another is being recorded (``all_gather_object``
 calls ``all_gather``; a functional wrapper calls its op) is passed straight through.
@@ -25,13 +28,16 @@ from __future__ import annotations
 import functools
 import sys
 import time
+import types
 
 import torch
 
 from tensor_trace import schema
-from tensor_trace.tracer.patching import is_wrapped
+from tensor_trace.tracer import functional
+from tensor_trace.tracer.patching import ORIGINAL, is_wrapped
 
 _ACTIVE = None  # the Tracer whose wrappers are installed
+_FUNCTION = types.FunctionType
 _now = time.monotonic_ns
 
 
@@ -85,22 +91,6 @@ _C10D_SPECS = {
 _ALWAYS_ASYNC = {"isend", "irecv"}
 _REDUCING = {name for name, spec in _C10D_SPECS.items() if spec[3]}
 
-# functional op -> (parameter names, input argument, output is the result (True) or an argument)
-_FUNCTIONAL_SPECS = {
-    "all_reduce": (("input", "reduce_op", "group_name"), "input", True),
-    "all_reduce_": (("input", "reduce_op", "group_name"), "input", "input"),
-    "all_reduce_coalesced": (("inputs", "reduce_op", "group_name"), "inputs", True),
-    "all_gather_into_tensor": (("input", "group_size", "group_name"), "input", True),
-    "all_gather_into_tensor_out": (("input", "group_size", "group_name"), "input", "out"),
-    "all_gather_into_tensor_coalesced": (("inputs", "group_size", "group_name"), "inputs", True),
-    "reduce_scatter_tensor": (("input", "reduce_op", "group_size", "group_name"), "input", True),
-    "reduce_scatter_tensor_coalesced": (("inputs", "reduce_op", "group_size", "group_name"), "inputs", True),
-    "all_to_all_single": (("input", "output_split_sizes", "input_split_sizes", "group_name"), "input", True),
-    "broadcast": (("input", "src", "group_name"), "input", True),
-    "broadcast_": (("input", "src", "group_name"), "input", "input"),
-}
-
-
 def _reduce_op_name(op) -> str:
     if op is None:
         return "sum"
@@ -112,20 +102,7 @@ def _reduce_op_name(op) -> str:
     return str(name).lower()
 
 
-class _OpPacketWrapper:
-    """Stands in for a ``torch.ops`` packet: calls go through ``call``; attributes such as
-    ``.default`` (used by the dispatcher and AsyncCollectiveTensor) reach the real packet."""
-
-    def __init__(self, packet, call):
-        self._packet = packet
-        self._call = call
-        self.__tensor_trace_original__ = packet
-
-    def __call__(self, *args, **kwargs):
-        return self._call(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._packet, name)
+_OpPacketWrapper = functional.OpPacketWrapper  # (its old name)
 
 
 class TracedWork:
@@ -162,13 +139,12 @@ class CollectiveInterceptor:
         self.tracer = tracer
         self.originals: dict[str, object] = {}
         self.wrappers: dict[str, object] = {}
-        self.functional_originals: dict[str, object] = {}
         self.rebound: list = []  # (module dict, name, original)
         self.groups: dict[str, tuple] = {}  # c10d group name -> (gid, None, name, ranks, ...)
         self.seq: dict[int, int] = {}
-        self.awaiting: dict[int, tuple] = {}  # id(functional result) -> token
         self.open_async: dict[int, tuple] = {}  # token id -> token (for unwaited at step end)
         self.device_times = tracer.device_times
+        self.functional = functional.FunctionalCollectives(self)
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
@@ -192,8 +168,19 @@ class CollectiveInterceptor:
             if orig is not None and not is_wrapped(orig):
                 self.originals[name] = orig
                 self.wrappers[name] = self._identity_wrapper(orig)
-        by_original = {id(o): (n, o) for n, o in self.originals.items()}
-        for mod_name, mod in list(sys.modules.items()):
+        fc = self.functional
+        fc.install_ops()
+        for mod_name, mod in functional.loaded_modules():
+            for name, orig, wrapper in fc.python_functions(mod_name, mod):
+                self.originals[f"{mod_name}.{name}"] = orig
+                self.wrappers[f"{mod_name}.{name}"] = wrapper
+        self._rebind(list(sys.modules.items()), self.originals)
+
+    def _rebind(self, modules, originals) -> None:
+        """Point every module-level name bound to one of ``originals`` (or to a stopped
+        tracer's wrapper of one) at its wrapper."""
+        by_original = {id(o): (n, o) for n, o in originals.items()}
+        for mod_name, mod in modules:
             d = getattr(mod, "__dict__", None)
             if not isinstance(d, dict) or mod_name.startswith("tensor_trace"):
                 continue
@@ -203,42 +190,37 @@ class CollectiveInterceptor:
                 continue
             for attr, value in items:
                 hit = by_original.get(id(value))
+                if hit is None and type(value) is _FUNCTION and ORIGINAL in value.__dict__:
+                    inner = functional.original_of(value)
+                    hit = by_original.get(id(inner))
+                    if hit is not None and hit[1] is inner and value is not self.wrappers[hit[0]]:
+                        value = inner
+                    else:
+                        hit = None
                 if hit is not None and hit[1] is value:
                     d[attr] = self.wrappers[hit[0]]
                     self.rebound.append((d, attr, value))
-        self._install_functional()
 
-    def _install_functional(self) -> None:
-        try:
-            ns = torch.ops._c10d_functional
-        except Exception:
-            return
-        for name, spec in _FUNCTIONAL_SPECS.items():
-            try:
-                orig = getattr(ns, name)
-            except Exception:
+    def on_import(self, mod_name: str, module) -> None:
+        """A module with functions to wrap was imported after ``install``: wrap them in it
+        (right after it ran, before other modules import names from it)."""
+        found = {}
+        for name, orig, wrapper in self.functional.python_functions(mod_name, module):
+            key = f"{mod_name}.{name}"
+            if key in self.originals:
                 continue
-            self.functional_originals[name] = orig
-            setattr(ns, name, self._functional_wrapper(name, orig, spec))
-        try:
-            wait = ns.wait_tensor
-        except Exception:
-            return
-        self.functional_originals["wait_tensor"] = wait
-        setattr(ns, "wait_tensor", self._wait_wrapper(wait))
+            self.originals[key] = orig
+            self.wrappers[key] = wrapper
+            found[key] = orig
+        if found:
+            self._rebind([(mod_name, module)], found)
 
     def uninstall(self) -> None:
         global _ACTIVE
         for d, attr, value in self.rebound:
             d[attr] = value
         self.rebound = []
-        try:
-            ns = torch.ops._c10d_functional
-            for name, orig in self.functional_originals.items():
-                setattr(ns, name, orig)
-        except Exception:
-            pass
-        self.functional_originals = {}
+        self.functional.uninstall()
         if _ACTIVE is self.tracer:
             _ACTIVE = None
 
@@ -296,51 +278,6 @@ class CollectiveInterceptor:
 
         wrapper.__tensor_trace_original__ = orig
         return wrapper
-
-    def _functional_wrapper(self, name, orig, spec):
-        names, in_arg, out_spec = spec
-        tracer = self.tracer
-        interceptor = self
-
-        def wrapper(*args, **kwargs):
-            if not tracer.enabled or tracer.in_collective or tracer.busy:
-                return orig(*args, **kwargs)
-            token = None
-            try:
-                bound = _bind(names, args, kwargs)
-                group = interceptor._group_seq(bound.get("group_name"))
-                if tracer.tracing_step:
-                    token = interceptor.begin(name, bound.get("reduce_op"), group,
-                                              _tensors(bound.get(in_arg)), True)
-            except Exception as exc:
-                tracer._on_error(f"collective {name}", exc)
-                token = None
-            result = interceptor.call(token, orig, args, kwargs)
-            if token is not None:
-                try:
-                    outs = result if out_spec is True else bound.get(out_spec)
-                    token.append(outs)
-                    for t in _tensors(outs):
-                        interceptor.awaiting[id(t)] = token
-                except Exception as exc:
-                    tracer._on_error(f"collective {name}", exc)
-            return result
-
-        return _OpPacketWrapper(orig, wrapper)
-
-    def _wait_wrapper(self, orig):
-        interceptor = self
-        tracer = self.tracer
-
-        def wrapper(tensor, *args, **kwargs):
-            result = orig(tensor, *args, **kwargs)
-            if interceptor.awaiting:
-                token = interceptor.awaiting.pop(id(tensor), None)
-                if token is not None and not tracer.busy:
-                    interceptor.finish(token)
-            return result
-
-        return _OpPacketWrapper(orig, wrapper)
 
     # ------------------------------------------------------------------ groups
     def _group_seq(self, group) -> tuple:
@@ -414,6 +351,8 @@ class CollectiveInterceptor:
         """Open a collective's span (a token list; the caller appends the outputs to it).
         ``outputs``, when known before the call, only helps find the device to time on."""
         tracer = self.tracer
+        if self.functional.ready:
+            self.functional.drain()
         t0 = _now()
         index = tracer.coll_count
         tracer.coll_count = index + 1
@@ -441,16 +380,22 @@ class CollectiveInterceptor:
         return token
 
     def finish(self, token, error: bool = False, unwaited: bool = False) -> None:
+        """Write a collective's record. A functional collective's token (tracer/functional.py)
+        carries its attributes, and once waited the time of the wait and its output
+        fingerprints, taken then."""
         tracer = self.tracer
         if tracer.writer is None:
             return
         if token[_T_ASYNC] and self.open_async.pop(id(token), None) is None:
             return  # already closed (e.g. as unwaited at the end of its step)
+        was = tracer.busy  # (at the end of a step: the tracer's own work goes on after this)
         tracer.busy = True
         try:
             op, reduce_op, gid, seq, t0, index, parent, inputs, fp_pre, is_async, step, started = token[:12]
             outputs = _tensors(token[12]) if len(token) > 12 else []
-            t1 = _now()
+            attrs = token[functional.T_ATTRS] if len(token) > functional.T_ATTRS else None
+            waited = token[functional.T_WAITED] if len(token) > functional.T_WAITED else None
+            t1 = _now() if waited is None else waited
             if started is not None:
                 if error or unwaited or step != tracer.step:
                     self.device_times.discard(started)
@@ -459,7 +404,9 @@ class CollectiveInterceptor:
             writer = tracer.writer
             fps = tracer.fps
             fp_post = -1
-            if outputs and tracer.fp_now and step == tracer.step and not unwaited:
+            if waited is not None:
+                fp_post = token[functional.T_FP_OUT]
+            elif outputs and tracer.fp_now and step == tracer.step and not unwaited and len(token) <= 13:
                 fps.forget(outputs)
                 fp_post = fps.add(outputs)
             slots = [(f"input.{i}", t) for i, t in enumerate(inputs)]
@@ -471,20 +418,30 @@ class CollectiveInterceptor:
                      | (schema.FLAG_UNWAITED if unwaited else 0))
             redop = (writer.string(_reduce_op_name(reduce_op))
                      if reduce_op is not None or op in _REDUCING else -1)
-            writer.add((schema.COLLECTIVE, step, index, parent, writer.string(op), redop, gid, seq,
-                        t0 - tracer.step_t0_raw, t1 - t0, layout, fp_pre, fp_post, len(inputs), flags,
-                        nbytes))
+            record = (schema.COLLECTIVE, step, index, parent, writer.string(op), redop, gid, seq,
+                      t0 - tracer.step_t0_raw, t1 - t0, layout, fp_pre, fp_post, len(inputs), flags,
+                      nbytes)
+            writer.add(record + (attrs,) if attrs else record)
         except Exception as exc:
             tracer._on_error(f"collective {token[0]}", exc)
         finally:
-            tracer.busy = False
+            tracer.busy = was
 
     def end_step(self) -> None:
-        """Close async collectives of this step that were never waited on."""
+        """Write the records of this step's waited functional collectives, and close the async
+        collectives that were never waited on."""
+        self.functional.end_step()
         for token in list(self.open_async.values()):
             self.finish(token, unwaited=True)
         self.open_async.clear()
-        self.awaiting.clear()
 
 
 _T_ASYNC = 9
+
+
+def on_import(mod_name: str, module) -> None:
+    """A module named by tracer/functional.py was imported: wrap its functions for the active
+    tracer (one started later wraps them when it installs)."""
+    tracer = _ACTIVE
+    if tracer is not None and getattr(tracer, "collectives", None) is not None:
+        tracer.collectives.on_import(mod_name, module)

@@ -16,13 +16,23 @@ WATCHED = (
     "sglang.srt.layers.aux_hidden_states",
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner",
     "sglang.srt.model_executor.runner.prefill_cuda_graph_runner",
+    # Python functions that know what the functional collective ops they call do not
+    # (tracer/functional.py): wrapped before DTensor's modules import them.
+    "torch.distributed._functional_collectives",
+    "torch.distributed.tensor._redistribute",
 )
 
 _applied: set = set()
 
 
 def on_import(name: str, module) -> None:
-    """Patch the integration of ``name`` (once per process)."""
+    """Patch the integration of ``name`` (once per process; torch's modules once per tracer,
+    which keeps track itself)."""
+    if name.startswith("torch."):
+        from tensor_trace.tracer import collectives
+
+        collectives.on_import(name, module)
+        return
     if name in _applied:
         return
     _applied.add(name)
