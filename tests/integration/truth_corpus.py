@@ -101,11 +101,14 @@ def from_torch_style(style) -> Style:
     raise ValueError(f"no truth for ParallelStyle {type(style).__name__}: add its semantics")
 
 
-# transformers' style names (integrations/tensor_parallel.py, ParallelInterface): "colwise" is
-# ColwiseParallel() (output Shard(-1), local), "colwise_rep" gathers it (output Replicate()),
-# "rowwise" is RowwiseParallel() (output Replicate(): all_reduce in its forward hook).
+# transformers' style names (ParallelInterface in integrations/tensor_parallel.py for 4.x,
+# distributed/tensor_parallel.py for 5.x): "colwise" is ColwiseParallel (output Shard(-1), kept
+# local); "colwise_rep" / "colwise_gather_output" gather it (output Replicate()); "rowwise" is
+# RowwiseParallel (output Replicate(): the partial sums are all-reduced inside the module call);
+# "embedding_rowwise" is a vocab-parallel embedding reduced the same way.
 HF_STYLES = {"colwise": Style("colwise", shard(-1)), "colwise_rep": Style("colwise", REP),
-             "rowwise": Style("rowwise", REP)}
+             "colwise_gather_output": Style("colwise", REP), "rowwise": Style("rowwise", REP),
+             "embedding_rowwise": Style("rowwise", REP)}
 
 
 def hf_plan_styles(plan: dict, module_paths) -> dict:
@@ -268,10 +271,12 @@ def titan_truth(plan: str, tp: int, *, plan_styles, sizes: dict) -> Walk:
     return w
 
 
-def hf_llama_truth(plan: dict, tp: int, *, sizes: dict, batch: int, seq: int) -> Walk:
+def hf_llama_truth(plan: dict, tp: int, *, sizes: dict, batch: int, seq: int, version: str) -> Walk:
     """Truth for tests/integration/scripts/tp_hf_llama.py: transformers' LlamaForCausalLM loaded
     with ``tp_plan="auto"``, whose applied plan (``model.tp_plan``) is ``plan``. The walk follows
-    LlamaForCausalLM / LlamaModel / LlamaDecoderLayer.forward (transformers 4.57)."""
+    LlamaForCausalLM / LlamaModel / LlamaDecoderLayer.forward of transformers ``version`` (the
+    4.x and 5.x sources differ in which keyword arguments they pass)."""
+    major = int(version.split(".")[0])
     layers = sizes["num_hidden_layers"]
     paths = ["model.embed_tokens", "lm_head"]
     for i in range(layers):
@@ -285,15 +290,20 @@ def hf_llama_truth(plan: dict, tp: int, *, sizes: dict, batch: int, seq: int) ->
     w.put("model:input.input_ids", ids)
     h = w.embedding("model.embed_tokens", ids, d)
     position_ids = T(REP, NO, (1, seq), "int64")
-    cache_position = T(REP, NO, (seq,), "int64")
-    w.enter("model.rotary_emb", [h, position_ids])
+    if major >= 5:
+        w.enter("model.rotary_emb", [h])
+        w.put("model.rotary_emb:input.position_ids", position_ids)
+    else:
+        w.enter("model.rotary_emb", [h, position_ids])
     cos = w.put("model.rotary_emb:output.0", T(REP, NO, (1, seq, hd)))
     sin = w.put("model.rotary_emb:output.1", T(REP, NO, (1, seq, hd)))
     # The causal mask: built the same on every rank; whether it is materialised (or left to the
     # attention kernel's is_causal) is transformers' choice, not the plan's.
     mask = T(REP, NO, (batch, 1, seq, seq), "bool", optional=True)
-    extras = {"attention_mask": mask, "position_ids": position_ids, "cache_position": cache_position,
+    extras = {"attention_mask": mask, "position_ids": position_ids,
               "position_embeddings.0": cos, "position_embeddings.1": sin}
+    if major < 5:
+        extras["cache_position"] = T(REP, NO, (seq,), "int64")
     for i in range(layers):
         p = f"model.layers.{i}"
         (x,) = w.enter(p, [h])

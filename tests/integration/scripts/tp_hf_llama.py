@@ -62,7 +62,13 @@ def main():
     import transformers
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(a.ckpt, tp_plan="auto", dtype=torch.float32).eval()
+    try:  # transformers 5: the plan goes in a DistributedConfig (tp_plan= is deprecated there)
+        from transformers import DistributedConfig
+
+        parallel = {"distributed_config": DistributedConfig(tp_plan="auto")}
+    except ImportError:
+        parallel = {"tp_plan": "auto"}
+    model = AutoModelForCausalLM.from_pretrained(a.ckpt, dtype=torch.float32, **parallel).eval()
     if a.plan_out and rank == 0:
         # The plan the model was parallelised with (the instance's, which is what
         # from_pretrained applies; it can differ from the class attribute).
