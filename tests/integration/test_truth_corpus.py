@@ -145,7 +145,7 @@ def _table(rows, title) -> str:
     if not rows:
         return ""
     heads = ("point", "differs", "expected (from the plan)", "got", "evidence")
-    widths = [min(48, max(len(str(r[i])) for r in rows + [heads])) for i in range(4)]
+    widths = [min(64 if i == 0 else 48, max(len(str(r[i])) for r in rows + [heads])) for i in range(4)]
     out = [title, "  ".join(h.ljust(w) for h, w in zip(heads, widths + [0])).rstrip()]
     for r in rows:
         out.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths + [0])).rstrip())

@@ -19,8 +19,10 @@ so no partial sum crosses a module boundary.
 
 A walk per program (``titan_truth``, ``hf_llama_truth``) follows the model's forward as its source
 is written and threads a ``T`` through each module, applying the module's style. Where a point's
-existence depends on library internals that a plan does not fix (HF's attention mask), the point
-is ``optional``: compared only when the untraced run saw it.
+existence depends on library internals that a plan does not fix (HF's attention mask: 4.57
+passes a bool mask, 5.18 None), the point is ``optional``: compared only when the untraced run
+saw it. No point is left out: test_truth_corpus.py fails on a point the untraced run has and the
+truth does not state.
 """
 
 from __future__ import annotations
