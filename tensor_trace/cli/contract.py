@@ -21,7 +21,7 @@ def contract():
 @_trace
 def save(point, out, trace_dir):
     """Write POINT's lineage (sources in order, modules, shapes per rank, dtypes, placements)."""
-    from tensor_trace.exporters import lineage as lin
+    from tensor_trace.exporters.analysis import lineage as lin
 
     res = lin.lineage(_store(trace_dir), point)
     c = lin.make_contract(res)
@@ -37,7 +37,7 @@ def save(point, out, trace_dir):
 @_json
 def check(contract_file, trace_dir, as_json):
     """Compare a trace with a contract; exit 1 with the list of mismatches."""
-    from tensor_trace.exporters import lineage as lin
+    from tensor_trace.exporters.analysis import lineage as lin
 
     c = lin.load_contract(contract_file)
     res = lin.lineage(_store(trace_dir), c["point"])

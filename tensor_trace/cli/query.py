@@ -116,7 +116,7 @@ def shapes(point, trace_dir, as_json):
 @_json
 def lineage(point, trace_dir, as_json):
     """What POINT's tensor was built from: the ordered sources and the op that combined them."""
-    from tensor_trace.exporters import lineage as lin
+    from tensor_trace.exporters.analysis import lineage as lin
 
     res = lin.lineage(_store(trace_dir), point)
     if as_json:
