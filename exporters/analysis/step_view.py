@@ -118,6 +118,10 @@ class StepView:
         self.coll_list = sorted((c for c in self.colls.values() if c.t_end is not None),
                                 key=lambda c: c.t_end)
         self.coll_ends = [c.t_end for c in self.coll_list]
+        # by issue: an async collective's output (waited later) is already the values a
+        # point can carry once the call that issued it has returned
+        self.coll_issued = sorted(self.coll_list, key=lambda c: c.t0)
+        self.coll_starts = [c.t0 for c in self.coll_issued]
         # Tensors of the first rank by element count, sorted by their sum: finding "a tensor
         # whose fingerprint is this sum" is a bisection, not a scan of the step.
         by_numel: dict = collections.defaultdict(list)
@@ -158,9 +162,10 @@ class StepView:
         return out
 
     def before(self, t_point, ops=None, limit=WINDOW):
-        """Up to ``limit`` collectives (of ``ops``, if given) ending by ``t_point``, nearest first."""
+        """Up to ``limit`` collectives (of ``ops``, if given) issued by ``t_point``, the latest
+        issued first."""
         out = []
-        for c in reversed(self.coll_list[:bisect.bisect_right(self.coll_ends, t_point)]):
+        for c in reversed(self.coll_issued[:bisect.bisect_right(self.coll_starts, t_point)]):
             if ops is None or c.op in ops:
                 out.append(c)
                 if len(out) >= limit:
