@@ -145,16 +145,17 @@ def _gathering(c, procs) -> bool:
     return all(a[1] < b[0] for a, b in zip(spans, spans[1:]))
 
 
-def reduction_output(j, pt):
-    """The values of the latest collective output they carry (up to a view, clone, cast or
-    scale): a sum-reduction's output is post-reduction, a gather's output is not."""
+def reduction_output(j, pt, exact=True):
+    """The values of the latest collective output they carry (up to a view, clone, cast or,
+    when ``exact`` is off, a common scale): a sum-reduction's output is post-reduction, a
+    gather's output is not."""
     for c in j.v.before(pt.t_point + 1, (REDUCING - REDUCE_SCATTER) | GATHER):  # the latest first
         if c.op in REDUCING and not c.sums:
             continue
         if c.op in GATHER and any(len(c.outs.get(p) or ()) != 1 for p in pt.procs):
             continue  # a list of gathered slices is not the gathered tensor
         scale = next((s for s in (linked(outs, pt.obs) for outs in _sides(c, pt, "out"))
-                      if _scale_ok(j, pt.tref, s)), None)
+                      if _scale_ok(j, pt.tref, s) and (s == 1.0 or not exact)), None)
         if scale is None or (c.op in GATHER and scale != 1.0):
             continue
         times = f" (times {scale:.4g})" if scale != 1.0 else ""
@@ -172,8 +173,9 @@ def reduction_output(j, pt):
     return None
 
 
-def reduction_input(j, pt):
-    """The input of a later sum-reduction: a partial sum it completes."""
+def reduction_input(j, pt, exact=True):
+    """The input of a later sum-reduction: a partial sum it completes (the very input, or,
+    when ``exact`` is off, a scaled copy)."""
     for c in j.v.after(pt.t_point, REDUCING):
         if not c.sums:
             continue
@@ -181,7 +183,7 @@ def reduction_input(j, pt):
         scale = None
         for cand in _sides(c, pt, "in"):
             s = linked(pt.obs, cand)
-            if _scale_ok(j, pt.tref, s):
+            if _scale_ok(j, pt.tref, s) and (s == 1.0 or not exact):
                 ins, scale = cand, s
                 break
         if ins is None and c.op in REDUCE_SCATTER and _is_concat_of_inputs(c, pt):
@@ -230,9 +232,19 @@ def _reduced_before(j, c, ins) -> bool:
     """The inputs of collective ``c`` are the output of an earlier sum-reduction."""
     for prev in j.v.before(c.t0, REDUCING - REDUCE_SCATTER):
         outs = {p: prev.outs[p][0] for p in ins if prev.outs.get(p)}
-        if prev.sums and prev is not c and linked(outs, ins) is not None:
+        if prev.sums and prev is not c and linked(outs, ins) == 1.0:
             return True
     return False
+
+
+def scaled_reduction_output(j, pt):
+    """Identity links are tried first everywhere: with equal values on every rank, x and the
+    all_reduce of x (N times x) are also "a scaled copy" of each other."""
+    return reduction_output(j, pt, exact=False)
+
+
+def scaled_reduction_input(j, pt):
+    return reduction_input(j, pt, exact=False)
 
 
 def _gather_dim(j, pt, c):
@@ -523,5 +535,5 @@ def _values(j, pt):
 
 
 RULES = (group_ranks, shapes, fingerprints, _values, reduction_output, scatter_output, reduction_input,
-         gather_input, equal_values, sums_add_up, declared_dtensor, concatenation, lineage_ops, sharded_weight,
+         gather_input, scaled_reduction_output, scaled_reduction_input, equal_values, sums_add_up, declared_dtensor, concatenation, lineage_ops, sharded_weight,
          same_values_as_producer, derived_from_shard, divergent)
