@@ -8,8 +8,10 @@ import bisect
 
 from tensor_trace.exporters.analysis import rules
 from tensor_trace.exporters.analysis.evidence import Verdict, item
-from tensor_trace.exporters.analysis.step_view import point_name
-from tensor_trace.exporters.analysis.tolerance import Observed, fp_equal, sum_tol
+from tensor_trace.exporters.analysis.step_view import GATHER, REDUCING, point_name
+from tensor_trace.exporters.analysis.tolerance import Observed, fp_equal, linked, sum_tol
+
+_LINKED_OPS = REDUCING | GATHER
 
 
 class Point:
@@ -17,7 +19,7 @@ class Point:
     observed about it so far (``items``)."""
 
     __slots__ = ("key", "module", "call", "slot", "obs", "procs", "ts", "tref", "t_point", "items",
-                 "equal", "is_output")
+                 "equal", "is_output", "_links")
 
     def __init__(self, key, obs, procs, t_point):
         self.key = key
@@ -28,6 +30,7 @@ class Point:
         self.items: list = []
         self.equal = None
         self.is_output = self.slot.startswith("output")
+        self._links = None
 
     @property
     def ndim(self) -> int:
@@ -45,6 +48,7 @@ class Judge:
         self.group_size = group_size or len(view.procs)
         self.layer_attrs = layer_attrs or {}
         self.done: dict = {}  # key -> Verdict
+        self.inputs_of: dict = {}  # (module, call) -> [keys of its input slots judged so far]
         self.by_fp0: dict = {}  # (fingerprint, numel) on the first proc -> key of its producer
 
     def name(self, key) -> str:
@@ -66,6 +70,8 @@ class Judge:
             pt = Point(key, obs, procs, v.times.get(key, (0, 0, 0))[0])
             verdict = self.judge(pt)
             self.done[key] = verdict
+            if not pt.is_output:
+                self.inputs_of.setdefault(key[:2], []).append(key)
             d = verdict.as_dict()
             d["shapes"] = {self.rank_of[p]: list(obs[p].shape) for p in procs}
             d["dtypes"] = {self.rank_of[p]: obs[p].dtype for p in procs}
@@ -86,8 +92,31 @@ class Judge:
     # ------------------------------------------------------------------ lookups for the rules
     def call_inputs(self, pt: Point) -> list:
         """Verdicts of the inputs of the same module call, in slot order."""
-        return [(k, vd) for k, vd in self.done.items()
-                if k[0] == pt.module and k[1] == pt.call and k[2].startswith("input")]
+        return [(k, self.done[k]) for k in self.inputs_of.get(pt.key[:2], ())]
+
+    def links(self, pt: Point) -> tuple:
+        """Where the point's values meet a collective, found once per point: ``(outputs,
+        inputs)``, each a list of ``(collective, position, scale)`` with ``scale`` the common
+        factor on every rank; outputs of collectives issued before the point (the latest
+        first), inputs of collectives ending after it (the nearest first)."""
+        if pt._links is None:
+            p0, ref, procs = pt.procs[0], pt.tref, pt.procs
+            outs, ins = [], []
+            for found, side, colls in ((outs, "outs", self.v.before(pt.t_point + 1, _LINKED_OPS)),
+                                       (ins, "ins", self.v.after(pt.t_point, _LINKED_OPS))):
+                for c in colls:
+                    per = getattr(c, side)
+                    for i, t in enumerate(per.get(p0) or ()):
+                        if t.numel != ref.numel or t.fp is None:
+                            continue  # the cheap test first: most collectives are other sizes
+                        cand = {p: per[p][i] for p in procs if len(per.get(p) or ()) > i}
+                        if len(cand) < len(procs):
+                            continue
+                        scale = linked(cand, pt.obs) if side == "outs" else linked(pt.obs, cand)
+                        if scale is not None:
+                            found.append((c, i, scale))
+            pt._links = (outs, ins)
+        return pt._links
 
     def concat_dim(self, pt: Point):
         """The dimension D such that a tensor of this step is the ranks' tensors put together

@@ -116,7 +116,7 @@ class _Resolver:
 
     def view(self):
         """This process's view of the step (placement.StepView) and its fingerprints by index."""
-        from tensor_trace.exporters.analysis import step_view as sv, tolerance as tol
+        from tensor_trace.exporters.analysis import step_view as sv
 
         if self._view is None:
             import struct
@@ -136,7 +136,7 @@ class _Resolver:
     def by_values(self, fp_index, shape, before=None) -> dict | None:
         """The latest recorded output of this step (ending by ``before``, ns from the step's
         start, if given) whose fingerprint equals fingerprint ``fp_index``."""
-        from tensor_trace.exporters.analysis import step_view as sv, tolerance as tol
+        from tensor_trace.exporters.analysis import tolerance as tol
 
         view = self.view()
         fp = self._fps.get(fp_index)
@@ -466,7 +466,7 @@ def points_with_lineage(con) -> list[str]:
 def _consumers_of_laid_out(con) -> list[str]:
     """Module inputs whose values are those of a module output laid out inside its module (a
     target returning its captures concatenated): their lineage goes through it."""
-    from tensor_trace.exporters.analysis import step_view as sv, tolerance as tol
+    from tensor_trace.exporters.analysis import tolerance as tol
 
     row = con.execute("SELECT proc, step FROM slot_sources ORDER BY proc, step LIMIT 1").fetchone()
     if row is None:

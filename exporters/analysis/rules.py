@@ -62,14 +62,6 @@ def _scale_ok(j, t, scale) -> bool:
     return any(abs(scale - k) <= 1e-3 * k for k in (n, 1.0 / n))
 
 
-def _sides(c, pt, side):
-    """Per tensor position of a collective's inputs (or outputs), ``{proc: Observed}`` over the
-    point's ranks, for positions every rank has (coalesced collectives carry several)."""
-    per = c.ins if side == "in" else c.outs
-    n = min((len(per.get(p) or ()) for p in pt.procs), default=0)
-    return [{p: per[p][i] for p in pt.procs} for i in range(n)]
-
-
 def _coll_item(c, text) -> dict:
     return item("collective", text, collective=dict(group=c.group_name, seq=c.seq, op=c.op))
 
@@ -149,15 +141,13 @@ def reduction_output(j, pt, exact=True):
     """The values of the latest collective output they carry (up to a view, clone, cast or,
     when ``exact`` is off, a common scale): a sum-reduction's output is post-reduction, a
     gather's output is not."""
-    for c in j.v.before(pt.t_point + 1, (REDUCING - REDUCE_SCATTER) | GATHER):  # the latest first
-        if c.op in REDUCING and not c.sums:
+    for c, _i, scale in j.links(pt)[0]:  # the latest first
+        if c.op in REDUCE_SCATTER or (c.op in REDUCING and not c.sums):
             continue
-        if c.op in GATHER and any(len(c.outs.get(p) or ()) != 1 for p in pt.procs):
+        if not _scale_ok(j, pt.tref, scale) or (exact and scale != 1.0):
+            continue
+        if c.op in GATHER and (scale != 1.0 or any(len(c.outs.get(p) or ()) != 1 for p in pt.procs)):
             continue  # a list of gathered slices is not the gathered tensor
-        scale = next((s for s in (linked(outs, pt.obs) for outs in _sides(c, pt, "out"))
-                      if _scale_ok(j, pt.tref, s) and (s == 1.0 or not exact)), None)
-        if scale is None or (c.op in GATHER and scale != 1.0):
-            continue
         times = f" (times {scale:.4g})" if scale != 1.0 else ""
         if c.op in GATHER:
             return _decide(pt, "replicate" if pt.equal else "divergent", "no-reduction", "gather-output",
@@ -173,23 +163,24 @@ def reduction_output(j, pt, exact=True):
     return None
 
 
+def _input_links(j, pt, exact):
+    """(collective, its inputs as {proc: Observed}, scale) of sum-reductions the point feeds,
+    the nearest first, including a list reduce_scatter whose chunks are views of the point."""
+    seen = set()
+    for c, i, scale in j.links(pt)[1]:
+        if c.sums and c.key not in seen and _scale_ok(j, pt.tref, scale) and (scale == 1.0 or not exact):
+            seen.add(c.key)
+            yield c, {p: c.ins[p][i] for p in pt.procs}, scale
+    if exact:
+        for c in j.v.after(pt.t_point, REDUCE_SCATTER):
+            if c.sums and c.key not in seen and _is_concat_of_inputs(c, pt):
+                yield c, {p: pt.obs[p] for p in pt.procs}, 1.0
+
+
 def reduction_input(j, pt, exact=True):
     """The input of a later sum-reduction: a partial sum it completes (the very input, or,
     when ``exact`` is off, a scaled copy)."""
-    for c in j.v.after(pt.t_point, REDUCING):
-        if not c.sums:
-            continue
-        ins = None
-        scale = None
-        for cand in _sides(c, pt, "in"):
-            s = linked(pt.obs, cand)
-            if _scale_ok(j, pt.tref, s) and (s == 1.0 or not exact):
-                ins, scale = cand, s
-                break
-        if ins is None and c.op in REDUCE_SCATTER and _is_concat_of_inputs(c, pt):
-            ins, scale = {p: pt.obs[p] for p in pt.procs}, 1.0
-        if ins is None:
-            continue
+    for c, ins, scale in _input_links(j, pt, exact):
         if pt.equal and (scale != 1.0 or _reduced_before(j, c, ins)):
             # Equal values summed again: a partial only if they are the very input, not a
             # scaled copy of whole values or the output of an earlier reduction (a double
@@ -272,9 +263,8 @@ def _gather_dim(j, pt, c):
 
 
 def gather_input(j, pt):
-    for c in j.v.after(pt.t_point, GATHER):
-        ins = {p: c.ins[p][0] for p in pt.procs if c.ins.get(p)}
-        if linked(pt.obs, ins) != 1.0:
+    for c, _i, scale in j.links(pt)[1]:
+        if c.op not in GATHER or scale != 1.0:
             continue
         if pt.equal:
             return None  # every rank sends the same values: nothing to tell from this gather
@@ -288,9 +278,8 @@ def gather_input(j, pt):
 def scatter_output(j, pt):
     if pt.equal:
         return None
-    for c in j.v.before(pt.t_point + 1, REDUCE_SCATTER):
-        outs = {p: c.outs[p][0] for p in pt.procs if c.outs.get(p)}
-        if linked(outs, pt.obs) is None:
+    for c, _i, _scale in j.links(pt)[0]:
+        if c.op not in REDUCE_SCATTER:
             continue
         dim, why = _gather_dim(j, pt, c)
         return _decide(pt, f"shard({dim})", "post-reduction", "reduce-scatter-output", coll_json(c, pt.procs[0]),
