@@ -27,7 +27,7 @@ import msgpack
 from tensor_trace.exporters.reader import ReadReport, iter_chunks, rank_files
 
 STORE_NAME = "merged.sqlite"
-STORE_VERSION = 9
+STORE_VERSION = 10
 BATCH = 20_000
 CLOCK_SAMPLE_STEPS = 64
 
