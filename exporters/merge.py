@@ -331,8 +331,11 @@ class _FileLoader:
                     self.modules[rec[1]] = self.g.module(strings.get(rec[1], "?"), strings.get(rec[2]))
                 elif kind == schema.PARAMS:
                     mid = module_id(rec[1])
-                    for name_id, meta_id, ref in rec[2]:
+                    for entry in rec[2]:
+                        name_id, meta_id, ref = entry[:3]
                         shape, dtype, _, *kind = self.metas.get(meta_id, _NO_META)
+                        if len(entry) > 3 and isinstance(entry[3], dict):  # (schema.PARAMS)
+                            kind = [entry[3]]
                         self.params.append((proc, mid, strings.get(name_id, "?"), json.dumps(shape), dtype, ref,
                                             json.dumps(kind[0], sort_keys=True) if kind else None))
                 elif kind == schema.FINGERPRINTS:

@@ -285,8 +285,11 @@ def load_rank_file(path: str) -> RankTrace:
                     st.fingerprints[i] = (s, None if math.isnan(q) else q)
             elif kind == schema.PARAMS:
                 plist = params.setdefault(strings.get(rec[1], "?"), [])
-                for name_id, meta_id, ref in rec[2]:
+                for entry in rec[2]:
+                    name_id, meta_id, ref = entry[:3]
                     shape, dtype, device, kind = metas.get(meta_id, _NO_META)
+                    if len(entry) > 3 and isinstance(entry[3], dict):  # (schema.PARAMS)
+                        kind = entry[3]
                     plist.append((TensorInfo(strings.get(name_id, "?"), shape, dtype, device, meta=kind), ref))
             elif kind == schema.GROUP:
                 groups[rec[1]] = dict(name=rec[2], ranks=rec[3], backend=rec[4],

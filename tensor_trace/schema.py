@@ -54,8 +54,9 @@ FINGERPRINTS = 11  # step, first index, packed little-endian float32 pairs (sum,
 ERROR = 12  # mono_ns, where, message, count so far
 END = 13  # dict: reason, stats (spans, collectives, steps, bytes, errors, dropped)
 SKIPPED_STEPS = 14  # first step, last step (steps seen but outside the --steps window)
-PARAMS = 15  # module path id, [[name string id, meta id, fingerprint index], ...]; the
-#              fingerprints are in FINGERPRINTS records of step PARAMS_STEP
+PARAMS = 15  # module path id, [[name string id, meta id, fingerprint index(, kind)], ...]; the
+#              fingerprints are in FINGERPRINTS records of step PARAMS_STEP; an entry's optional
+#              kind (a dict, as META's) stands instead of its META's (the tracer writes META's)
 PARAMS_STEP = -1
 CAPTURE_INFO = 16  # path string id of a named capture point ("capture:NAME"), info (dict)
 MODULE_ATTRS = 17  # module path string id, dict: what a framework says the layer does

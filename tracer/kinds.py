@@ -55,6 +55,20 @@ class Meta(tuple):
     __slots__ = ()
 
 
+def from_dict(d: dict) -> Meta:
+    """The ``Meta`` of a JSON-like dict (lists become tuples, dicts Metas): what
+    ``RankWriter.meta`` and ``RankWriter.layout`` take, e.g. for a trace written by hand."""
+    return Meta((k, _hashable(v)) for k, v in d.items())
+
+
+def _hashable(v):
+    if isinstance(v, dict):
+        return from_dict(v)
+    if isinstance(v, (list, tuple)):
+        return tuple(_hashable(x) for x in v)
+    return v
+
+
 def as_dict(meta) -> dict:
     """The JSON-ready dict of a ``Meta`` (tuples become lists)."""
     return {k: _jsonable(v) for k, v in meta}

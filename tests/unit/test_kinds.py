@@ -300,3 +300,42 @@ def test_async_collective_tensor_read_only_once_the_program_waited(tmp_path, fak
     _close(u_in.fp, _fp(x))
     _close(u_out.fp, _fp(x + 1))
     assert l_out.fp is None  # not waited on when the step ended: no fingerprint, no wait
+
+
+def test_meta_written_by_hand_reads_back(tmp_path):
+    """A trace written with the real writer (as synthetic traces are): a slot's kind through
+    ``kinds.from_dict``, a parameter's either through its META or as its PARAMS entry's fourth
+    element; the reader and the merge give the same dicts back."""
+    from tensor_trace import schema
+    from tensor_trace.tracer import kinds
+    from tensor_trace.tracer.writer import RankWriter
+
+    dt = {"kind": "DTensor", "fp": "local", "global_shape": [4, 3], "placements": ["Shard(0)"],
+          "local": {"kind": "complex", "fp": "view_as_real"}}
+    side = {"kind": "DTensor", "placements": ["Shard(1)"]}
+    path = tmp_path / "ranks" / f"h-1{schema.RANK_FILE_SUFFIX}"
+    w = RankWriter(str(path), dict(format=schema.FORMAT_VERSION, run_id="r", pid=1, mono_ns=0, wall_ns=0))
+    w.add((schema.STEP_BEGIN, 0, w.module("", "Net"), 0, {}))
+    lay = w.layout((("input.0", (2, 3), "complex64", "cpu"), ("output", (2, 3), "complex64", "cpu",
+                                                               kinds.from_dict(dt))))
+    w.add((schema.SPAN, 0, 0, -1, w.string(""), 0, 0, 5, lay, -1, -1, 1, 0))
+    w.add((schema.STEP_END, 0, 10, 1, 0))
+    w.add((schema.PARAMS, w.module("lin", "Linear"), [
+        [w.string("weight"), w.meta((2, 3), "float32", "cpu", kinds.from_dict(dt)), 0],
+        [w.string("bias"), w.meta((3,), "float32", "cpu"), 1, side]]))
+    w.add((schema.END, dict(reason="exit", stats={})))
+    w.close()
+    rt = load_rank_file(str(path))
+    (span,) = rt.steps[0].spans
+    assert [t.meta for t in span.tensors] == [{"kind": "complex", "fp": "view_as_real"}, dt]
+    assert [(p.slot, p.meta) for p in rt.params["lin"]] == [("weight", dt), ("bias", side)]
+    con = sqlite3.connect(":memory:")
+    con.executescript(merge.SCHEMA_SQL)
+    g = merge._Globals(con)
+    merge._FileLoader(con, 0, str(path), g).load()
+    g.write()
+    (slots,) = con.execute("SELECT slots FROM layouts").fetchone()
+    assert json.loads(slots) == [["input.0", [2, 3], "complex64", "cpu", {"kind": "complex", "fp": "view_as_real"}],
+                                 ["output", [2, 3], "complex64", "cpu", dt]]
+    got = {n: json.loads(m) for n, m in con.execute("SELECT name, meta FROM params")}
+    assert got == {"weight": dt, "bias": side}
