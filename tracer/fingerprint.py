@@ -571,13 +571,17 @@ class StepFingerprints:
             if grad:
                 _set_grad(True)
 
-    def _take_acts(self) -> None:
+    def _take_acts(self, final: bool) -> None:
         """The held AsyncCollectiveTensors: the values of those the program has waited on (and
-        not updated in place since they were seen); none for the others. Nothing waits here."""
+        not updated in place since they were seen); the others are kept for the next flush, or,
+        at the step's end (``final``), get none. Nothing waits here."""
         acts, self._acts = self._acts, []
+        pending = not kinds.no_work_pending()
         for idx, act, version in acts:
-            kind, data = kinds.waited(act)
+            kind, data = kinds.waited(act, not pending)
             if kind == kinds.NONE:
+                if not final:
+                    self._acts.append((idx, act, version))
                 continue
             if version is not None and act.elem._version != version:
                 self.stale += 1
@@ -647,7 +651,7 @@ class StepFingerprints:
         # stacked (one copy) and reduced along the stacked dimension (two kernels): a decode
         # step has a handful of distinct shapes.
         if self._acts:
-            self._take_acts()
+            self._take_acts(False)
         nt = self._nt
         if nt is not None and nt.size():
             self._flush_native(nt)
@@ -835,7 +839,9 @@ class StepFingerprints:
 
     def _reduce_rest(self) -> None:
         """Deferred tensors and immediate values of this step become blocks (on their devices)."""
-        if self._def_ts or self._acts or (self._nt is not None and self._nt.size()):
+        if self._acts:
+            self._take_acts(True)
+        if self._def_ts or (self._nt is not None and self._nt.size()):
             self._flush_deferred()
         if self._imm_vals:
             by_device: dict = {}

@@ -9,8 +9,9 @@ a legal program may pass:
   ``_local_tensor``: no redistribution, no collective), with the global shape, placements and
   mesh as evidence in the slot's meta.
 - ``AsyncCollectiveTensor`` (a functional collective's result): its ``elem`` holds the values
-  once the program has waited on it. The tracer never waits: the fingerprint is taken at the
-  end of the step (or of a mid-step flush) if the program waited by then, else there is none.
+  once the program has waited on it. The tracer never waits: the fingerprint is taken at a
+  mid-step flush or the end of the step if the program waited by then (``waited``), else there
+  is none.
 - Other subclasses with a ``__torch_dispatch__`` (FakeTensor, FunctionalTensor, a framework's
   own wrappers): their memory is not their values; no fingerprint, the class name in the meta.
   Jagged nested tensors are the exception: their packed ``values()`` are the values.
@@ -285,16 +286,30 @@ def _async_values(t):
     return (AWAIT, t)
 
 
-def waited(t):
+def waited(t, nothing_pending=None):
     """The (source kind, tensor) of an AsyncCollectiveTensor's values if the program has waited
-    on it, else no values. Never waits."""
+    on it, else no values. Never waits. A wait through a view (``y.view(-1) + 1``: the view is a
+    new wrapper, and only it is marked completed) is seen when no functional collective of the
+    process is pending any more (``nothing_pending``, else asked of c10d's work registry)."""
     if not getattr(t, "completed", False):
-        return _NO_VALUES
+        if nothing_pending is None:
+            nothing_pending = no_work_pending()
+        if not nothing_pending:
+            return _NO_VALUES
     elem = getattr(t, "elem", None)
     if not isinstance(elem, _Tensor):
         return _NO_VALUES
     src = source(elem)
     return _NO_VALUES if src[0] == AWAIT else src
+
+
+def no_work_pending() -> bool:
+    """Whether c10d's registry of functional collectives' unwaited results is empty (False
+    where it cannot be asked): every such result of this process has been waited on."""
+    try:
+        return torch._C._distributed_c10d._get_work_registry_size() == 0
+    except Exception:
+        return False
 
 
 # ------------------------------------------------------------------ DTensor
