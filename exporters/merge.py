@@ -27,7 +27,7 @@ import msgpack
 from tensor_trace.exporters.reader import ReadReport, iter_chunks, rank_files
 
 STORE_NAME = "merged.sqlite"
-STORE_VERSION = 9
+STORE_VERSION = 10
 BATCH = 20_000
 CLOCK_SAMPLE_STEPS = 64
 
@@ -57,7 +57,8 @@ CREATE TABLE collectives(proc INTEGER, step INTEGER, idx INTEGER, parent INTEGER
     fp_pre INTEGER, fp_post INTEGER, n_pre INTEGER, flags INTEGER, bytes INTEGER, module_id INTEGER,
     device_ns INTEGER, attrs TEXT, PRIMARY KEY(proc, step, idx)) WITHOUT ROWID;
 CREATE TABLE fingerprints(proc INTEGER, step INTEGER, first INTEGER, data BLOB, indices BLOB);
-CREATE TABLE params(proc INTEGER, module_id INTEGER, name TEXT, shape TEXT, dtype TEXT, fp_index INTEGER);
+CREATE TABLE params(proc INTEGER, module_id INTEGER, name TEXT, shape TEXT, dtype TEXT, fp_index INTEGER,
+    meta TEXT);
 CREATE TABLE captures(point TEXT PRIMARY KEY, info TEXT);
 CREATE TABLE lineage(proc INTEGER, step INTEGER, node INTEGER, op TEXT, attrs TEXT, inputs TEXT, shape TEXT,
     PRIMARY KEY(proc, step, node)) WITHOUT ROWID;
@@ -324,17 +325,25 @@ class _FileLoader:
                     strings[rec[1]] = rec[2]
                     self.modules.pop(rec[1], None)
                 elif kind == schema.META:
-                    self.metas[rec[1]] = (rec[2], strings.get(rec[3], "?"), strings.get(rec[4], "?"))
+                    # [shape, dtype, device], and the tensor's kind (a dict) when it has one
+                    entry = [rec[2], strings.get(rec[3], "?"), strings.get(rec[4], "?")]
+                    if len(rec) > 5 and rec[5]:
+                        entry.append(rec[5])
+                    self.metas[rec[1]] = entry
                 elif kind == schema.LAYOUT:
-                    slots = [[strings.get(s, "?"), *self.metas.get(m, ([], "?", "?"))] for s, m in rec[2]]
+                    slots = [[strings.get(s, "?"), *self.metas.get(m, _NO_META)] for s, m in rec[2]]
                     layouts[rec[1]] = self.g.layout(slots)
                 elif kind == schema.MODULE:
                     self.modules[rec[1]] = self.g.module(strings.get(rec[1], "?"), strings.get(rec[2]))
                 elif kind == schema.PARAMS:
                     mid = module_id(rec[1])
-                    for name_id, meta_id, ref in rec[2]:
-                        shape, dtype, _ = self.metas.get(meta_id, ([], "?", "?"))
-                        self.params.append((proc, mid, strings.get(name_id, "?"), json.dumps(shape), dtype, ref))
+                    for entry in rec[2]:
+                        name_id, meta_id, ref = entry[:3]
+                        shape, dtype, _, *kind = self.metas.get(meta_id, _NO_META)
+                        if len(entry) > 3 and isinstance(entry[3], dict):  # (schema.PARAMS)
+                            kind = [entry[3]]
+                        self.params.append((proc, mid, strings.get(name_id, "?"), json.dumps(shape), dtype, ref,
+                                            json.dumps(kind[0], sort_keys=True) if kind else None))
                 elif kind == schema.FINGERPRINTS:
                     self.fps.append((proc, rec[1], rec[2], rec[3], rec[4]))
                 elif kind == schema.MODULE_ATTRS:
@@ -394,7 +403,10 @@ class _FileLoader:
         if self.errors:
             self.con.executemany("INSERT INTO errors VALUES (?,?,?,?)", self.errors)
         if self.params:
-            self.con.executemany("INSERT INTO params VALUES (?,?,?,?,?,?)", self.params)
+            self.con.executemany("INSERT INTO params VALUES (?,?,?,?,?,?,?)", self.params)
+
+
+_NO_META = ([], "?", "?")  # a META record that was lost
 
 
 def _records(path, report):

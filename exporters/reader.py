@@ -139,6 +139,7 @@ class TensorInfo:
     dtype: str
     device: str
     fp: tuple | None = None  # (sum, sum of squares)
+    meta: dict | None = None  # what kind of tensor, when not a plain one (docs/store-schema.md)
 
 
 @dataclasses.dataclass
@@ -217,6 +218,9 @@ def _fp_refs(n: int, n_pre: int, fp_pre: int, fp_post: int) -> list:
     return refs
 
 
+_NO_META = ([], "?", "?", None)  # a META record that was lost
+
+
 def load_rank_file(path: str) -> RankTrace:
     """Read and resolve a whole rank file (for summaries and tests; the merge streams)."""
     report = ReadReport(path)
@@ -236,8 +240,8 @@ def load_rank_file(path: str) -> RankTrace:
     def tensors_of(layout_id):
         out = []
         for slot_id, meta_id in layouts.get(layout_id, ()):
-            shape, dtype, device = metas.get(meta_id, ([], "?", "?"))
-            out.append(TensorInfo(strings.get(slot_id, "?"), shape, dtype, device))
+            shape, dtype, device, kind = metas.get(meta_id, _NO_META)
+            out.append(TensorInfo(strings.get(slot_id, "?"), shape, dtype, device, meta=kind))
         return out
 
     for rec in iter_records(path, report):
@@ -264,7 +268,8 @@ def load_rank_file(path: str) -> RankTrace:
             elif kind == schema.STRING:
                 strings[rec[1]] = rec[2]
             elif kind == schema.META:
-                metas[rec[1]] = (rec[2], strings.get(rec[3], "?"), strings.get(rec[4], "?"))
+                metas[rec[1]] = (rec[2], strings.get(rec[3], "?"), strings.get(rec[4], "?"),
+                                 rec[5] if len(rec) > 5 else None)
             elif kind == schema.LAYOUT:
                 layouts[rec[1]] = rec[2]
             elif kind == schema.COLL_DEVICE:
@@ -283,9 +288,12 @@ def load_rank_file(path: str) -> RankTrace:
                     st.fingerprints[i] = (s, None if math.isnan(q) else q)
             elif kind == schema.PARAMS:
                 plist = params.setdefault(strings.get(rec[1], "?"), [])
-                for name_id, meta_id, ref in rec[2]:
-                    shape, dtype, device = metas.get(meta_id, ([], "?", "?"))
-                    plist.append((TensorInfo(strings.get(name_id, "?"), shape, dtype, device), ref))
+                for entry in rec[2]:
+                    name_id, meta_id, ref = entry[:3]
+                    shape, dtype, device, kind = metas.get(meta_id, _NO_META)
+                    if len(entry) > 3 and isinstance(entry[3], dict):  # (schema.PARAMS)
+                        kind = entry[3]
+                    plist.append((TensorInfo(strings.get(name_id, "?"), shape, dtype, device, meta=kind), ref))
             elif kind == schema.GROUP:
                 groups[rec[1]] = dict(name=rec[2], ranks=rec[3], backend=rec[4],
                                       pg_name=rec[5] if len(rec) > 5 else "")

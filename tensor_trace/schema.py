@@ -33,7 +33,10 @@ RANK_FILE_SUFFIX = ".ttr"
 HEADER = 0  # dict: run_id, pid, ppid, host, argv, mono_ns, wall_ns, config, format
 IDENTITY = 1  # dict: rank, world_size, local_rank, tp_rank, tp_size, tp_ranks, device, ... (latest wins)
 STRING = 2  # id, text
-META = 3  # id, shape (list of int), dtype string id, device string id
+META = 3  # id, shape (list of int), dtype string id, device string id[, kind (dict)]: kind only
+#           for a tensor that is not a plain dense one (docs/store-schema.md, "Tensor kinds"):
+#           a DTensor's shape is its local tensor's and kind holds its global shape and
+#           placements; other kinds say which values the fingerprint is of, or that it has none
 LAYOUT = 4  # id, [[slot string id, meta id], ...]
 MODULE = 5  # path string id, class string id
 GROUP = 6  # group id, name, ranks (list of global ranks), backend, c10d group name
@@ -56,8 +59,9 @@ FINGERPRINTS = 11  # step, first index, packed little-endian float32 pairs (sum,
 ERROR = 12  # mono_ns, where, message, count so far
 END = 13  # dict: reason, stats (spans, collectives, steps, bytes, errors, dropped)
 SKIPPED_STEPS = 14  # first step, last step (steps seen but outside the --steps window)
-PARAMS = 15  # module path id, [[name string id, meta id, fingerprint index], ...]; the
-#              fingerprints are in FINGERPRINTS records of step PARAMS_STEP
+PARAMS = 15  # module path id, [[name string id, meta id, fingerprint index(, kind)], ...]; the
+#              fingerprints are in FINGERPRINTS records of step PARAMS_STEP; an entry's optional
+#              kind (a dict, as META's) stands instead of its META's (the tracer writes META's)
 PARAMS_STEP = -1
 CAPTURE_INFO = 16  # path string id of a named capture point ("capture:NAME"), info (dict)
 MODULE_ATTRS = 17  # module path string id, dict: what a framework says the layer does

@@ -27,7 +27,7 @@ import torch
 from torch.nn.modules import module as _nn_module
 
 from tensor_trace import schema
-from tensor_trace.tracer import native, structures
+from tensor_trace.tracer import kinds, native, structures
 from tensor_trace.tracer.config import TraceConfig
 from tensor_trace.tracer.device_time import CollectiveDeviceTimes
 from tensor_trace.tracer.fingerprint import StepFingerprints
@@ -45,6 +45,7 @@ _FLAG_ERROR = schema.FLAG_ERROR
 _OUT = "output"
 _PLAIN = (int, float, str, bool)  # argument values that hold no tensor (and None)
 _CONTEXT = structures._CONTEXT  # a framework's batch context types: no slot outside the root
+_slot = kinds.slot  # a layout entry for a tensor of any kind (the fast paths take plain ones only)
 
 # Frame layout (a list, for speed): the open calls of the current step.
 _F_MODULE, _F_INDEX, _F_PARENT, _F_PATH, _F_CALL, _F_T0, _F_SLOTS, _F_FP_PRE, _F_SELECTED = range(9)
@@ -440,7 +441,7 @@ class Tracer:
                 continue
             base = fps.add([p.detach() for _, p in params], store=False)
             writer.add((schema.PARAMS, writer.module(entry[0], entry[1]), [
-                [writer.string(n), writer.meta(p.shape, p.dtype, p.device), base + i]
+                [writer.string(n), writer.meta(*kinds.meta_args(p)), base + i]
                 for i, (n, p) in enumerate(params)]))
         fps.finish_step(schema.PARAMS_STEP)
         self.fps._pending.extend(fps._pending)  # written with the next step's fingerprints
@@ -807,7 +808,7 @@ class Tracer:
             # No busy flag around these ops: nothing of ours reacts to them (a step with lineage
             # runs these hooks with torch functions off, see _global_pre_quiet).
             try:
-                if len(args) == 1 and isinstance(args[0], _Tensor):
+                if len(args) == 1 and type(args[0]) is _Tensor:
                     # One tensor in: keep the args tuple, so the post-hook can take its fast path.
                     slots = args
                     fp_pre = self.fps.add_one(args[0], False)
@@ -917,7 +918,7 @@ class Tracer:
                     and len(slots) == 1 and not self.quiet_hooks):
                 result = rest[1]
                 a = slots[0]
-                if isinstance(result, _Tensor) and isinstance(a, _Tensor):
+                if type(result) is _Tensor and type(a) is _Tensor:  # (subclasses: tracer/kinds.py)
                     t1 = _now()
                     stack.pop()
                     _span_one_tensor(self, index, parent, path_id, call, t0, t1, a, result, fp_pre,
@@ -970,37 +971,42 @@ class Tracer:
                     writer.flush()
                 return True
         # The layout key: (position or keyword, shape, dtype, device) per tensor; outputs at
-        # position -1 ("output") or -2 - i ("output.i").
+        # position -1 ("output") or -2 - i ("output.i"). Plain tensors only: a subclass (a
+        # DTensor's slot is its local tensor) is no plain value either, so _pop_record takes
+        # the call, as it does one whose tensor has no readable shape (a nested tensor).
         key = []
         i = n_pre = 0
-        for a in args:
-            if isinstance(a, _Tensor):
-                key += (i, a.shape, a.dtype, a.device)
-                n_pre += 1
-            elif not (a is None or isinstance(a, _PLAIN) or type(a) in _CONTEXT):
-                return False
-            i += 1
         post = []
-        if kwargs:
-            for name, a in kwargs.items():
-                if isinstance(a, _Tensor):
-                    key += (name, a.shape, a.dtype, a.device)
-                    post.append(a)
+        try:
+            for a in args:
+                if type(a) is _Tensor:
+                    key += (i, a.shape, a.dtype, a.device)
+                    n_pre += 1
                 elif not (a is None or isinstance(a, _PLAIN) or type(a) in _CONTEXT):
                     return False
-        if isinstance(result, _Tensor):
-            key += (-1, result.shape, result.dtype, result.device)
-            post.append(result)
-        elif type(result) is tuple or type(result) is list:
-            j = -2
-            for r in result:
-                if isinstance(r, _Tensor):
-                    key += (j, r.shape, r.dtype, r.device)
-                    post.append(r)
-                elif not (r is None or isinstance(r, _PLAIN)):
-                    return False
-                j -= 1
-        elif result is not None:
+                i += 1
+            if kwargs:
+                for name, a in kwargs.items():
+                    if type(a) is _Tensor:
+                        key += (name, a.shape, a.dtype, a.device)
+                        post.append(a)
+                    elif not (a is None or isinstance(a, _PLAIN) or type(a) in _CONTEXT):
+                        return False
+            if type(result) is _Tensor:
+                key += (-1, result.shape, result.dtype, result.device)
+                post.append(result)
+            elif type(result) is tuple or type(result) is list:
+                j = -2
+                for r in result:
+                    if type(r) is _Tensor:
+                        key += (j, r.shape, r.dtype, r.device)
+                        post.append(r)
+                    elif not (r is None or isinstance(r, _PLAIN)):
+                        return False
+                    j -= 1
+            elif result is not None:
+                return False
+        except RuntimeError:
             return False
         t1 = _now()
         self.stack.pop()
@@ -1043,12 +1049,15 @@ class Tracer:
         slots = frame[_F_SLOTS]
         writer = self.writer
         fp_post = -1
-        if (type(slots) is tuple and not kwargs and len(slots) == 1 and isinstance(slots[0], _Tensor)
-                and isinstance(result, _Tensor)):
+        if (type(slots) is tuple and not kwargs and len(slots) == 1 and type(slots[0]) is _Tensor
+                and type(result) is _Tensor):
             # The common case, tensor in and tensor out: no list walking.
             a = slots[0]
             n_pre = 1
-            key = ((_IN0, a.shape, a.dtype, a.device), (_OUT, result.shape, result.dtype, result.device))
+            try:
+                key = ((_IN0, a.shape, a.dtype, a.device), (_OUT, result.shape, result.dtype, result.device))
+            except RuntimeError:  # no readable shape (a nested tensor): its kind's slot
+                key = (_slot(_IN0, a), _slot(_OUT, result))
             if self.fp_now:
                 fp_post = self.fps.add((result,))
         else:
@@ -1065,7 +1074,11 @@ class Tracer:
                 _flatten_output(result, slots)
             if len(slots) > n_pre and self.fp_now:
                 fp_post = self.fps.add([t for _, t in slots[n_pre:]])
-            key = tuple([(s, t.shape, t.dtype, t.device) for s, t in slots])
+            try:
+                key = tuple([(s, t.shape, t.dtype, t.device) if type(t) is _Tensor else _slot(s, t)
+                             for s, t in slots])
+            except RuntimeError:  # no readable shape (a nested tensor)
+                key = tuple([_slot(s, t) for s, t in slots])
         layout = writer._layouts.get(key)
         if layout is None:
             layout = writer.layout(key)
@@ -1103,7 +1116,7 @@ class Tracer:
             self.span_count = index + 1
             t = _now()
             fp = self.fps.add([tensor]) if self.fp_now else -1
-            layout = writer.layout(((_OUT, tensor.shape, tensor.dtype, tensor.device),))
+            layout = writer.layout((_slot(_OUT, tensor),))
             writer.add((_SPAN, self.step, index, parent, path_id, call, t - self.step_t0_raw, 0, layout,
                         -1, fp, 0, self.span_flags))
             if self.lineage is not None and self.lineage.mode is not None:
@@ -1198,13 +1211,16 @@ def _span_one_tensor(t, index, parent, path_id, call, t0, t1, a, result, fp_pre,
     """Write the span of a call with one tensor in and one out (the common call, from either
     interception): its layout keyed flat, no slot list."""
     writer = t.writer
-    key = _pair_key(a, result)
-    if key == -1:  # (a tensor the native key does not read)
-        key = _py_pair_key(a, result)
-    layout = writer._layouts1.get(key)
-    if layout is None:
-        layout = writer._layouts1[key] = writer.layout(
-            ((_IN0, a.shape, a.dtype, a.device), (_OUT, result.shape, result.dtype, result.device)))
+    try:
+        key = _pair_key(a, result)
+        if key == -1:  # (a tensor the native key does not read)
+            key = _py_pair_key(a, result)
+        layout = writer._layouts1.get(key)
+        if layout is None:
+            layout = writer._layouts1[key] = writer.layout(
+                ((_IN0, a.shape, a.dtype, a.device), (_OUT, result.shape, result.dtype, result.device)))
+    except RuntimeError:  # no readable shape (a nested tensor): its kind's slot, not keyed flat
+        layout = writer.layout((_slot(_IN0, a), _slot(_OUT, result)))
     buf = writer._buf
     buf.append((_SPAN, t.step, index, parent, path_id, call, t0 - t.step_t0_raw, t1 - t0, layout,
                 fp_pre, t.fps.add_one(result) if fp_now else -1, 1, t.span_flags))

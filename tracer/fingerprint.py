@@ -44,7 +44,7 @@ import weakref
 import torch
 
 from tensor_trace import schema
-from tensor_trace.tracer import multi_tensor, native
+from tensor_trace.tracer import kinds, multi_tensor, native
 
 _F32 = torch.float32
 _sum = torch.sum
@@ -52,6 +52,14 @@ _norm = torch.linalg.vector_norm
 _grad_enabled = torch.is_grad_enabled
 _set_grad = torch._C._set_grad_enabled
 _NAN = float("nan")
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
+
+
+def _dense(t) -> bool:
+    """Whether ``t``'s memory is a strided buffer of its values on a real device (not sparse,
+    nested or meta): what the deferred paths read where it is."""
+    return t.layout is _STRIDED and not t.is_nested and not t.is_meta
 
 # Larger CUDA tensors are reduced at once (never held past their module). Below it, holding is
 # cheaper: an immediate value costs two reductions launched from Python (on the H200 host about
@@ -202,6 +210,9 @@ class StepFingerprints:
         # (tensor, index) of the deferred outputs ``add`` held last: a call's inputs are often
         # the previous call's outputs (rotary's q and k, then attention's), a repeat then
         self._last_out: list = []
+        # (index, AsyncCollectiveTensor, its elem's version then): read at the next flush if
+        # the program waited on it by then (tracer/kinds.py)
+        self._acts: list = []
 
     def begin_capture(self) -> None:
         """The step is being captured into a CUDA graph: every floating tensor the kernel can read
@@ -230,7 +241,8 @@ class StepFingerprints:
 
     def add_one(self, t, store: bool = True) -> int:
         """``add((t,), store)`` for one tensor (the hooks' common case), without the grad-mode
-        switch unless the tensor needs it.
+        switch unless the tensor needs it. ``t`` is a plain ``torch.Tensor`` (exact type: the
+        hooks test that); a subclass goes through ``add``.
 
         The tensor added last is remembered: a module's output is most often the next module's
         input, and that second sighting then gets the first one's index back (the same value:
@@ -265,11 +277,16 @@ class StepFingerprints:
                 if held > self.defer_bytes:
                     self._flush_mid_step()
                 return idx
+            if held == -2:  # sparse, nested, meta: not memory the kernel may read
+                self.count = idx + 1
+                self._kind_value(idx, t)
+                return idx
         if (self.defer_cuda and t.is_cuda) or self.defer_cpu:
             if nt is None and self._native_wanted:
                 self._native_table(t)
             size = _FLOAT_SIZE.get(t.dtype)
-            if size is not None:
+            # (what the C++ table turned down is dense: it tells the other kinds apart itself)
+            if size is not None and ((nt is not None and not self.capturing) or _dense(t)):
                 n = t.numel()
                 if n <= DEFER_MAX_NUMEL or (self.capturing and multi_tensor.usable(t)
                                             and multi_tensor.supported(t)):
@@ -341,6 +358,10 @@ class StepFingerprints:
             last = self._last if self._last_version is True else None
             last_out = self._last_out
         for t in tensors:
+            if type(t) is not _Tensor:  # a subclass: its kind's values (tracer/kinds.py)
+                self._kind_value(idx, t)
+                idx += 1
+                continue
             if nt is not None:
                 if not store:  # _recent, inline: an output held just before is a repeat
                     src = self._last_idx if t is last else -1
@@ -360,8 +381,12 @@ class StepFingerprints:
                         held.append((t, idx))
                     idx += 1
                     continue
+                if nt_held == -2:  # sparse, nested, meta
+                    self._kind_value(idx, t)
+                    idx += 1
+                    continue
             size = _FLOAT_SIZE.get(t.dtype) if (defer_cuda and t.is_cuda) or defer_all else None
-            if size is not None:
+            if size is not None and (nt is not None or _dense(t)):
                 if not store and nt is None:  # (with the table: looked up above)
                     src = self._recent(t)
                     if src >= 0:  # an output held just before: its value at the flush
@@ -491,7 +516,26 @@ class StepFingerprints:
 
     def _reduce_now(self, idx: int, t) -> None:
         """Fingerprint ``t`` now as value ``idx``: on the host when it is a CPU tensor numpy
-        can read (floats at once), else two reductions on its device."""
+        can read (floats at once), else two reductions on its device; a tensor of another kind
+        (complex, quantized, sparse, nested, meta) by its kind's values."""
+        pair = None
+        if t.is_cpu and t.dtype in _HOST_DTYPES and not t.requires_grad:
+            pair = _host_pair(t)
+        if pair is None:
+            if not _dense(t) or t.is_complex() or t.is_quantized:
+                self._kind_value(idx, t)
+                return
+            pair = _pair(t, host=False)
+        if type(pair[0]) is float:
+            self._host_pos[idx] = len(self._host_idx)
+            self._host_idx.append(idx)
+            self._host_vals += pair
+        else:
+            self._imm_idx.append(idx)
+            self._imm_vals.append(pair)
+
+    def _reduce_plain(self, idx: int, t) -> None:
+        """``_reduce_now`` for a tensor known to be plain, dense and real (tracer/kinds.py's)."""
         pair = None
         if t.is_cpu and t.dtype in _HOST_DTYPES and not t.requires_grad:
             pair = _host_pair(t)
@@ -504,6 +548,49 @@ class StepFingerprints:
         else:
             self._imm_idx.append(idx)
             self._imm_vals.append(pair)
+
+    def _kind_value(self, idx: int, t) -> None:
+        """Value ``idx`` from the values tracer/kinds.py names for ``t`` (a subclass, or a
+        tensor that is not dense and real): reduced now, left without a value, or, for an
+        AsyncCollectiveTensor, read at the next flush if the program has waited on it."""
+        grad = _grad_enabled()
+        if grad:
+            _set_grad(False)
+        try:
+            kind, data = kinds.source(t)
+            if kind == kinds.FULL:
+                self._reduce_plain(idx, data)
+            elif kind == kinds.SUM:
+                self._imm_idx.append(idx)
+                self._imm_vals.append((_sum(data, dtype=_F32), None))
+            elif kind == kinds.AWAIT and not self.capturing:
+                elem = getattr(data, "elem", None)
+                version = None if elem is None or elem.is_inference() else elem._version
+                self._acts.append((idx, data, version))
+        finally:
+            if grad:
+                _set_grad(True)
+
+    def _take_acts(self, final: bool) -> None:
+        """The held AsyncCollectiveTensors: the values of those the program has waited on (and
+        not updated in place since they were seen); the others are kept for the next flush, or,
+        at the step's end (``final``), get none. Nothing waits here."""
+        acts, self._acts = self._acts, []
+        pending = not kinds.no_work_pending()
+        for idx, act, version in acts:
+            kind, data = kinds.waited(act, not pending)
+            if kind == kinds.NONE:
+                if not final:
+                    self._acts.append((idx, act, version))
+                continue
+            if version is not None and act.elem._version != version:
+                self.stale += 1
+                continue
+            if kind == kinds.FULL:
+                self._reduce_plain(idx, data)
+            else:
+                self._imm_idx.append(idx)
+                self._imm_vals.append((_sum(data, dtype=_F32), None))
 
     def materialize(self, tensors) -> None:
         """Reduce deferred tensors now: the caller is about to update them in place."""
@@ -563,6 +650,8 @@ class StepFingerprints:
         # device: one kernel launch each, eagerly. Otherwise tensors of one shape and dtype are
         # stacked (one copy) and reduced along the stacked dimension (two kernels): a decode
         # step has a handful of distinct shapes.
+        if self._acts:
+            self._take_acts(False)
         nt = self._nt
         if nt is not None and nt.size():
             self._flush_native(nt)
@@ -662,7 +751,8 @@ class StepFingerprints:
             self._blocks.append((idx if type(order) is range else [idx[i] for i in order], values,
                                  False))
         for idx, group in groups.values():
-            flat = torch.stack(group).view(len(group), -1)
+            # (explicit sizes: a view of zero-size tensors cannot infer a -1)
+            flat = torch.stack(group).view(len(group), group[0].numel())
             sums = torch.sum(flat, dim=1, dtype=_F32)
             l2 = _norm(flat, dim=1, dtype=_F32)
             self._blocks.append((idx, torch.stack((sums, l2), dim=1), False))
@@ -749,6 +839,8 @@ class StepFingerprints:
 
     def _reduce_rest(self) -> None:
         """Deferred tensors and immediate values of this step become blocks (on their devices)."""
+        if self._acts:
+            self._take_acts(True)
         if self._def_ts or (self._nt is not None and self._nt.size()):
             self._flush_deferred()
         if self._imm_vals:
@@ -883,7 +975,7 @@ def _pair(t, host: bool = True):
         pair = _host_pair(t)
         if pair is not None:
             return pair
-    if t.is_floating_point() or t.is_complex():
+    if t.is_floating_point():  # (complex ones come as their real view: tracer/kinds.py)
         return (_sum(t, dtype=_F32), _norm(t, dtype=_F32))
     if t.dtype is torch.bool:
         return (_sum(t, dtype=_F32), None)

@@ -224,10 +224,11 @@ struct Table {
   Table(const Table&) = delete;
   Table& operator=(const Table&) = delete;
 
-  // Hold t as fingerprint index i: the bytes held then, or -1 when t is not one it takes.
+  // Hold t as fingerprint index i: the bytes held then, or -1 when t is a dense tensor it does
+  // not take, -2 when t is not dense (sparse, nested, meta, no storage): the caller then reads
+  // its values as tracer/kinds.py says, never its memory.
   int64_t hold(const at::Tensor& t, int64_t i) {
-    // dense tensors with memory of their own only (not sparse, meta or wrapper subclasses)
-    if (t.layout() != c10::kStrided || !t.has_storage() || t.is_meta()) return -1;
+    if (t.layout() != c10::kStrided || !t.has_storage() || t.is_meta() || t.is_nested()) return -2;
     auto st = t.scalar_type();
     if (st != at::kFloat && st != at::kHalf && st != at::kBFloat16) return -1;
     if (t.device() != device) return -1;
@@ -259,7 +260,8 @@ struct Table {
   // update in place: marked dead; (index, stale) for each.
   std::vector<std::pair<int64_t, bool>> materialize(const at::Tensor& t) {
     std::vector<std::pair<int64_t, bool>> out;
-    if (idx.empty()) return out;
+    // (only dense tensors were held; another kind's data_ptr may not even be readable)
+    if (idx.empty() || t.layout() != c10::kStrided || !t.has_storage() || t.is_nested()) return out;
     int64_t ptr = reinterpret_cast<int64_t>(t.data_ptr()), n = t.numel();
     for (size_t j = 0; j < idx.size(); ++j) {
       if (dead[j] || tab[4 * j] != ptr || tab[4 * j + 1] != n) continue;
@@ -322,7 +324,7 @@ Table::~Table() { tables[slot] = nullptr; }
 
 // hold_in(slot, t, i): Table.hold(t, i) of the table in that slot, as a plain C call (pybind's
 // method dispatch cost more than the hold itself: 0.68 against about 0.4 us a tensor inside a
-// step). -1 for anything it does not take, as hold. Under the GIL.
+// step). -1 for anything it does not take, -2 as hold. Under the GIL.
 PyObject* hold_in(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   int64_t held = -1;
   // plain tensors only: a subclass (a FakeTensor, say) may have no real memory behind it

@@ -20,6 +20,7 @@ import time
 import msgpack
 
 from tensor_trace import schema
+from tensor_trace.tracer import kinds
 
 CHUNK_RECORDS = 256
 
@@ -80,26 +81,33 @@ class RankWriter:
             self._buf.append((schema.MODULE, sid, self.string(class_name)))
         return sid
 
-    def meta(self, shape, dtype, device) -> int:
-        """Intern tensor metadata; ``dtype`` and ``device`` may be torch objects or strings."""
-        key = (shape, dtype, device)
+    def meta(self, shape, dtype, device, kind=None) -> int:
+        """Intern tensor metadata; ``dtype`` and ``device`` may be torch objects or strings;
+        ``kind`` a ``kinds.Meta`` (what kind of tensor, when not a plain one). A kind that the
+        shape, dtype and device imply (``kinds.implied``) is written without being asked."""
+        key = (shape, dtype, device) if kind is None else (shape, dtype, device, kind)
         mid = self._metas.get(key)
         if mid is None:
             self._check_intern_bound()
             mid = len(self._metas)
             self._metas[key] = mid
             dt = str(dtype).removeprefix("torch.")
-            self._buf.append((schema.META, mid, list(shape), self.string(dt), self.string(str(device))))
+            dev = str(device)
+            if kind is None:
+                kind = kinds.implied(shape, dt, dev)
+            rec = (schema.META, mid, list(shape), self.string(dt), self.string(dev))
+            self._buf.append(rec if kind is None else rec + (kinds.as_dict(kind),))
         return mid
 
     def layout(self, slots: tuple) -> int:
-        """Intern a span's tensor layout: a tuple of (slot name, shape, dtype, device)."""
+        """Intern a span's tensor layout: a tuple of (slot name, shape, dtype, device[, kind])
+        (``kinds.slot``)."""
         lid = self._layouts.get(slots)
         if lid is None:
             self._check_intern_bound()
             lid = len(self._layouts)
             self._layouts[slots] = lid
-            entries = [[self.string(s), self.meta(shape, dt, dev)] for s, shape, dt, dev in slots]
+            entries = [[self.string(e[0]), self.meta(*e[1:])] for e in slots]
             self._buf.append((schema.LAYOUT, lid, entries))
         return lid
 

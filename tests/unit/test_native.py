@@ -37,7 +37,7 @@ def test_native_table_equals_the_python_path():
     assert report["held_in_table"] == [10, 11]
     assert report["stale_True"] == report["stale_False"] == 2
     assert report["mid_step_left"] == 2  # flushed past the bound, then two more held
-    assert report["not_taken"] == [-1, -1, -1, 0]  # sparse, meta, integer: the Python path
+    assert report["not_taken"] == [-2, -2, -2, -1, 0]  # sparse, meta, nested; integer: the Python path
     # a subclass, an empty tensor, no such table, not a tensor; then a float tensor: 16 bytes held
     assert report["hold_in_not_taken"] == [-1, -1, -1, -1, 0] and report["hold_in_taken"]
     keys = report["pair_key"]

@@ -76,9 +76,11 @@ for i, x in enumerate(xs):
     assert math.isclose(vals[(7, i)][0], x.double().sum().item(), rel_tol=1e-4, abs_tol=1e-4)
 report["mid_step_left"] = sizes_after
 
-# What the table does not take goes back to the Python path: a sparse tensor, a meta tensor.
+# What the table does not take goes back to the Python path: -2 for what is not dense (a sparse,
+# a meta, a nested tensor: their memory is not read), -1 for a dense one of another dtype.
 nt = native.table_class()(1 << 24, torch.device("cpu"))
 report["not_taken"] = [nt.hold(torch.randn(4, 4).to_sparse(), 0), nt.hold(torch.empty(4, device="meta"), 1),
+                       nt.hold(torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]), 8),
                        nt.hold(torch.arange(4), 2), nt.size()]
 # hold_in, the hooks' way in: plain tensors of the table's own device only
 hold_in = native.hold_in()
