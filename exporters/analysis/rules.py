@@ -463,23 +463,24 @@ def sharded_weight(j, pt):
 
 
 def same_values_as_producer(j, pt):
-    """An input (or a pass-through output) carrying the values of a point judged earlier."""
-    prod = j.by_fp0.get((pt.tref.fp, pt.tref.numel))
-    if pt.is_output:
-        prod = None
-        for k, vd in j.call_inputs(pt):
-            ins = {p: j.v.points[k][p] for p in pt.procs if p in j.v.points[k]}
-            if len(ins) == len(pt.procs) and linked(ins, pt.obs) == 1.0:
-                prod = k
-                break
-    if prod is None or prod not in j.done:
-        return None
-    pv = j.done[prod]
-    if pv.placement in ("divergent", "unknown"):
-        return None
-    return _decide(pt, pv.placement, pv.reduction, "same-values", pv.collective,
-                   item("dataflow", f"the same values as {j.name(prod)} on every rank",
-                        point=j.name(prod)))
+    """Carrying, on every rank, the values of a point judged earlier: an input that is an
+    earlier output, an output that passes its call's input through, or one that returns a
+    child's output."""
+    cands = [k for k, _ in j.call_inputs(pt)] if pt.is_output else []
+    hit = j.by_fp0.get((pt.tref.fp, pt.tref.numel))
+    if hit is not None:
+        cands.append(hit)
+    for prod in cands:
+        pv = j.done.get(prod)
+        if pv is None or pv.placement in ("divergent", "unknown"):
+            continue
+        src = {p: j.v.points[prod][p] for p in pt.procs if p in j.v.points[prod]}
+        if len(src) < len(pt.procs) or linked(src, pt.obs) != 1.0:
+            continue
+        return _decide(pt, pv.placement, pv.reduction, "same-values", pv.collective,
+                       item("dataflow", f"the same values as {j.name(prod)} on every rank",
+                            point=j.name(prod)))
+    return None
 
 
 def derived_from_shard(j, pt):
