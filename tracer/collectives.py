@@ -143,6 +143,7 @@ class CollectiveInterceptor:
         self.groups: dict[str, tuple] = {}  # c10d group name -> (gid, None, name, ranks, ...)
         self.seq: dict[int, int] = {}
         self.open_async: dict[int, tuple] = {}  # token id -> token (for unwaited at step end)
+        self.rows_of: dict = {}  # token id -> nonzero rows of its inputs, until its record is written
         self.device_times = tracer.device_times
         self.functional = functional.FunctionalCollectives(self)
 
@@ -367,6 +368,14 @@ class CollectiveInterceptor:
             finally:
                 tracer.busy = False
         gid, seq = group_seq
+        rows = None
+        if op in _ROW_CHECKED and inputs and tracer.fp_now and not tracer.capturing:
+            was = tracer.busy
+            tracer.busy = True  # the tracer's own ops: never lineage, never traced
+            try:
+                rows = _nonzero_rows(inputs)
+            finally:
+                tracer.busy = was
         started = None
         if not tracer.capturing:
             device = self.device_times.device_of(inputs) or (
@@ -377,6 +386,8 @@ class CollectiveInterceptor:
                  fp_pre, is_async, tracer.step, started]
         if is_async:
             self.open_async[id(token)] = token
+        if rows is not None:
+            self.rows_of[id(token)] = rows
         return token
 
     def finish(self, token, error: bool = False, unwaited: bool = False) -> None:
@@ -394,6 +405,9 @@ class CollectiveInterceptor:
             op, reduce_op, gid, seq, t0, index, parent, inputs, fp_pre, is_async, step, started = token[:12]
             outputs = _tensors(token[12]) if len(token) > 12 else []
             attrs = token[functional.T_ATTRS] if len(token) > functional.T_ATTRS else None
+            rows = self.rows_of.pop(id(token), None) if self.rows_of else None
+            if rows is not None:
+                attrs = dict(attrs or {}, nonzero_rows=rows)
             waited = token[functional.T_WAITED] if len(token) > functional.T_WAITED else None
             t1 = _now() if waited is None else waited
             if started is not None:
@@ -434,9 +448,28 @@ class CollectiveInterceptor:
         for token in list(self.open_async.values()):
             self.finish(token, unwaited=True)
         self.open_async.clear()
+        self.rows_of.clear()
 
 
 _T_ASYNC = 9
+# All_reduces whose inputs may be zero-padded slices (a gather done as a sum, as SGLang's DP
+# attention does): the rows each rank's input is nonzero in tell a gather from a reduction.
+_ROW_CHECKED = {"all_reduce", "all_reduce_", "all_reduce_coalesced"}
+
+
+def _nonzero_rows(inputs):
+    """Per input tensor ``[first, last, count]`` of its dim-0 rows holding a nonzero value
+    (``[0, 0, 0]`` when none), for CPU tensors only: on a GPU the answer would need a device
+    sync inside the collective's call. None when there is nothing to say."""
+    out = []
+    for t in inputs:
+        if type(t) is not torch.Tensor or t.device.type != "cpu" or t.dim() == 0 or t.numel() == 0 \
+                or t.is_complex() or t.layout is not torch.strided:
+            return None
+        nz = torch.nonzero(t.reshape(t.shape[0], -1).ne(0).any(1)).flatten()
+        n = int(nz.numel())
+        out.append([int(nz[0]), int(nz[-1]), n] if n else [0, 0, 0])
+    return out or None
 
 
 def on_import(mod_name: str, module) -> None:

@@ -114,7 +114,7 @@ def fingerprints(j, pt):
 
 def _gathering(c, procs) -> bool:
     """An all_reduce that puts slices together: on each rank its input is zero outside one
-    contiguous, dense range of rows, the ranges follow the ranks' order without overlap, at
+    contiguous, dense range of rows, the ranges follow the ranks' order and tile the tensor, at
     least two ranks contribute, and the sums of squares add up exactly (no cross terms). A
     vocab-parallel embedding's masked lookup is zero outside scattered rows, not one range: a
     reduction. Needs the rows the tracer saw nonzero (collective attribute ``nonzero_rows``)."""
@@ -132,9 +132,9 @@ def _gathering(c, procs) -> bool:
             if dense != last - first + 1:
                 return False
             spans.append((first, last))
-    if len(spans) < 2:
-        return False
-    return all(a[1] < b[0] for a, b in zip(spans, spans[1:]))
+    if len(spans) < 2 or spans[0][0] != 0 or spans[-1][1] != out[0].shape[0] - 1:
+        return False  # the slices must tile the gathered tensor
+    return all(a[1] + 1 == b[0] for a, b in zip(spans, spans[1:]))
 
 
 def reduction_output(j, pt, exact=True):

@@ -59,3 +59,10 @@ def test_layer_semantics_that_disagree_with_the_evidence_are_reported(cases):
     sem = p["layer_semantics"]
     assert sem["placement"] == "replicate" and sem["agrees"] is False
     assert any("DISAGREES" in e for e in p["evidence"])
+
+
+def test_an_all_reduce_of_zero_padded_slices_is_a_gather(cases):
+    p = cases["dp_gather:output"]
+    assert (p["placement"], p["reduction"]) == ("replicate", "no-reduction"), p["evidence"]
+    assert p["rule"] == "gathered-by-all-reduce" and p["collective"]["op"] == "all_reduce"
+    assert any("a gather, not a reduction" in e for e in p["evidence"])

@@ -61,6 +61,21 @@ class Gather0(nn.Module):
         return out
 
 
+class GatherByAllReduce(nn.Module):
+    """A gather done as a sum (SGLang's DP attention, `_dp_gather_via_all_reduce`): each rank
+    writes its own rows into a zero buffer of the whole size, then all_reduce. Uneven: rank r
+    holds r + 1 rows."""
+
+    def forward(self, x):
+        tp, rank = world()
+        sizes = [r + 1 for r in range(tp)]
+        buf = torch.zeros(sum(sizes), x.shape[1])
+        start = sum(sizes[:rank])
+        buf[start:start + sizes[rank]] = x[:sizes[rank]] * (rank + 1.0)
+        dist.all_reduce(buf)
+        return buf
+
+
 class Noisy(nn.Module):
     """A bug: rank-dependent noise after everything agreed. The ranks diverge."""
 
@@ -95,6 +110,7 @@ class Cases(nn.Module):
         self.row_shard = RowShard()
         self.gather0 = Gather0()
         self.noisy = Noisy()
+        self.dp_gather = GatherByAllReduce()
         self.mislabeled = RowParallelLinear()
 
     def forward(self, x):
@@ -104,6 +120,7 @@ class Cases(nn.Module):
         s = self.row_shard(a)
         g = self.gather0(s)
         out = self.noisy(g)
+        self.dp_gather(out)
         m = self.mislabeled(x)
         dist.all_reduce(m)
         return out, m
