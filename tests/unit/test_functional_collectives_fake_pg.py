@@ -113,7 +113,12 @@ def test_the_tracer_never_waits_for_a_module_output_the_program_has_not_waited(t
     # so the collective closes at the step's end as never waited, without output values, and
     # the module's output slot has no fingerprint rather than one read before the values exist.
     x = torch.randn(4, 3)
-    rt = _trace(tmp_path, Root(), x)
+    root = Root()
+    results = []
+    root.register_forward_hook(lambda m, a, out: results.append(out))
+    rt = _trace(tmp_path, root, x)
+    for y in results:
+        y.wait()  # after the step (and so that no collective stays pending for later tests)
     step = rt.steps[0]
     (c,) = step.collectives
     assert c.flags & schema.FLAG_UNWAITED
