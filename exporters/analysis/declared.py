@@ -8,6 +8,7 @@ is reported as a disagreement.
 
 from __future__ import annotations
 
+import math
 import re
 
 _SHARD = re.compile(r"^_?(?:Strided)?Shard\((?:dim=)?(-?\d+)")
@@ -20,9 +21,10 @@ def dtensor_placement(meta: dict | None, ndim: int) -> str | None:
     if not meta or meta.get("kind") != "DTensor":
         return None
     placements = meta.get("placements") or []
-    if len(placements) != 1:
+    dim = tp_mesh_dim(meta)
+    if dim is None or dim >= len(placements):
         return None
-    p = str(placements[0])
+    p = str(placements[dim])
     m = _SHARD.match(p)
     if m:
         d = int(m.group(1))
@@ -32,6 +34,36 @@ def dtensor_placement(meta: dict | None, ndim: int) -> str | None:
     if p.startswith("Replicate"):
         return "replicate"
     return None
+
+
+def tp_mesh_dim(meta: dict) -> int | None:
+    """Which dimension of a DTensor's device mesh is the tensor-parallel one: the one named
+    ``tp``, else the innermost (torchtitan's and transformers' convention: ``(dp, tp)``)."""
+    placements = meta.get("placements") or []
+    if not placements:
+        return None
+    names = meta.get("mesh_dim_names") or []
+    if "tp" in names and names.index("tp") < len(placements):
+        return names.index("tp")
+    return len(placements) - 1
+
+
+def tp_group_of(meta: dict | None, rank: int) -> list | None:
+    """The ranks of ``rank``'s TP group on a DTensor's device mesh: a one-dimensional mesh's
+    ranks (a TP sub-mesh such as ``mesh["tp"]``), or on a mesh of several dimensions those
+    that differ from it only in the TP dimension's coordinate."""
+    if not meta or meta.get("kind") != "DTensor":
+        return None
+    shape, ranks = meta.get("mesh_shape") or [], meta.get("mesh_ranks") or []
+    if not shape or len(ranks) != math.prod(shape) or rank not in ranks:
+        return None
+    if len(shape) == 1:
+        return list(ranks)
+    dim = tp_mesh_dim(meta)
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    at = ranks.index(rank)
+    base = at - (at // strides[dim] % shape[dim]) * strides[dim]
+    return [ranks[base + k * strides[dim]] for k in range(shape[dim])]
 
 
 def param_split_dim(meta: dict | None) -> int | None:

@@ -43,11 +43,14 @@ def tp_groups_with_size(con) -> list:
     declared it (their TP ranks, else the world size), never as counted from readable files."""
     rows = con.execute("SELECT proc, rank, tp_ranks, world_size FROM processes "
                        "ORDER BY rank IS NULL, rank, proc").fetchall()
+    mesh = _mesh_groups(con, {proc: rank for proc, rank, _, _ in rows})
     groups: dict = {}
     sizes: dict = {}
     for proc, rank, tp_ranks, world in rows:
         if rank is None:
             key, size = ("alone", proc), 1
+        elif not tp_ranks and proc in mesh:
+            key, size = ("mesh", tuple(mesh[proc])), len(mesh[proc])
         elif tp_ranks:
             key = ("tp", tp_ranks)
             try:
@@ -59,6 +62,25 @@ def tp_groups_with_size(con) -> list:
         groups.setdefault(key, []).append(proc)
         sizes[key] = max(sizes.get(key) or 0, size or 0) or None
     return [(procs, sizes[key] or len(procs)) for key, procs in groups.items()]
+
+
+def _mesh_groups(con, rank_of: dict) -> dict:
+    """proc -> its TP group's ranks, for processes that declared none but hold DTensor
+    parameters: on a TP sub-mesh, or on a mesh of data and tensor parallel dimensions. Judging
+    their points across the whole world would compare different data."""
+    if not any(r[1] == "meta" for r in con.execute("PRAGMA table_info(params)")):
+        return {}
+    out = {}
+    for proc, meta in con.execute("SELECT proc, meta FROM params WHERE meta IS NOT NULL ORDER BY proc, rowid"):
+        if proc in out or rank_of.get(proc) is None:
+            continue
+        try:
+            group = declared.tp_group_of(json.loads(meta), rank_of[proc])
+        except (TypeError, ValueError):
+            group = None
+        if group:
+            out[proc] = group
+    return out
 
 
 def inferred_tp_ranks(con) -> dict:
