@@ -90,9 +90,9 @@ def main(out):
 
     mesh = init_device_mesh(DEV, (4,))
     torch.manual_seed(0)
-    sizes = dict(funcol_tp.SIZES, heads=8, hidden=96, seq=12, vocab=96, dim=48)
+    sizes = dict(funcol_tp.SIZES, heads=8, kv_heads=8, hidden=96, seq=12, vocab=96, dim=48)
     for plan in ("plain", "sp"):
-        model = funcol_tp.parallelize(funcol_tp.Transformer(**sizes).to(DEV).eval(), mesh, plan)
+        model = funcol_tp.parallelize(funcol_tp.transformer(**sizes).to(DEV).eval(), mesh, plan)
         tokens = torch.randint(0, sizes["vocab"], (2, 12), device=DEV)
         rt = traced(os.path.join(out, plan), lambda: model(tokens))
         step = rt.steps[1]

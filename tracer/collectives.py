@@ -34,28 +34,12 @@ import torch
 
 from tensor_trace import schema
 from tensor_trace.tracer import functional
+from tensor_trace.tracer.functional import bind_args, tensors_of
 from tensor_trace.tracer.patching import ORIGINAL, is_wrapped
 
 _ACTIVE = None  # the Tracer whose wrappers are installed
 _FUNCTION = types.FunctionType
 _now = time.monotonic_ns
-
-
-def _bind(names, args, kwargs) -> dict:
-    bound = dict(zip(names, args))
-    if kwargs:
-        bound.update(kwargs)
-    return bound
-
-
-def _tensors(x) -> list:
-    if x is None:
-        return []
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for t in x if isinstance(t, torch.Tensor)]
-    return []
 
 
 # op -> (parameter names, input tensors, output tensors, has reduce op, async from argument)
@@ -257,14 +241,14 @@ class CollectiveInterceptor:
                 return orig(*args, **kwargs)
             token = None
             try:
-                bound = _bind(names, args, kwargs)
+                bound = bind_args(names, args, kwargs)
                 group = interceptor._group_seq(bound.get("group"))
                 if tracer.tracing_step:
                     is_async = bool(bound.get("async_op")) or name in _ALWAYS_ASYNC
                     token = interceptor.begin(name, bound.get("op") if has_op else None, group,
-                                              _tensors(bound.get(in_arg)) if in_arg else [],
+                                              tensors_of(bound.get(in_arg)) if in_arg else [],
                                               is_async,
-                                              _tensors(bound.get(out_arg)) if out_arg else None)
+                                              tensors_of(bound.get(out_arg)) if out_arg else None)
                     token.append(bound.get(out_arg) if out_arg else None)
             except Exception as exc:
                 tracer._on_error(f"collective {name}", exc)
@@ -403,7 +387,7 @@ class CollectiveInterceptor:
         tracer.busy = True
         try:
             op, reduce_op, gid, seq, t0, index, parent, inputs, fp_pre, is_async, step, started = token[:12]
-            outputs = _tensors(token[12]) if len(token) > 12 else []
+            outputs = tensors_of(token[12]) if len(token) > 12 else []
             attrs = token[functional.T_ATTRS] if len(token) > functional.T_ATTRS else None
             rows = self.rows_of.pop(id(token), None) if self.rows_of else None
             if rows is not None:

@@ -514,32 +514,18 @@ class StepFingerprints:
         vals = self._host_vals
         vals += vals[2 * p:2 * p + 2]
 
-    def _reduce_now(self, idx: int, t) -> None:
+    def _reduce_now(self, idx: int, t, plain: bool = False) -> None:
         """Fingerprint ``t`` now as value ``idx``: on the host when it is a CPU tensor numpy
         can read (floats at once), else two reductions on its device; a tensor of another kind
-        (complex, quantized, sparse, nested, meta) by its kind's values."""
+        (complex, quantized, sparse, nested, meta) by its kind's values. ``plain``: ``t`` is
+        known to be plain, dense and real (tracer/kinds.py's values of a kind)."""
         pair = None
         if t.is_cpu and t.dtype in _HOST_DTYPES and not t.requires_grad:
             pair = _host_pair(t)
         if pair is None:
-            if not _dense(t) or t.is_complex() or t.is_quantized:
+            if not plain and (not _dense(t) or t.is_complex() or t.is_quantized):
                 self._kind_value(idx, t)
                 return
-            pair = _pair(t, host=False)
-        if type(pair[0]) is float:
-            self._host_pos[idx] = len(self._host_idx)
-            self._host_idx.append(idx)
-            self._host_vals += pair
-        else:
-            self._imm_idx.append(idx)
-            self._imm_vals.append(pair)
-
-    def _reduce_plain(self, idx: int, t) -> None:
-        """``_reduce_now`` for a tensor known to be plain, dense and real (tracer/kinds.py's)."""
-        pair = None
-        if t.is_cpu and t.dtype in _HOST_DTYPES and not t.requires_grad:
-            pair = _host_pair(t)
-        if pair is None:
             pair = _pair(t, host=False)
         if type(pair[0]) is float:
             self._host_pos[idx] = len(self._host_idx)
@@ -559,7 +545,7 @@ class StepFingerprints:
         try:
             kind, data = kinds.source(t)
             if kind == kinds.FULL:
-                self._reduce_plain(idx, data)
+                self._reduce_now(idx, data, True)
             elif kind == kinds.SUM:
                 self._imm_idx.append(idx)
                 self._imm_vals.append((_sum(data, dtype=_F32), None))
@@ -587,7 +573,7 @@ class StepFingerprints:
                 self.stale += 1
                 continue
             if kind == kinds.FULL:
-                self._reduce_plain(idx, data)
+                self._reduce_now(idx, data, True)
             else:
                 self._imm_idx.append(idx)
                 self._imm_vals.append((_sum(data, dtype=_F32), None))

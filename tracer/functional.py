@@ -64,8 +64,8 @@ OP_SPECS = {
     "broadcast_": (("input", "src", "group_name"), "input", "input"),
 }
 NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
-# (namespace, op) -> parameter names; the result is finished when the op returns
-SYNC_OPS = {("_dtensor", "shard_dim_alltoall"): ("input", "gather_dim", "shard_dim", "group_name")}
+# (namespace, op) -> spec as in OP_SPECS, of an op whose result is finished when it returns
+SYNC_OPS = {("_dtensor", "shard_dim_alltoall"): (("input", "gather_dim", "shard_dim", "group_name"), "input", True)}
 SYNC_ATTRS = ("gather_dim", "shard_dim")
 
 FUNCOL = "torch.distributed._functional_collectives"
@@ -90,14 +90,16 @@ API_DIMS = {
 T_STEP, T_STARTED, T_OUT, T_ATTRS, T_FP_OUT, T_WAITED = 10, 11, 12, 13, 14, 15
 
 
-def _bind(names, args, kwargs) -> dict:
+def bind_args(names, args, kwargs) -> dict:
+    """A collective's arguments by parameter name (``names`` in order, then ``kwargs``)."""
     bound = dict(zip(names, args))
     if kwargs:
         bound.update(kwargs)
     return bound
 
 
-def _tensors(x) -> list:
+def tensors_of(x) -> list:
+    """The tensors of a collective's argument or result: a tensor, or those of a list or tuple."""
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, (list, tuple)):
@@ -168,18 +170,18 @@ class FunctionalCollectives:
             except Exception:
                 continue
             for name, spec in OP_SPECS.items():
-                self._patch_op(ns_name, ns, name, lambda orig, n=name, s=spec: self._op_wrapper(n, orig, s))
+                self._patch_op(ns_name, ns, name, lambda orig, n=name, s=spec: self._op_wrapper(n, orig, s, False))
         try:
             ns = torch.ops._c10d_functional
             self._patch_op("_c10d_functional", ns, "wait_tensor", self._wait_wrapper)
         except Exception:
             pass
-        for (ns_name, name), names in SYNC_OPS.items():
+        for (ns_name, name), spec in SYNC_OPS.items():
             try:
                 ns = getattr(torch.ops, ns_name)
             except Exception:
                 continue
-            self._patch_op(ns_name, ns, name, lambda orig, n=name, p=names: self._sync_wrapper(n, orig, p))
+            self._patch_op(ns_name, ns, name, lambda orig, n=name, s=spec: self._op_wrapper(n, orig, s, True))
 
     def _patch_op(self, ns_name, ns, name, make) -> None:
         try:
@@ -218,59 +220,40 @@ class FunctionalCollectives:
         self.attrs = None
 
     # ------------------------------------------------------------------ wrappers
-    def _op_wrapper(self, name, orig, spec):
+    def _op_wrapper(self, name, orig, spec, sync):
+        """The wrapper of op ``name`` (``spec`` as in OP_SPECS). ``sync``: its result is finished
+        when it returns (SYNC_OPS), so its record is closed at once, the dims it was given among
+        its attributes."""
         names, in_arg, out_spec = spec
         tracer, ic, fc = self.tracer, self.ic, self
 
         def wrapper(*args, **kwargs):
             if not tracer.enabled or tracer.in_collective or tracer.busy:
                 return orig(*args, **kwargs)
-            token = None
+            token = attrs = None
             try:
-                bound = _bind(names, args, kwargs)
+                bound = bind_args(names, args, kwargs)
                 group = ic._group_seq(bound.get("group_name"))
                 if tracer.tracing_step:
-                    token = ic.begin(name, bound.get("reduce_op"), group, _tensors(bound.get(in_arg)), True)
+                    x = bound.get(in_arg)
+                    if sync:
+                        attrs = dict(fc.attrs or ())
+                        for key in SYNC_ATTRS:
+                            if isinstance(bound.get(key), int):
+                                attrs[key] = int(_dim(bound[key], x))
+                    token = ic.begin(name, bound.get("reduce_op"), group, tensors_of(x), not sync)
             except Exception as exc:
                 tracer._on_error(f"collective {name}", exc)
                 token = None
             result = ic.call(token, orig, args, kwargs)
             if token is not None:
                 try:
-                    fc.issued(token, _tensors(result if out_spec is True else bound.get(out_spec)),
-                              fc.attrs, False)
-                except Exception as exc:
-                    tracer._on_error(f"collective {name}", exc)
-            return result
-
-        return OpPacketWrapper(orig, wrapper)
-
-    def _sync_wrapper(self, name, orig, names):
-        tracer, ic, fc = self.tracer, self.ic, self
-
-        def wrapper(*args, **kwargs):
-            if not tracer.enabled or tracer.in_collective or tracer.busy:
-                return orig(*args, **kwargs)
-            token = None
-            attrs = fc.attrs
-            try:
-                bound = _bind(names, args, kwargs)
-                group = ic._group_seq(bound.get("group_name"))
-                if tracer.tracing_step:
-                    x = bound.get("input")
-                    attrs = dict(attrs or ())
-                    for key in SYNC_ATTRS:
-                        if isinstance(bound.get(key), int):
-                            attrs[key] = int(_dim(bound[key], x))
-                    token = ic.begin(name, None, group, _tensors(x), False)
-            except Exception as exc:
-                tracer._on_error(f"collective {name}", exc)
-                token = None
-            result = ic.call(token, orig, args, kwargs)
-            if token is not None:
-                try:
-                    fc.issued(token, _tensors(result), attrs, True)
-                    fc.drain()
+                    outputs = tensors_of(result if out_spec is True else bound.get(out_spec))
+                    if sync:
+                        fc.issued(token, outputs, attrs, True)
+                        fc.drain()
+                    else:
+                        fc.issued(token, outputs, fc.attrs, False)
                 except Exception as exc:
                     tracer._on_error(f"collective {name}", exc)
             return result

@@ -262,16 +262,21 @@ def _gather_dim(j, pt, c):
     return pt.ndim - 1, f"the dimension was not seen; dim {pt.ndim - 1} assumed"
 
 
+def _slice_of(j, pt, c, reduction, rule, role, piece):
+    """``pt`` is a slice per rank, the ``role`` of collective ``c``: sharded along its dim."""
+    dim, why = _gather_dim(j, pt, c)
+    return _decide(pt, f"shard({dim})", reduction, rule, coll_json(c, pt.procs[0]),
+                   _coll_item(c, f"is the {role} of {coll_desc(c)} on every rank: {piece} per rank"),
+                   item("dataflow", why))
+
+
 def gather_input(j, pt):
     for c, _i, scale in j.links(pt)[1]:
         if c.op not in GATHER or scale != 1.0:
             continue
         if pt.equal:
             return None  # every rank sends the same values: nothing to tell from this gather
-        dim, why = _gather_dim(j, pt, c)
-        return _decide(pt, f"shard({dim})", "no-reduction", "gather-input", coll_json(c, pt.procs[0]),
-                       _coll_item(c, f"is the input of {coll_desc(c)} on every rank: a slice per rank"),
-                       item("dataflow", why))
+        return _slice_of(j, pt, c, "no-reduction", "gather-input", "input", "a slice")
     return None
 
 
@@ -281,10 +286,7 @@ def scatter_output(j, pt):
     for c, _i, _scale in j.links(pt)[0]:
         if c.op not in REDUCE_SCATTER:
             continue
-        dim, why = _gather_dim(j, pt, c)
-        return _decide(pt, f"shard({dim})", "post-reduction", "reduce-scatter-output", coll_json(c, pt.procs[0]),
-                       _coll_item(c, f"is the output of {coll_desc(c)} on every rank: a reduced slice per rank"),
-                       item("dataflow", why))
+        return _slice_of(j, pt, c, "post-reduction", "reduce-scatter-output", "output", "a reduced slice")
     return None
 
 

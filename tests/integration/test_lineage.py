@@ -4,20 +4,10 @@ import json
 
 import pytest
 
-from tt_helpers import ROOT, TENSOR_TRACE, TORCHRUN, TP_LLAMA, record, run_cmd
+from tt_helpers import ROOT, TORCHRUN, TP_LLAMA, lineage_json, record, tt
 
 pytestmark = pytest.mark.integration
 SCRIPT = str(ROOT / "tests" / "integration" / "scripts" / "lineage_model.py")
-
-
-def tt(*args):
-    return run_cmd([TENSOR_TRACE, *args])
-
-
-def lineage_json(trace, point):
-    r = tt("query", "lineage", point, "--trace", str(trace), "--json")
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
 
 
 @pytest.fixture(scope="module")

@@ -6,21 +6,11 @@ import json
 
 import pytest
 
-from tt_helpers import ROOT, TENSOR_TRACE, TORCHRUN, record, run_cmd
+from tt_helpers import ROOT, TORCHRUN, lineage_json, record, tt
 
 pytestmark = pytest.mark.integration
 SCRIPT = str(ROOT / "tests" / "integration" / "scripts" / "lineage_boundaries.py")
 LAYERS = ["packer.target.layers.0:output", "packer.target.layers.1:output", "packer.target.layers.3:output"]
-
-
-def tt(*args):
-    return run_cmd([TENSOR_TRACE, *args])
-
-
-def lineage_json(trace, point):
-    r = tt("query", "lineage", point, "--trace", str(trace), "--json")
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ several ranks share two cores without oversubscription.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -99,6 +100,18 @@ def run_cmd(cmd, *, timeout=DEFAULT_TIMEOUT, cwd=ROOT, env=None, check=False) ->
     if check and res.returncode != 0:
         pytest.fail(f"exit {res.returncode}: {cmd}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
     return res
+
+
+def tt(*args) -> subprocess.CompletedProcess:
+    """``tensor-trace ARGS``, its exit status left to the caller."""
+    return run_cmd([TENSOR_TRACE, *args])
+
+
+def lineage_json(trace, point) -> dict:
+    """``tensor-trace query lineage POINT --json`` on the trace folder ``trace``, which must succeed."""
+    r = tt("query", "lineage", point, "--trace", str(trace), "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
 
 
 def record_cmd(out_dir, cmd, *options) -> list:

@@ -134,16 +134,6 @@ def _capture_info(tr) -> dict:
             "what": f"residual stream entering {layer} (the hidden state after {before})"}
 
 
-def _tensors(x) -> list:
-    import torch
-
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for t in x if isinstance(t, torch.Tensor)]
-    return []
-
-
 def group_name(gc) -> str:
     return str(getattr(gc, "unique_name", "group")).split(":")[0]
 
@@ -155,6 +145,9 @@ def _patch_group_coordinator(cls) -> None:
 
 
 def _wrap_group_method(method, orig, in_args, out_args, reduce_op):
+    # not at the top: SGLang modules imported before torch import this one
+    from tensor_trace.tracer.functional import tensors_of
+
     signature = inspect.signature(orig)
 
     def wrapper(self, *args, **kwargs):
@@ -171,14 +164,14 @@ def _wrap_group_method(method, orig, in_args, out_args, reduce_op):
             group_seq = ic.seq_for(key, group_name(self), list(getattr(self, "ranks", [])),
                                    "sglang", str(getattr(self, "unique_name", "")))
             if tr.tracing_step:
-                inputs = [t for a in in_args for t in _tensors(bound.get(a))]
+                inputs = [t for a in in_args for t in tensors_of(bound.get(a))]
                 token = ic.begin(method, reduce_op, group_seq, inputs, False)
         except Exception as exc:
             tr._on_error(f"GroupCoordinator.{method}", exc)
             token = None
         result = ic.call(token, orig, (self, *args), kwargs)
         if token is not None:
-            outputs = [t for a in out_args for t in _tensors(bound.get(a))] + _tensors(result)
+            outputs = [t for a in out_args for t in tensors_of(bound.get(a))] + tensors_of(result)
             token.append(outputs)
             ic.finish(token)
         return result

@@ -17,6 +17,8 @@ Plans (``--plan``):
   DTensors flow through the whole residual stream and out of the model.
 
 The sizes divide by 2 and by 3 (heads, kv heads, hidden, vocab, sequence), so TP 2 and TP 3 work.
+The model and plans are also imported by dtensor_sp.py and funcol_tp.py (``rotary="real"``: cos/sin
+tables instead of the complex ``freqs_cis``; ``parallelize``'s overrides replace a plan's styles).
 ``--dump DIR`` saves each rank's local logits of every step (to compare a traced run with an
 untraced one); ``--probe`` adds every point's local shape, measured without tensor-trace.
 """
@@ -35,6 +37,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 PLANS = ("plain", "gathered", "sp", "dtensor")
 SIZES = dict(vocab=96, dim=48, layers=2, heads=6, kv_heads=6, hidden=96, seq=12, batch=2)
+# rotary kind -> the buffers every block (and attention) takes after the hidden state
+ROTARY_BUFFERS = {"complex": ("freqs_cis",), "real": ("cos", "sin")}
 
 
 def precompute_freqs_cis(dim, end, theta=10000.0):
@@ -51,21 +55,42 @@ def apply_rotary(xq, xk, freqs_cis):
             torch.view_as_real(xk_ * fc).flatten(3).type_as(xk))
 
 
+def rotary_tables(head_dim, seq):
+    """Real-valued rotary tables (cos, sin), for programs that keep complex tensors out."""
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(seq).float(), inv)
+    return torch.cat([angles.cos(), angles.cos()], -1), torch.cat([angles.sin(), angles.sin()], -1)
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos[None, :, None, :] + rotated * sin[None, :, None, :]
+
+
+def apply_rotary_real(xq, xk, cos, sin):
+    return _rotate(xq, cos, sin), _rotate(xk, cos, sin)
+
+
+ROTARY = {"complex": apply_rotary, "real": apply_rotary_real}
+
+
 class Attention(nn.Module):
-    def __init__(self, dim, nh, nkv):
+    def __init__(self, dim, nh, nkv, rotary="complex"):
         super().__init__()
         self.hd = dim // nh
+        self.rotary = ROTARY[rotary]
         self.wq = nn.Linear(dim, nh * self.hd, bias=False)
         self.wk = nn.Linear(dim, nkv * self.hd, bias=False)
         self.wv = nn.Linear(dim, nkv * self.hd, bias=False)
         self.wo = nn.Linear(nh * self.hd, dim, bias=False)
 
-    def forward(self, x, freqs_cis):
+    def forward(self, x, *rope):
         b, l, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         # -1: the local head count, as torchtitan does, so the same code runs at any TP.
         q, k, v = (t.view(b, l, -1, self.hd) for t in (q, k, v))
-        q, k = apply_rotary(q, k, freqs_cis)
+        q, k = self.rotary(q, k, *rope)
         rep = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -85,36 +110,42 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim, nh, nkv, hidden):
+    def __init__(self, dim, nh, nkv, hidden, rotary="complex"):
         super().__init__()
         self.attention_norm = nn.RMSNorm(dim)
-        self.attention = Attention(dim, nh, nkv)
+        self.attention = Attention(dim, nh, nkv, rotary)
         self.ffn_norm = nn.RMSNorm(dim)
         self.feed_forward = FeedForward(dim, hidden)
 
-    def forward(self, x, freqs_cis):
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(self, x, *rope):
+        h = x + self.attention(self.attention_norm(x), *rope)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
-    def __init__(self, vocab, dim, layers, heads, kv_heads, hidden, seq, **_):
+    def __init__(self, vocab, dim, layers, heads, kv_heads, hidden, seq, rotary="complex", **_):
         super().__init__()
+        self.rotary = rotary
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleDict({str(i): Block(dim, heads, kv_heads, hidden) for i in range(layers)})
+        self.layers = nn.ModuleDict({str(i): Block(dim, heads, kv_heads, hidden, rotary) for i in range(layers)})
         self.norm = nn.RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
-        self.register_buffer("freqs_cis", precompute_freqs_cis(dim // heads, seq), persistent=False)
+        tables = ((precompute_freqs_cis(dim // heads, seq),) if rotary == "complex"
+                  else rotary_tables(dim // heads, seq))
+        for name, table in zip(ROTARY_BUFFERS[rotary], tables):
+            self.register_buffer(name, table, persistent=False)
 
     def forward(self, tokens):
         h = self.tok_embeddings(tokens)
+        rope = [getattr(self, name) for name in ROTARY_BUFFERS[self.rotary]]
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, *rope)
         return self.output(self.norm(h))
 
 
-def plan_styles(plan, layers=SIZES["layers"]):
-    """The ParallelStyle of every parallelised module under ``plan``, by module path."""
+def plan_styles(plan, layers=SIZES["layers"], rotary="complex"):
+    """The ParallelStyle of every parallelised module under ``plan``, by module path (``rotary``:
+    the model's, whose buffers attention takes after the hidden state)."""
     sp = plan in ("sp", "dtensor")
     local = plan != "dtensor"  # use_local_output of the modules that feed the residual stream
     if plan == "plain":
@@ -138,18 +169,22 @@ def plan_styles(plan, layers=SIZES["layers"]):
              "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": row(),
              "feed_forward.w3": ColwiseParallel()}
         if sp:
+            rope = (None,) * len(ROTARY_BUFFERS[rotary])
             p.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-                      "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                                      desired_input_layouts=(Replicate(), None)),
+                      "attention": PrepareModuleInput(input_layouts=(Shard(1), *rope),
+                                                      desired_input_layouts=(Replicate(), *rope)),
                       "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
                                                          desired_input_layouts=(Replicate(),))})
         styles.update({f"layers.{i}.{k}": v for k, v in p.items()})
     return styles
 
 
-def parallelize(model, mesh, plan):
-    """Apply one of PLANS to ``model`` on the 1-D ``mesh``."""
-    return parallelize_module(model, mesh, plan_styles(plan, len(model.layers)))
+def parallelize(model, mesh, plan, **overrides):
+    """Apply one of PLANS to ``model`` on the 1-D ``mesh``; ``overrides`` (module path:
+    ParallelStyle, e.g. ``output=...``) replace or add styles of the plan."""
+    styles = plan_styles(plan, len(model.layers), model.rotary)
+    styles.update(overrides)
+    return parallelize_module(model, mesh, styles)
 
 
 def tokens_for_step(step):
