@@ -167,6 +167,7 @@ class _FileLoader:
         # Spans are stored in file order, so a step's spans are a run of consecutive rowids:
         # (first, last) per step lets a query read one step without an index on spans.
         self.span_ranges: dict = {}
+        self.span_rows = 0  # spans stored so far
         self.report = ReadReport(path)
 
     def module_id(self, sid):
@@ -181,6 +182,7 @@ class _FileLoader:
         # Cleared in place: load() holds these lists in local variables.
         if self.spans:
             _insert_rows(con, "INSERT INTO spans", SPAN_COLUMNS, self.spans)
+            self.span_rows += len(self.spans) // SPAN_COLUMNS
             self.spans.clear()
         if self.colls:
             _insert_rows(con, "INSERT OR IGNORE INTO collectives", COLLECTIVE_COLUMNS, self.colls)
@@ -234,6 +236,7 @@ class _FileLoader:
             if cur.rowcount > 0:
                 self._add_range(step, rowid + 1, rowid + cur.rowcount)
                 rowid += cur.rowcount
+                self.span_rows += cur.rowcount
             con.execute(
                 f"INSERT OR IGNORE INTO collectives SELECT proc, ?, idx + ?, "
                 f"CASE WHEN parent >= 0 THEN parent + ? ELSE -1 END, op, reduce_op, group_id, "
@@ -523,7 +526,8 @@ def open_new_store(path: str) -> sqlite3.Connection:
 
 class FileResult:
     """What loading one rank file gave (picklable: a worker sends it back): its header, identity
-    and END record and the read report, or ``skipped``, why the file was left out."""
+    and END record, the read report and the spans it left in the store, or ``skipped``, why the
+    file was left out (it left no rows)."""
 
     def __init__(self, proc, path, loader=None, skipped=None):
         self.proc, self.path, self.skipped = proc, path, skipped
@@ -531,6 +535,7 @@ class FileResult:
         self.identity = loader.identity if loader else {}
         self.end = loader.end if loader else None
         self.report = loader.report if loader else None
+        self.span_rows = loader.span_rows if loader else 0
 
 
 def load_file(con, proc: int, path: str, g) -> FileResult:

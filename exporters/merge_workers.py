@@ -200,11 +200,12 @@ def copy_part(con, part: str, data: dict, g, tables) -> None:
         exprs = {col: _map_expr(col, maps[kind], con, f"part_{kind}") for col, kind in ID_COLUMNS.items()}
         # Spans keep their order: a part's rowids shifted by the store's last rowid. They run
         # 1, 2, ... without gaps (a skipped file's rows are the part's last ones, and the next
-        # file reuses their rowids), so appended in order they get exactly those (the faster
-        # insert); otherwise each row is given its rowid.
+        # file reuses their rowids): the last is the number of spans its files left. Then,
+        # appended in order, they get exactly those (the faster insert); otherwise each row is
+        # given its rowid.
         offset = con.execute("SELECT COALESCE(MAX(rowid), 0) FROM main.spans").fetchone()[0]
-        n, last = con.execute("SELECT COUNT(*), COALESCE(MAX(rowid), 0) FROM part.spans").fetchone()
-        dense = n == last
+        last = con.execute("SELECT COALESCE(MAX(rowid), 0) FROM part.spans").fetchone()[0]
+        dense = last == sum(r.span_rows for r in data["results"])
         for table in tables:
             cols = [r[1] for r in con.execute(f"PRAGMA main.table_info({table})")]
             sel = []

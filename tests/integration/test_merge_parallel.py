@@ -88,6 +88,23 @@ def test_workers_build_the_same_store(tp3, tmp_path):
     assert not any(leftovers(d))
 
 
+def test_spans_keep_their_rowids_when_a_part_is_not_dense(tp3, tmp_path, monkeypatch):
+    # The part's rowids normally run 1..n (copied by appending); when they seem not to, each
+    # span is copied with its own rowid: the store must be the same.
+    d = copy_ranks(tp3, tmp_path / "t")
+    one, _, _ = merged(d, 0)
+    read = merge_workers.read_part
+
+    def read_miscounted(part):
+        data = read(part)
+        data["results"][0].span_rows += 1
+        return data
+
+    monkeypatch.setattr(merge_workers, "read_part", read_miscounted)
+    many, _, report = merged(d, 2)
+    assert many == one and len(report["workers"]) == 2
+
+
 def test_damaged_files_give_the_same_store_and_warnings(tp3, tmp_path):
     d = copy_ranks(tp3, tmp_path / "t")
     ranks = os.path.join(d, "ranks")
