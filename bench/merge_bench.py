@@ -493,8 +493,8 @@ def print_table(res: dict) -> None:
                          f"{_mb(m['rss_peak_kb'] * 1024)} / {_mb(m['vmhwm_kb'] * 1024)}"))
             for k, w in enumerate(ws, 1):
                 info.append((f"{pre} worker {k}: files / VmHWM / VmRSS at start / cpu",
-                             f"{w['files']} / {_mb(w['peak_rss_kb'] * 1024)} / {_mb(w['rss_start_kb'] * 1024)} / "
-                             f"{w['cpu_s']:.2f} s"))
+                             f"{w['files']} / {_mb((w.get('peak_rss_kb') or 0) * 1024)} / "
+                             f"{_mb((w.get('rss_start_kb') or 0) * 1024)} / {w['cpu_s']:.2f} s"))
             if ws:
                 info.append((f"{pre} peak RSS, merging process + workers (sum of VmHWM)", _mb(m["peak_all_kb"] * 1024)))
             info.append((f"{pre} RSS after imports (VmRSS)", _mb(m["vmrss_after_import_kb"] * 1024)))
@@ -653,7 +653,8 @@ def main(argv=None) -> int:
                         + f", {m['rate']:,.0f} span records/s, "
                         f"peak RSS {_mb(m['rss_peak_kb'] * 1024)} (VmHWM {_mb(m['vmhwm_kb'] * 1024)}, after imports "
                         f"{_mb(m['vmrss_after_import_kb'] * 1024)}"
-                        + (f"; workers' VmHWM {', '.join(_mb(w['peak_rss_kb'] * 1024) for w in ws)}" if ws else "")
+                        + (f"; workers' VmHWM {', '.join(_mb((w.get('peak_rss_kb') or 0) * 1024) for w in ws)}"
+                           if ws else "")
                         + f"), RUSAGE_CHILDREN {_mb(m['rss_children_kb'] * 1024)}, store {_mb(m['store_bytes'])}")
                     log("  phases: " + "; ".join(f"{k} {v:.2f} s" for k, v in m["phases"].items()))
                     log("  VmHWM after phase: " + "; ".join(f"{k} {_mb(v * 1024)}" for k, v in m["vmhwm_after_phase_kb"].items()))

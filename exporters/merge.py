@@ -177,16 +177,18 @@ class _FileLoader:
             self.modules[sid] = mid
         return mid
 
-    def flush(self):
+    def flush(self, last=True):
+        """Insert the rows gathered so far; unless ``last``, spans and collectives that would not
+        fill a whole statement wait for the next flush."""
         con = self.con
-        # Cleared in place: load() holds these lists in local variables.
+        # Emptied in place: load() holds these lists in local variables.
         if self.spans:
-            _insert_rows(con, "INSERT INTO spans", SPAN_COLUMNS, self.spans)
-            self.span_rows += len(self.spans) // SPAN_COLUMNS
-            self.spans.clear()
+            n = _insert_rows(con, "INSERT INTO spans", SPAN_COLUMNS, self.spans, last)
+            self.span_rows += n
+            del self.spans[:n * SPAN_COLUMNS]
         if self.colls:
-            _insert_rows(con, "INSERT OR IGNORE INTO collectives", COLLECTIVE_COLUMNS, self.colls)
-            self.colls.clear()
+            n = _insert_rows(con, "INSERT OR IGNORE INTO collectives", COLLECTIVE_COLUMNS, self.colls, last)
+            del self.colls[:n * COLLECTIVE_COLUMNS]
         if self.fps:
             con.executemany("INSERT INTO fingerprints VALUES (?,?,?,?,?)", self.fps)
             self.fps.clear()
@@ -343,7 +345,8 @@ class _FileLoader:
         S_SPAN, S_COLL, FLAG_ERROR = schema.SPAN, schema.COLLECTIVE, schema.FLAG_ERROR
         # The k-th row of spans will be stored at rowid base + k + 1 (rowids count up from the
         # table's end).
-        base = self.con.execute("SELECT COALESCE(MAX(rowid), 0) FROM spans").fetchone()[0]
+        start = self.con.execute("SELECT COALESCE(MAX(rowid), 0) FROM spans").fetchone()[0]
+        base = start
         cur_step, cur_first = None, base + 1
         for records in _chunks(self.path, report):
             for rec in records:
@@ -382,15 +385,14 @@ class _FileLoader:
                     report.bad_records += 1
             # Batches end at chunk ends: a chunk's records are in memory anyway.
             if len(spans) // SPAN_COLUMNS + len(colls) // COLLECTIVE_COLUMNS + len(step_colls) >= BATCH:
-                base += len(spans) // SPAN_COLUMNS
-                self.flush()
+                self.flush(last=False)
+                base = start + self.span_rows
         self._close_step()
-        base += len(spans) // SPAN_COLUMNS
         if cur_step is not None:
-            self._add_range(cur_step, cur_first, base)
+            self._add_range(cur_step, cur_first, base + len(spans) // SPAN_COLUMNS)
         self.flush()
         if self.replays:
-            self._expand_replays(base)
+            self._expand_replays(start + self.span_rows)
         self._finish()
 
     def _finish(self):
@@ -430,10 +432,11 @@ COLLECTIVE_COLUMNS = 19
 _MAX_VARIABLES = 999  # bound parameters per statement: the lowest limit SQLite builds have
 
 
-def _insert_rows(con, insert: str, ncols: int, flat: list) -> None:
+def _insert_rows(con, insert: str, ncols: int, flat: list, last: bool = True) -> int:
     """``insert`` (``INSERT ... INTO table``) the rows of ``flat``, ``ncols`` values each, one
-    after the other: many rows per statement, which costs about two thirds of executemany's
-    statement per row."""
+    after the other, many rows per statement (about two thirds of the cost of executemany's
+    statement per row); return the number of rows inserted: all, or unless ``last`` only those
+    that fill whole statements (a statement of another length is compiled anew)."""
     one = "(" + ",".join("?" * ncols) + ")"
     per = _MAX_VARIABLES // ncols
     step = per * ncols
@@ -442,8 +445,10 @@ def _insert_rows(con, insert: str, ncols: int, flat: list) -> None:
         sql = f"{insert} VALUES " + ",".join([one] * per)
         for i in range(0, full, step):
             con.execute(sql, flat[i:i + step])
-    if full < len(flat):
+    if last and full < len(flat):
         con.execute(f"{insert} VALUES " + ",".join([one] * ((len(flat) - full) // ncols)), flat[full:])
+        full = len(flat)
+    return full // ncols
 
 
 def _chunks(path, report):
