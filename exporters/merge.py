@@ -1,14 +1,16 @@
 """merge_ranks: every rank file of a run into one indexed SQLite store (``DIR/merged.sqlite``).
 
-Streaming: each file is read record by record and inserted in batches; the merge holds only one
-file's intern tables and one batch in memory, whatever the size of the trace. The store is built
-in a temporary file and renamed, so a reader never sees half a store, and merging twice gives the
-same store (files are taken in sorted order; nothing depends on the time of the merge).
+Streaming: each file is read chunk by chunk and inserted in batches; the merge holds only one
+file's intern tables and one batch in memory, whatever the size of the trace. With more than one
+core, worker processes load groups of files at the same time (``merge_workers``) and their rows
+are copied in; the store is the same row for row. The store is built in a temporary file and
+renamed, so a reader never sees half a store, and merging twice gives the same store (files are
+taken in sorted order; nothing depends on the time of the merge or on the number of workers).
 
 After loading, the merge (1) matches collectives across ranks by (group, sequence number) and
 records ranks that skipped one or issued a different one, (2) estimates clock offsets between
-processes from matched blocking collectives, and (3) computes placement and reduction verdicts
-for every capture point (``tensor_trace.exporters.analysis``). The schema is documented in
+processes from matched blocking collectives (both ``merge_align``), and (3) computes placement
+and reduction verdicts for every capture point (``tensor_trace.exporters.analysis``). The schema is documented in
 ``docs/store-schema.md``; ``tensor-trace query sql`` exposes it.
 """
 
@@ -16,20 +18,21 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import sqlite3
-import statistics
 import sys
 
 from tensor_trace import schema
 from tensor_trace.errors import BadInput
 import msgpack
 
+from tensor_trace.exporters import merge_workers
+from tensor_trace.exporters.merge_align import align_collectives, check_missing_ranks, estimate_clock_offsets
 from tensor_trace.exporters.reader import ReadReport, iter_chunks, rank_files
 
 STORE_NAME = "merged.sqlite"
 STORE_VERSION = 10
 BATCH = 20_000
-CLOCK_SAMPLE_STEPS = 64
 
 SCHEMA_SQL = """
 CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT);
@@ -144,8 +147,8 @@ class _FileLoader:
         self.layouts: dict = {}  # file layout id -> global layout id
         self.groups: dict = {}  # file group id -> global group id
         self.modules: dict = {}  # file string id -> module id
-        self.spans: list = []
-        self.colls: list = []
+        self.spans: list = []  # rows to insert, flat: SPAN_COLUMNS values per row
+        self.colls: list = []  # the same, COLLECTIVE_COLUMNS values per row
         self.fps: list = []
         self.steps: dict = {}
         self.header: dict = {}
@@ -165,6 +168,7 @@ class _FileLoader:
         # Spans are stored in file order, so a step's spans are a run of consecutive rowids:
         # (first, last) per step lets a query read one step without an index on spans.
         self.span_ranges: dict = {}
+        self.span_rows = 0  # spans stored so far
         self.report = ReadReport(path)
 
     def module_id(self, sid):
@@ -174,16 +178,18 @@ class _FileLoader:
             self.modules[sid] = mid
         return mid
 
-    def flush(self):
+    def flush(self, last=True):
+        """Insert the rows gathered so far; unless ``last``, spans and collectives that would not
+        fill a whole statement wait for the next flush."""
         con = self.con
-        # Cleared in place: load() holds these lists in local variables.
+        # Emptied in place: load() holds these lists in local variables.
         if self.spans:
-            con.executemany("INSERT INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", self.spans)
-            self.spans.clear()
+            n = _insert_rows(con, "INSERT INTO spans", SPAN_COLUMNS, self.spans, last)
+            self.span_rows += n
+            del self.spans[:n * SPAN_COLUMNS]
         if self.colls:
-            con.executemany("INSERT OR IGNORE INTO collectives VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                            self.colls)
-            self.colls.clear()
+            n = _insert_rows(con, "INSERT OR IGNORE INTO collectives", COLLECTIVE_COLUMNS, self.colls, last)
+            del self.colls[:n * COLLECTIVE_COLUMNS]
         if self.fps:
             con.executemany("INSERT INTO fingerprints VALUES (?,?,?,?,?)", self.fps)
             self.fps.clear()
@@ -197,9 +203,10 @@ class _FileLoader:
     def _close_step(self):
         span_module = self.span_module
         summary = self.summary
+        colls_extend = self.colls.extend
         for c in self.step_colls:
             mid = c[16] = span_module.get(c[3])
-            self.colls.append(c)
+            colls_extend(c)
             key = (mid, c[4], c[5], c[6])
             a = summary.get(key)
             if a is None:
@@ -232,6 +239,7 @@ class _FileLoader:
             if cur.rowcount > 0:
                 self._add_range(step, rowid + 1, rowid + cur.rowcount)
                 rowid += cur.rowcount
+                self.span_rows += cur.rowcount
             con.execute(
                 f"INSERT OR IGNORE INTO collectives SELECT proc, ?, idx + ?, "
                 f"CASE WHEN parent >= 0 THEN parent + ? ELSE -1 END, op, reduce_op, group_id, "
@@ -255,129 +263,151 @@ class _FileLoader:
         old = self.span_ranges.get(step)
         self.span_ranges[step] = (first, last) if old is None else (min(old[0], first), max(old[1], last))
 
+    def _record(self, rec, kind):
+        """Any record but a span or a collective (definitions, steps, fingerprints, ...)."""
+        proc = self.proc
+        strings = self.strings
+        if kind == schema.COLL_DEVICE:
+            # Written once the CUDA events completed: after the collective, often after
+            # its step ended, so applied to the stored rows at the end. Index -1 is the
+            # step's CUDA-graph replay.
+            if rec[2] < 0:
+                self.step_device.append((int(rec[3]), proc, rec[1]))
+            else:
+                self.coll_device.append((int(rec[3]), proc, rec[1], rec[2]))
+        elif kind == schema.REPLAY:
+            self.replays.append(tuple(rec[1:8]))
+        elif kind == schema.LINEAGE:
+            self.lineage.append((proc, rec[1], rec[2], strings.get(rec[3], "?"),
+                                 json.dumps(rec[4]) if rec[4] else None, json.dumps(rec[5]),
+                                 json.dumps(rec[6])))
+        elif kind == schema.SLOT_SRC:
+            self.slot_sources.append((proc, rec[1], rec[2], rec[3], json.dumps(rec[4])))
+        elif kind == schema.STRING:
+            strings[rec[1]] = rec[2]
+            self.modules.pop(rec[1], None)
+        elif kind == schema.META:
+            # [shape, dtype, device], and the tensor's kind (a dict) when it has one
+            entry = [rec[2], strings.get(rec[3], "?"), strings.get(rec[4], "?")]
+            if len(rec) > 5 and rec[5]:
+                entry.append(rec[5])
+            self.metas[rec[1]] = entry
+        elif kind == schema.LAYOUT:
+            slots = [[strings.get(s, "?"), *self.metas.get(m, _NO_META)] for s, m in rec[2]]
+            self.layouts[rec[1]] = self.g.layout(slots)
+        elif kind == schema.MODULE:
+            self.modules[rec[1]] = self.g.module(strings.get(rec[1], "?"), strings.get(rec[2]))
+        elif kind == schema.PARAMS:
+            mid = self.module_id(rec[1])
+            for entry in rec[2]:
+                name_id, meta_id, ref = entry[:3]
+                shape, dtype, _, *tensor_kind = self.metas.get(meta_id, _NO_META)
+                if len(entry) > 3 and isinstance(entry[3], dict):  # (schema.PARAMS)
+                    tensor_kind = [entry[3]]
+                self.params.append((proc, mid, strings.get(name_id, "?"), json.dumps(shape), dtype, ref,
+                                    json.dumps(tensor_kind[0], sort_keys=True) if tensor_kind else None))
+        elif kind == schema.FINGERPRINTS:
+            self.fps.append((proc, rec[1], rec[2], rec[3], rec[4]))
+        elif kind == schema.MODULE_ATTRS:
+            self.con.execute("INSERT OR REPLACE INTO module_attrs VALUES (?, ?)",
+                             (strings.get(rec[1], "?"), json.dumps(rec[2], sort_keys=True)))
+        elif kind == schema.CAPTURE_INFO:
+            self.con.execute("INSERT OR REPLACE INTO captures VALUES (?, ?)",
+                             (strings.get(rec[1], "?"), json.dumps(rec[2], sort_keys=True)))
+        elif kind == schema.STEP_BEGIN:
+            self.steps[rec[1]] = [strings.get(rec[2], ""), rec[3], None, 0, 0,
+                                  json.dumps(rec[4] or {}, sort_keys=True)]
+        elif kind == schema.STEP_END:
+            st = self.steps.get(rec[1])
+            if st is not None:
+                st[2], st[3], st[4] = rec[2], rec[3], rec[4]
+            self._close_step()
+        elif kind == schema.GROUP:
+            self.groups[rec[1]] = self.g.group(rec[2], rec[3], rec[4], rec[5] if len(rec) > 5 else "")
+        elif kind == schema.IDENTITY:
+            self.identity = dict(rec[1])
+        elif kind == schema.HEADER:
+            self.header = dict(rec[1])
+        elif kind == schema.ERROR:
+            self.errors.append((proc, rec[1], rec[2], rec[3]))
+        elif kind == schema.END:
+            self.end = dict(rec[1])
+
     def load(self):
+        # The hot loop: spans and collectives are nearly every record, handled inline with
+        # everything they touch in local variables; other kinds go to _record.
         proc = self.proc
         strings = self.strings
         spans = self.spans
+        spans_extend = spans.extend
         colls = self.colls
         layouts = self.layouts
+        groups = self.groups
         module_id = self.module_id
         span_module = self.span_module
         step_colls = self.step_colls
         modules = self.modules
-        S_SPAN, S_COLL, S_STR = schema.SPAN, schema.COLLECTIVE, schema.STRING
-        n = 0
-        rowid = self.con.execute("SELECT COALESCE(MAX(rowid), 0) FROM spans").fetchone()[0]
-        ranges = self.span_ranges
-        cur_step, cur_first = None, rowid + 1
-        for rec in _records(self.path, self.report):
-            try:
-                kind = rec[0]
-                if kind == S_SPAN:
-                    mid = modules.get(rec[4])
-                    if mid is None:
-                        mid = module_id(rec[4])
-                    if len(rec) != 13:
-                        raise IndexError("span record of another length")
-                    # The record becomes the row: its type slot takes the process id and the
-                    # file's ids become the store's (no new tuple per span).
-                    rec[0] = proc
-                    rec[4] = mid
-                    rec[8] = layouts.get(rec[8])
-                    spans.append(rec)
-                    if rec[3] == -1 and rec[12] & schema.FLAG_ERROR:
-                        self.interrupted.add(rec[1])  # the step's root call raised
-                    rowid += 1
-                    if rec[1] != cur_step:
-                        if cur_step is not None:
-                            self._add_range(cur_step, cur_first, rowid - 1)
-                        cur_step, cur_first = rec[1], rowid
-                    span_module[rec[2]] = mid
-                    n += 1
-                    if n >= BATCH:
-                        self.flush()
-                        n = 0
-                elif kind == S_COLL:
-                    # The issuing module's span ends after its collectives: resolved at STEP_END.
-                    step_colls.append([proc, rec[1], rec[2], rec[3], strings.get(rec[4]),
-                                       strings.get(rec[5]) if rec[5] >= 0 else None,
-                                       self.groups.get(rec[6]), rec[7], rec[8], rec[9], layouts.get(rec[10]),
-                                       rec[11], rec[12], rec[13], rec[14], rec[15], None, None,
-                                       _attrs_json(rec[16]) if len(rec) > 16 else None])
-                    n += 1
-                elif kind == schema.COLL_DEVICE:
-                    # Written once the CUDA events completed: after the collective, often after
-                    # its step ended, so applied to the stored rows at the end. Index -1 is the
-                    # step's CUDA-graph replay.
-                    if rec[2] < 0:
-                        self.step_device.append((int(rec[3]), proc, rec[1]))
+        interrupted = self.interrupted
+        add_range = self._add_range
+        other = self._record
+        report = self.report
+        S_SPAN, S_COLL, FLAG_ERROR = schema.SPAN, schema.COLLECTIVE, schema.FLAG_ERROR
+        # The k-th row of spans will be stored at rowid base + k + 1 (rowids count up from the
+        # table's end).
+        start = self.con.execute("SELECT COALESCE(MAX(rowid), 0) FROM spans").fetchone()[0]
+        base = start
+        cur_step, cur_first = None, base + 1
+        for records in _chunks(self.path, report):
+            for rec in records:
+                try:
+                    kind = rec[0]
+                    if kind == S_SPAN:
+                        mid = modules.get(rec[4])
+                        if mid is None:
+                            mid = module_id(rec[4])
+                        if len(rec) != 13:
+                            raise IndexError("span record of another length")
+                        # The record becomes the row: its type slot takes the process id and the
+                        # file's ids become the store's (no new object per span).
+                        rec[0] = proc
+                        rec[4] = mid
+                        rec[8] = layouts.get(rec[8])
+                        spans_extend(rec)
+                        if rec[1] != cur_step:
+                            row = base + len(spans) // SPAN_COLUMNS
+                            if cur_step is not None:
+                                add_range(cur_step, cur_first, row - 1)
+                            cur_step, cur_first = rec[1], row
+                        if rec[3] == -1 and rec[12] & FLAG_ERROR:
+                            interrupted.add(rec[1])  # the step's root call raised
+                        span_module[rec[2]] = mid
+                    elif kind == S_COLL:
+                        # The issuing module's span ends after its collectives: resolved at STEP_END.
+                        step_colls.append([proc, rec[1], rec[2], rec[3], strings.get(rec[4]),
+                                           strings.get(rec[5]) if rec[5] >= 0 else None,
+                                           groups.get(rec[6]), rec[7], rec[8], rec[9], layouts.get(rec[10]),
+                                           rec[11], rec[12], rec[13], rec[14], rec[15], None, None,
+                                           _attrs_json(rec[16]) if len(rec) > 16 else None])
                     else:
-                        self.coll_device.append((int(rec[3]), proc, rec[1], rec[2]))
-                elif kind == schema.REPLAY:
-                    self.replays.append(tuple(rec[1:8]))
-                elif kind == schema.LINEAGE:
-                    self.lineage.append((proc, rec[1], rec[2], strings.get(rec[3], "?"),
-                                         json.dumps(rec[4]) if rec[4] else None, json.dumps(rec[5]),
-                                         json.dumps(rec[6])))
-                elif kind == schema.SLOT_SRC:
-                    self.slot_sources.append((proc, rec[1], rec[2], rec[3], json.dumps(rec[4])))
-                elif kind == S_STR:
-                    strings[rec[1]] = rec[2]
-                    self.modules.pop(rec[1], None)
-                elif kind == schema.META:
-                    # [shape, dtype, device], and the tensor's kind (a dict) when it has one
-                    entry = [rec[2], strings.get(rec[3], "?"), strings.get(rec[4], "?")]
-                    if len(rec) > 5 and rec[5]:
-                        entry.append(rec[5])
-                    self.metas[rec[1]] = entry
-                elif kind == schema.LAYOUT:
-                    slots = [[strings.get(s, "?"), *self.metas.get(m, _NO_META)] for s, m in rec[2]]
-                    layouts[rec[1]] = self.g.layout(slots)
-                elif kind == schema.MODULE:
-                    self.modules[rec[1]] = self.g.module(strings.get(rec[1], "?"), strings.get(rec[2]))
-                elif kind == schema.PARAMS:
-                    mid = module_id(rec[1])
-                    for entry in rec[2]:
-                        name_id, meta_id, ref = entry[:3]
-                        shape, dtype, _, *kind = self.metas.get(meta_id, _NO_META)
-                        if len(entry) > 3 and isinstance(entry[3], dict):  # (schema.PARAMS)
-                            kind = [entry[3]]
-                        self.params.append((proc, mid, strings.get(name_id, "?"), json.dumps(shape), dtype, ref,
-                                            json.dumps(kind[0], sort_keys=True) if kind else None))
-                elif kind == schema.FINGERPRINTS:
-                    self.fps.append((proc, rec[1], rec[2], rec[3], rec[4]))
-                elif kind == schema.MODULE_ATTRS:
-                    self.con.execute("INSERT OR REPLACE INTO module_attrs VALUES (?, ?)",
-                                     (strings.get(rec[1], "?"), json.dumps(rec[2], sort_keys=True)))
-                elif kind == schema.CAPTURE_INFO:
-                    self.con.execute("INSERT OR REPLACE INTO captures VALUES (?, ?)",
-                                     (strings.get(rec[1], "?"), json.dumps(rec[2], sort_keys=True)))
-                elif kind == schema.STEP_BEGIN:
-                    self.steps[rec[1]] = [strings.get(rec[2], ""), rec[3], None, 0, 0,
-                                          json.dumps(rec[4] or {}, sort_keys=True)]
-                elif kind == schema.STEP_END:
-                    st = self.steps.get(rec[1])
-                    if st is not None:
-                        st[2], st[3], st[4] = rec[2], rec[3], rec[4]
-                    self._close_step()
-                elif kind == schema.GROUP:
-                    self.groups[rec[1]] = self.g.group(rec[2], rec[3], rec[4], rec[5] if len(rec) > 5 else "")
-                elif kind == schema.IDENTITY:
-                    self.identity = dict(rec[1])
-                elif kind == schema.HEADER:
-                    self.header = dict(rec[1])
-                elif kind == schema.ERROR:
-                    self.errors.append((proc, rec[1], rec[2], rec[3]))
-                elif kind == schema.END:
-                    self.end = dict(rec[1])
-            except (IndexError, TypeError, ValueError, AttributeError):
-                self.report.bad_records += 1
+                        other(rec, kind)
+                except (IndexError, TypeError, ValueError, AttributeError):
+                    report.bad_records += 1
+            # Batches end at chunk ends: a chunk's records are in memory anyway.
+            if len(spans) // SPAN_COLUMNS + len(colls) // COLLECTIVE_COLUMNS + len(step_colls) >= BATCH:
+                self.flush(last=False)
+                base = start + self.span_rows
         self._close_step()
         if cur_step is not None:
-            self._add_range(cur_step, cur_first, rowid)
+            self._add_range(cur_step, cur_first, base + len(spans) // SPAN_COLUMNS)
         self.flush()
         if self.replays:
-            self._expand_replays(rowid)
+            self._expand_replays(start + self.span_rows)
+        self._finish()
+
+    def _finish(self):
+        """The file's per-step and per-file rows, once all its records are read."""
+        proc = self.proc
+        ranges = self.span_ranges
         if not self.header:
             raise BadInput(f"{self.path}: no header (damaged at its start)")
         steps = self.steps
@@ -406,12 +436,36 @@ class _FileLoader:
             self.con.executemany("INSERT INTO params VALUES (?,?,?,?,?,?,?)", self.params)
 
 
+SPAN_COLUMNS = 13
+COLLECTIVE_COLUMNS = 19
+_MAX_VARIABLES = 999  # bound parameters per statement: the lowest limit SQLite builds have
+
+
 _NO_META = ([], "?", "?")  # a META record that was lost
 
 
-def _records(path, report):
-    """Every record of a rank file, one chunk decoded at a time (iter_records without its
-    per-record checks: a malformed record is caught by the loader's except clause)."""
+def _insert_rows(con, insert: str, ncols: int, flat: list, last: bool = True) -> int:
+    """``insert`` (``INSERT ... INTO table``) the rows of ``flat``, ``ncols`` values each, one
+    after the other, many rows per statement (about two thirds of the cost of executemany's
+    statement per row); return the number of rows inserted: all, or unless ``last`` only those
+    that fill whole statements (a statement of another length is compiled anew)."""
+    one = "(" + ",".join("?" * ncols) + ")"
+    per = _MAX_VARIABLES // ncols
+    step = per * ncols
+    full = len(flat) - len(flat) % step
+    if full:
+        sql = f"{insert} VALUES " + ",".join([one] * per)
+        for i in range(0, full, step):
+            con.execute(sql, flat[i:i + step])
+    if last and full < len(flat):
+        con.execute(f"{insert} VALUES " + ",".join([one] * ((len(flat) - full) // ncols)), flat[full:])
+        full = len(flat)
+    return full // ncols
+
+
+def _chunks(path, report):
+    """The records of every intact chunk of a rank file, one decoded chunk (a list) at a time
+    (iter_records without its per-record checks: a malformed record is caught by the loader)."""
     unpackb = msgpack.unpackb
     for payload in iter_chunks(path, report):
         try:
@@ -421,7 +475,7 @@ def _records(path, report):
             continue
         if isinstance(records, list):
             report.records += len(records)
-            yield from records
+            yield records
         else:
             report.corrupt_chunks += 1
 
@@ -446,7 +500,9 @@ class _Globals:
         return entry[0]
 
     def layout(self, slots):
-        key = json.dumps(slots, separators=(",", ":"))
+        return self.layout_key(json.dumps(slots, separators=(",", ":")))
+
+    def layout_key(self, key):
         lid = self.layouts.get(key)
         if lid is None:
             lid = len(self.layouts)
@@ -471,8 +527,86 @@ class _Globals:
         con.executemany("INSERT INTO groups VALUES (?,?,?,?,?)", list(self.groups.values()))
 
 
-def merge_ranks(trace_dir: str, warn=None) -> dict:
-    """Merge every rank file of ``trace_dir`` into ``trace_dir/merged.sqlite``; return a report."""
+# Tables a rank file's rows go to (the loader's), in the order a worker's part is copied.
+FILE_TABLES = ("spans", "collectives", "fingerprints", "steps", "errors", "params", "lineage", "slot_sources",
+               "collective_summary", "module_attrs", "captures")
+
+
+def open_new_store(path: str) -> sqlite3.Connection:
+    """A new store with the schema and no rows (built in one go: no journal, no syncs)."""
+    con = sqlite3.connect(path)
+    con.execute("PRAGMA journal_mode=OFF")
+    con.execute("PRAGMA synchronous=OFF")
+    con.executescript(SCHEMA_SQL)
+    return con
+
+
+class FileResult:
+    """What loading one rank file gave (picklable: a worker sends it back): its header, identity
+    and END record, the read report and the spans it left in the store, or ``skipped``, why the
+    file was left out (it left no rows)."""
+
+    def __init__(self, proc, path, loader=None, skipped=None):
+        self.proc, self.path, self.skipped = proc, path, skipped
+        self.header = loader.header if loader else {}
+        self.identity = loader.identity if loader else {}
+        self.end = loader.end if loader else None
+        self.report = loader.report if loader else None
+        self.span_rows = loader.span_rows if loader else 0
+
+
+def load_file(con, proc: int, path: str, g) -> FileResult:
+    """Load one rank file into ``con``; a file that cannot be read leaves no rows."""
+    loader = _FileLoader(con, proc, path, g)
+    try:
+        loader.load()
+    except BadInput as exc:
+        for table in ("spans", "collectives", "fingerprints", "steps", "errors", "params", "lineage",
+                      "slot_sources"):
+            con.execute(f"DELETE FROM {table} WHERE proc=?", (proc,))
+        return FileResult(proc, path, skipped=str(exc))
+    return FileResult(proc, path, loader)
+
+
+def _load_rank_files(con, files, g, tmp, workers, report, warn):
+    """Load every rank file into ``con``; yield their results in file order. The first group of
+    files is loaded here while worker processes load the others (``merge_workers``); closing
+    this generator stops them."""
+    groups = merge_workers.plan(files, workers)
+    if len(groups) == 1:
+        for proc, path in groups[0]:
+            yield load_file(con, proc, path, g)
+        return
+    with merge_workers.Pool(groups[1:], tmp) as pool:
+        for proc, path in groups[0]:
+            yield load_file(con, proc, path, g)
+        report["workers"] = []
+        for group, part, failure in pool.parts():
+            data = None
+            if failure is None:
+                try:
+                    data = merge_workers.read_part(part)
+                except (sqlite3.Error, OSError, TypeError, pickle.UnpicklingError) as exc:
+                    failure = f"its part store is unreadable: {exc}"
+            if data is None:
+                # Nothing of the group is in the store yet: this process loads it instead.
+                msg = f"a merge worker failed ({failure}); loaded its {len(group)} rank file(s) here"
+                warn(msg)
+                report["problems"].append(msg)
+                for proc, path in group:
+                    yield load_file(con, proc, path, g)
+                continue
+            merge_workers.copy_part(con, part, data, g, FILE_TABLES)
+            report["workers"].append(data["stats"])
+            yield from data["results"]
+
+
+def merge_ranks(trace_dir: str, warn=None, workers: int | None = None) -> dict:
+    """Merge every rank file of ``trace_dir`` into ``trace_dir/merged.sqlite``; return a report.
+
+    ``workers``: processes that load rank files besides this one (``merge_workers``); None
+    chooses from the cores and the trace's size (``TENSOR_TRACE_MERGE_WORKERS`` overrides), 0
+    loads every file here. The store is the same either way."""
     warn = warn or (lambda msg: sys.stderr.write(f"tensor-trace: warning: {msg}\n"))
     if not os.path.isdir(trace_dir):
         raise BadInput(f"{trace_dir}: no such trace folder")
@@ -489,48 +623,40 @@ def merge_ranks(trace_dir: str, warn=None) -> dict:
             warn(f"{run_file} is unreadable; taking the run id from the rank files")
     final = store_path(trace_dir)
     tmp = final + ".tmp"
-    if os.path.exists(tmp):
-        os.remove(tmp)
-    con = sqlite3.connect(tmp)
-    con.execute("PRAGMA journal_mode=OFF")
-    con.execute("PRAGMA synchronous=OFF")
-    con.executescript(SCHEMA_SQL)
+    for old in [tmp, *merge_workers.part_paths(tmp)]:
+        if os.path.exists(old):
+            os.remove(old)
+    con = open_new_store(tmp)
     g = _Globals(con)
     report = dict(files=len(files), processes=0, problems=[])
-    loaders = []
+    loading = _load_rank_files(con, files, g, tmp, workers, report, warn)
     try:
-        for proc, path in enumerate(files):
-            loader = _FileLoader(con, proc, path, g)
-            try:
-                loader.load()
-            except BadInput as exc:
-                warn(f"skipping {exc}")
-                report["problems"].append(str(exc))
-                for table in ("spans", "collectives", "fingerprints", "steps", "errors", "params", "lineage",
-                              "slot_sources"):
-                    con.execute(f"DELETE FROM {table} WHERE proc=?", (proc,))
+        for res in loading:
+            path = res.path
+            if res.skipped:
+                warn(f"skipping {res.skipped}")
+                report["problems"].append(res.skipped)
                 continue
-            file_run = loader.header.get("run_id")
+            file_run = res.header.get("run_id")
             if run_id is None:
                 run_id = file_run
             elif file_run != run_id:
                 raise BadInput(f"{os.path.basename(path)} belongs to run {file_run}, not to this folder's "
                                f"run {run_id}: move it out, or record again with --replace")
-            ident = loader.identity
-            hdr = loader.header
-            rep = loader.report
+            ident = res.identity
+            hdr = res.header
+            rep = res.report
             for p in rep.problems():
                 warn(f"{os.path.basename(path)}: {p}; read what came before")
                 report["problems"].append(f"{os.path.basename(path)}: {p}")
             con.execute("INSERT INTO processes VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", (
-                proc, os.path.relpath(path, trace_dir), file_run, hdr.get("host"), hdr.get("pid"),
+                res.proc, os.path.relpath(path, trace_dir), file_run, hdr.get("host"), hdr.get("pid"),
                 ident.get("rank"), ident.get("world_size"), ident.get("local_rank"), ident.get("tp_rank"),
                 ident.get("tp_size"), json.dumps(ident.get("tp_ranks")) if ident.get("tp_ranks") else None,
                 ident.get("device"), hdr.get("mono_ns"), hdr.get("wall_ns"), hdr.get("clock_offset_ns", 0),
                 None, 0, rep.records,
                 rep.corrupt_chunks, rep.skipped_bytes, int(rep.truncated_tail),
-                (loader.end or {}).get("reason"), json.dumps(ident, sort_keys=True)))
-            loaders.append(loader)
+                (res.end or {}).get("reason"), json.dumps(ident, sort_keys=True)))
             report["processes"] += 1
         if not report["processes"]:
             raise BadInput(f"{trace_dir}: none of its {len(files)} rank file(s) could be read")
@@ -539,7 +665,7 @@ def merge_ranks(trace_dir: str, warn=None) -> dict:
             ("store_version", str(STORE_VERSION)), ("run_id", run_id or ""),
             ("format_version", str(schema.FORMAT_VERSION))])
         con.executescript(INDEX_SQL)
-        _check_missing_ranks(con, warn, report)
+        check_missing_ranks(con, warn, report)
         report["collective_issues"] = align_collectives(con)
         report["clocks"] = estimate_clock_offsets(con)
         from tensor_trace.exporters.analysis import compute_verdicts
@@ -547,129 +673,10 @@ def merge_ranks(trace_dir: str, warn=None) -> dict:
         report["points"] = compute_verdicts(con)
         con.commit()
     except BaseException:
+        loading.close()
         con.close()
         os.remove(tmp)
         raise
     con.close()
     os.replace(tmp, final)
     return report
-
-
-def _check_missing_ranks(con, warn, report) -> None:
-    rows = con.execute("SELECT rank, world_size FROM processes WHERE rank IS NOT NULL").fetchall()
-    if not rows:
-        return
-    world = max((w or 0) for _, w in rows)
-    present = {r for r, _ in rows}
-    missing = sorted(set(range(world)) - present)
-    if missing:
-        msg = f"rank(s) {', '.join(map(str, missing))} of world size {world} left no rank file; answers use the others"
-        warn(msg)
-        report["problems"].append(msg)
-
-
-def align_collectives(con) -> list:
-    """Match collectives by (group, seq) across the group's ranks, as PyTorch's Flight Recorder
-    analyser does; record the first disagreement per group (later ones follow from it): a rank
-    that did not issue a collective the others did, or issued another op, shape or dtype."""
-    issues = []
-    groups = {gid: json.loads(ranks) for gid, ranks in con.execute("SELECT group_id, ranks FROM groups")}
-    rank_of = dict(con.execute("SELECT proc, rank FROM processes"))
-    for gid, ranks in groups.items():
-        procs = [p for p, r in rank_of.items() if r in ranks]
-        if len(procs) < 2:
-            continue
-        # Compare only the range every present rank covered (a killed rank stops early, and a
-        # --steps window starts late).
-        # Replayed copies repeat their capture's sequence numbers: the captured call stands for them.
-        bounds = con.execute("SELECT proc, MIN(seq), MAX(seq) FROM collectives WHERE group_id=? AND (flags & ?) = 0 "
-                             "GROUP BY proc", (gid, schema.FLAG_REPLAYED)).fetchall()
-        if len(bounds) < len(procs):
-            continue
-        lo, hi = max(b[1] for b in bounds), min(b[2] for b in bounds)
-        row = con.execute(
-            "SELECT c.seq, COUNT(*), COUNT(DISTINCT c.op || '|' || COALESCE(c.reduce_op, '') || '|' || l.signature) "
-            "FROM collectives c JOIN layouts l USING(layout_id) WHERE c.group_id=? AND c.seq BETWEEN ? AND ? "
-            "AND (c.flags & ?) = 0 "
-            "GROUP BY c.seq HAVING COUNT(*) != ? OR COUNT(DISTINCT c.op || '|' || COALESCE(c.reduce_op, '') "
-            "|| '|' || l.signature) > 1 ORDER BY c.seq LIMIT 1",
-            (gid, lo, hi, schema.FLAG_REPLAYED, len(procs))).fetchone()
-        if row is None:
-            continue
-        seq = row[0]
-        rows = con.execute("SELECT c.proc, c.op, c.reduce_op, l.signature FROM collectives c JOIN layouts l "
-                           "USING(layout_id) WHERE c.group_id=? AND c.seq=? AND (c.flags & ?) = 0",
-                           (gid, seq, schema.FLAG_REPLAYED)).fetchall()
-        have = {p for p, *_ in rows}
-        missing = [rank_of[p] for p in procs if p not in have]
-        if missing:
-            issues.append((gid, seq, "skipped", json.dumps(missing),
-                           f"rank(s) {missing} did not issue collective #{seq} of group {gid} ({rows[0][1]}) "
-                           f"that rank(s) {sorted(rank_of[p] for p in have)} issued"))
-            continue
-        sigs: dict = {}
-        for proc, op, redop, sig in rows:
-            sigs.setdefault((op, redop, sig), []).append(rank_of[proc])
-        parts = [f"ranks {sorted(r)}: {op}{'(' + redop + ')' if redop else ''} "
-                 + ", ".join(f"{shape} {dtype}" for shape, dtype in json.loads(sig))
-                 for (op, redop, sig), r in sigs.items()]
-        odd = min(sigs.values(), key=len)
-        issues.append((gid, seq, "mismatch", json.dumps(sorted(odd)),
-                       f"collective #{seq} of group {gid} differs: " + "; ".join(parts)))
-    con.executemany("INSERT INTO collective_issues VALUES (?,?,?,?,?)", issues)
-    return issues
-
-
-def estimate_clock_offsets(con) -> list:
-    """Offset of every process's monotonic clock from the reference process (lowest rank).
-
-    Processes of one clock domain (one host, unless a test shifted a process's clock) share a
-    monotonic clock: offset 0. For another domain, every rank leaves a blocking collective at
-    nearly the same moment, so the offset is the median over matched blocking collectives of
-    (end on reference - end on p). The residual skew reported is the median absolute difference
-    of those ends after correction. With no matched collective, other hosts fall back to the
-    wall-clock anchors written when each process started.
-    """
-    procs = con.execute("SELECT proc, rank, host, mono_anchor_ns, wall_anchor_ns, file FROM processes "
-                        "ORDER BY rank IS NULL, rank, proc").fetchall()
-    if not procs:
-        return []
-    # Before estimation the column holds the shift a test injected into a process's clock
-    # (TENSOR_TRACE_CLOCK_OFFSET_NS): such a process is its own clock domain.
-    injected = {proc: off or 0 for proc, off in con.execute("SELECT proc, clock_offset_ns FROM processes")}
-    domains = {}
-    ref = procs[0]
-    for proc, rank, host, *_ in procs:
-        domains[proc] = (host, injected.get(proc, 0))
-    ends: dict = {}
-    # A bounded sample (the first CLOCK_SAMPLE_STEPS traced steps) is plenty for a median and
-    # keeps this independent of the trace's length.
-    first_steps = [r[0] for r in con.execute(
-        f"SELECT DISTINCT step FROM steps ORDER BY step LIMIT {CLOCK_SAMPLE_STEPS}")]
-    last = first_steps[-1] if first_steps else -1
-    cur = con.execute(
-        "SELECT c.proc, c.group_id, c.seq, st.t_begin + c.t0 + c.dur FROM collectives c "
-        "JOIN steps st ON st.proc = c.proc AND st.step = c.step WHERE c.step <= ? AND (c.flags & ?) = 0 "
-        "AND c.op NOT IN ('send','recv','isend','irecv')",
-        (last, schema.FLAG_ASYNC | schema.FLAG_CAPTURED | schema.FLAG_REPLAYED))
-    for proc, gid, seq, end in cur:
-        if end is not None:  # a step whose begin record was lost has no time base
-            ends.setdefault(proc, {})[(gid, seq)] = end
-    out = []
-    ref_ends = ends.get(ref[0], {})
-    for proc, rank, host, mono, wall, _file in procs:
-        mine = ends.get(proc, {})
-        diffs = [ref_ends[k] - v for k, v in mine.items() if k in ref_ends]
-        same_domain = domains[proc] == domains[ref[0]]
-        if same_domain:
-            off = 0
-        elif diffs:
-            off = int(statistics.median(diffs))
-        else:
-            # t_ref = t_p + (wall_p - mono_p) - (wall_ref - mono_ref)
-            off = (wall - mono) - (ref[4] - ref[3]) if None not in (wall, mono, ref[3], ref[4]) else 0
-        resid = int(statistics.median(abs(d - off) for d in diffs)) if diffs else None
-        out.append((proc, off, resid, len(diffs)))
-    con.executemany("UPDATE processes SET clock_offset_ns=?, clock_residual_ns=?, clock_matches=? WHERE proc=?",
-                    [(off, res, n, proc) for proc, off, res, n in out])
-    return out

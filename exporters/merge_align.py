@@ -1,0 +1,141 @@
+"""What the merge checks across ranks once every rank file is in the store: ranks missing
+from the world, collectives matched across ranks (``collective_issues``), and clock offsets
+between processes (``processes.clock_offset_ns``)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from tensor_trace import schema
+
+CLOCK_SAMPLE_STEPS = 64
+
+
+def check_missing_ranks(con, warn, report) -> None:
+    """Warn (and report) ranks of the world size that left no rank file."""
+    rows = con.execute("SELECT rank, world_size FROM processes WHERE rank IS NOT NULL").fetchall()
+    if not rows:
+        return
+    world = max((w or 0) for _, w in rows)
+    present = {r for r, _ in rows}
+    missing = sorted(set(range(world)) - present)
+    if missing:
+        msg = f"rank(s) {', '.join(map(str, missing))} of world size {world} left no rank file; answers use the others"
+        warn(msg)
+        report["problems"].append(msg)
+
+
+def align_collectives(con) -> list:
+    """Match collectives by (group, seq) across the group's ranks, as PyTorch's Flight Recorder
+    analyser does; record the first disagreement per group (later ones follow from it): a rank
+    that did not issue a collective the others did, or issued another op, shape or dtype."""
+    issues = []
+    groups = {gid: json.loads(ranks) for gid, ranks in con.execute("SELECT group_id, ranks FROM groups")}
+    rank_of = dict(con.execute("SELECT proc, rank FROM processes"))
+    # Compare only the range every present rank covered (a killed rank stops early, and a
+    # --steps window starts late). Replayed copies repeat their capture's sequence numbers: the
+    # captured call stands for them. One pass over the table for all groups (the index on
+    # (group_id, seq) would cost a lookup per row).
+    bounds: dict = {}
+    for gid, proc, lo, hi in con.execute("SELECT group_id, proc, MIN(seq), MAX(seq) FROM collectives "
+                                         "WHERE (flags & ?) = 0 GROUP BY proc, group_id", (schema.FLAG_REPLAYED,)):
+        bounds.setdefault(gid, []).append((proc, lo, hi))
+    # Layouts of equal signatures share a number: comparing it is comparing shapes and dtypes.
+    con.execute("CREATE TEMP TABLE IF NOT EXISTS signatures(layout_id INTEGER PRIMARY KEY, sig INTEGER)")
+    con.execute("DELETE FROM temp.signatures")
+    con.execute("INSERT INTO temp.signatures SELECT layout_id, DENSE_RANK() OVER (ORDER BY signature) FROM layouts")
+    for gid, ranks in groups.items():
+        procs = [p for p, r in rank_of.items() if r in ranks]
+        if len(procs) < 2:
+            continue
+        covered = bounds.get(gid, [])
+        if len(covered) < len(procs):
+            continue
+        lo, hi = max(b[1] for b in covered), min(b[2] for b in covered)
+        row = con.execute(
+            "SELECT c.seq, COUNT(*), COUNT(DISTINCT c.op || '|' || COALESCE(c.reduce_op, '') || '|' || l.sig) "
+            "FROM collectives c JOIN temp.signatures l USING(layout_id) WHERE c.group_id=? AND c.seq BETWEEN ? AND ? "
+            "AND (c.flags & ?) = 0 "
+            "GROUP BY c.seq HAVING COUNT(*) != ? OR COUNT(DISTINCT c.op || '|' || COALESCE(c.reduce_op, '') "
+            "|| '|' || l.sig) > 1 ORDER BY c.seq LIMIT 1",
+            (gid, lo, hi, schema.FLAG_REPLAYED, len(procs))).fetchone()
+        if row is None:
+            continue
+        seq = row[0]
+        rows = con.execute("SELECT c.proc, c.op, c.reduce_op, l.signature FROM collectives c JOIN layouts l "
+                           "USING(layout_id) WHERE c.group_id=? AND c.seq=? AND (c.flags & ?) = 0",
+                           (gid, seq, schema.FLAG_REPLAYED)).fetchall()
+        have = {p for p, *_ in rows}
+        missing = [rank_of[p] for p in procs if p not in have]
+        if missing:
+            issues.append((gid, seq, "skipped", json.dumps(missing),
+                           f"rank(s) {missing} did not issue collective #{seq} of group {gid} ({rows[0][1]}) "
+                           f"that rank(s) {sorted(rank_of[p] for p in have)} issued"))
+            continue
+        sigs: dict = {}
+        for proc, op, redop, sig in rows:
+            sigs.setdefault((op, redop, sig), []).append(rank_of[proc])
+        parts = [f"ranks {sorted(r)}: {op}{'(' + redop + ')' if redop else ''} "
+                 + ", ".join(f"{shape} {dtype}" for shape, dtype in json.loads(sig))
+                 for (op, redop, sig), r in sigs.items()]
+        odd = min(sigs.values(), key=len)
+        issues.append((gid, seq, "mismatch", json.dumps(sorted(odd)),
+                       f"collective #{seq} of group {gid} differs: " + "; ".join(parts)))
+    con.executemany("INSERT INTO collective_issues VALUES (?,?,?,?,?)", issues)
+    return issues
+
+
+def estimate_clock_offsets(con) -> list:
+    """Offset of every process's monotonic clock from the reference process (lowest rank).
+
+    Processes of one clock domain (one host, unless a test shifted a process's clock) share a
+    monotonic clock: offset 0. For another domain, every rank leaves a blocking collective at
+    nearly the same moment, so the offset is the median over matched blocking collectives of
+    (end on reference - end on p). The residual skew reported is the median absolute difference
+    of those ends after correction. With no matched collective, other hosts fall back to the
+    wall-clock anchors written when each process started.
+    """
+    procs = con.execute("SELECT proc, rank, host, mono_anchor_ns, wall_anchor_ns, file FROM processes "
+                        "ORDER BY rank IS NULL, rank, proc").fetchall()
+    if not procs:
+        return []
+    # Before estimation the column holds the shift a test injected into a process's clock
+    # (TENSOR_TRACE_CLOCK_OFFSET_NS): such a process is its own clock domain.
+    injected = {proc: off or 0 for proc, off in con.execute("SELECT proc, clock_offset_ns FROM processes")}
+    domains = {}
+    ref = procs[0]
+    for proc, rank, host, *_ in procs:
+        domains[proc] = (host, injected.get(proc, 0))
+    ends: dict = {}
+    # A bounded sample (the first CLOCK_SAMPLE_STEPS traced steps) is plenty for a median and
+    # keeps this independent of the trace's length.
+    first_steps = [r[0] for r in con.execute(
+        f"SELECT DISTINCT step FROM steps ORDER BY step LIMIT {CLOCK_SAMPLE_STEPS}")]
+    last = first_steps[-1] if first_steps else -1
+    cur = con.execute(
+        "SELECT c.proc, c.group_id, c.seq, st.t_begin + c.t0 + c.dur FROM collectives c "
+        "JOIN steps st ON st.proc = c.proc AND st.step = c.step WHERE c.step <= ? AND (c.flags & ?) = 0 "
+        "AND c.op NOT IN ('send','recv','isend','irecv')",
+        (last, schema.FLAG_ASYNC | schema.FLAG_CAPTURED | schema.FLAG_REPLAYED))
+    for proc, gid, seq, end in cur:
+        if end is not None:  # a step whose begin record was lost has no time base
+            ends.setdefault(proc, {})[(gid, seq)] = end
+    out = []
+    ref_ends = ends.get(ref[0], {})
+    for proc, rank, host, mono, wall, _file in procs:
+        mine = ends.get(proc, {})
+        diffs = [ref_ends[k] - v for k, v in mine.items() if k in ref_ends]
+        same_domain = domains[proc] == domains[ref[0]]
+        if same_domain:
+            off = 0
+        elif diffs:
+            off = int(statistics.median(diffs))
+        else:
+            # t_ref = t_p + (wall_p - mono_p) - (wall_ref - mono_ref)
+            off = (wall - mono) - (ref[4] - ref[3]) if None not in (wall, mono, ref[3], ref[4]) else 0
+        resid = int(statistics.median(abs(d - off) for d in diffs)) if diffs else None
+        out.append((proc, off, resid, len(diffs)))
+    con.executemany("UPDATE processes SET clock_offset_ns=?, clock_residual_ns=?, clock_matches=? WHERE proc=?",
+                    [(off, res, n, proc) for proc, off, res, n in out])
+    return out

@@ -1,0 +1,82 @@
+"""How merge_workers.plan splits rank files between the merging process and its workers."""
+
+import os
+
+import pytest
+
+from tensor_trace.exporters import merge_workers
+
+
+def files_of(tmp_path, sizes):
+    paths = []
+    for k, n in enumerate(sizes):
+        p = tmp_path / f"r{k:02d}.ttr"
+        p.write_bytes(bytes(n))
+        paths.append(str(p))
+    return paths
+
+
+def check_partition(groups, files):
+    """Contiguous, in file order, every file once with its own process id, no empty group."""
+    assert all(groups)
+    flat = [pp for g in groups for pp in g]
+    assert flat == list(enumerate(files))
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 7])
+def test_groups_are_contiguous_and_balanced(tmp_path, workers):
+    files = files_of(tmp_path, [1000] * 8)
+    groups = merge_workers.plan(files, workers)
+    check_partition(groups, files)
+    assert len(groups) == min(workers + 1, 8)
+    if workers == 1:
+        # Two equal halves: the merging process's share is a little smaller (it also copies the
+        # parts), which rounds to 4 of 8 equal files.
+        assert [len(g) for g in groups] == [4, 4]
+
+
+def test_uneven_files_split_by_bytes(tmp_path):
+    files = files_of(tmp_path, [8000, 100, 100, 100, 100, 100, 100, 7000])
+    groups = merge_workers.plan(files, 1)
+    check_partition(groups, files)
+    assert [p for p, _ in groups[0]] == [0]  # the first file alone is about half the bytes
+
+
+def test_no_workers_for_one_file_zero_workers_or_a_small_trace(tmp_path, monkeypatch):
+    monkeypatch.delenv(merge_workers.ENV_WORKERS, raising=False)
+    one = files_of(tmp_path, [merge_workers.PARALLEL_MIN_BYTES * 2])
+    assert merge_workers.plan(one, 3) == [[(0, one[0])]]
+    files = files_of(tmp_path, [1000] * 4)
+    assert len(merge_workers.plan(files, 0)) == 1
+    assert len(merge_workers.plan(files, None)) == 1  # far below PARALLEL_MIN_BYTES
+    assert len(merge_workers.plan(files, 2)) == 3  # asked for: used whatever the size
+
+
+def test_environment_sets_the_workers(tmp_path, monkeypatch):
+    files = files_of(tmp_path, [1000] * 4)
+    monkeypatch.setenv(merge_workers.ENV_WORKERS, "2")
+    assert len(merge_workers.plan(files, None)) == 3
+    monkeypatch.setenv(merge_workers.ENV_WORKERS, "0")
+    assert len(merge_workers.plan(files, None)) == 1
+    assert len(merge_workers.plan(files, 1)) == 2  # an explicit argument wins
+
+
+def test_auto_uses_the_cores(tmp_path, monkeypatch):
+    monkeypatch.delenv(merge_workers.ENV_WORKERS, raising=False)
+    monkeypatch.setattr(merge_workers, "PARALLEL_MIN_BYTES", 0)
+    files = files_of(tmp_path, [1000] * 8)
+    monkeypatch.setattr(merge_workers, "_usable_cpus", lambda: 1)
+    assert len(merge_workers.plan(files, None)) == 1
+    monkeypatch.setattr(merge_workers, "_usable_cpus", lambda: 2)
+    assert len(merge_workers.plan(files, None)) == 2
+    monkeypatch.setattr(merge_workers, "_usable_cpus", lambda: 64)
+    assert len(merge_workers.plan(files, None)) == merge_workers.MAX_WORKERS + 1
+
+
+def test_part_paths_finds_only_this_stores_parts(tmp_path):
+    tmp = str(tmp_path / "merged.sqlite.tmp")
+    for name in ("merged.sqlite.tmp.part1", "merged.sqlite.tmp.part1.log", "merged.sqlite.tmp.part2",
+                 "merged.sqlite", "other.part1"):
+        (tmp_path / name).write_bytes(b"")
+    assert sorted(os.path.basename(p) for p in merge_workers.part_paths(tmp)) == [
+        "merged.sqlite.tmp.part1", "merged.sqlite.tmp.part1.log", "merged.sqlite.tmp.part2"]
