@@ -157,7 +157,7 @@ def reduction_output(j, pt, exact=True):
             return _decide(pt, "replicate", "no-reduction", "gathered-by-all-reduce", coll_json(c, pt.procs[0]),
                            _coll_item(c, f"equals the output of {coll_desc(c)}{times}, whose inputs are zero "
                                          f"outside one slice each: a gather, not a reduction"))
-        return _decide(pt, "replicate" if pt.equal is not False else "divergent", "post-reduction",
+        return _decide(pt, "replicate" if pt.equal else "divergent", "post-reduction",
                        "reduction-output", coll_json(c, pt.procs[0]),
                        _coll_item(c, f"equals the output of {coll_desc(c)} on every rank{times}"))
     return None
@@ -204,8 +204,6 @@ def reduction_input(j, pt, exact=True):
 def _is_concat_of_inputs(c, pt) -> bool:
     """A reduce_scatter over a list of chunks: on every rank the point's fingerprint is the sum
     of the chunks' (the chunks are views of it)."""
-    from tensor_trace.exporters.analysis.tolerance import Observed
-
     for p in pt.procs:
         parts = c.ins.get(p) or []
         t = pt.obs[p]

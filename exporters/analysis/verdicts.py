@@ -60,7 +60,7 @@ def tp_groups_with_size(con) -> list:
         else:
             key, size = ("world", world), world
         groups.setdefault(key, []).append(proc)
-        sizes[key] = max(sizes.get(key) or 0, size or 0) or None
+        sizes[key] = max(sizes.get(key, 0), size or 0)
     return [(procs, sizes[key] or len(procs)) for key, procs in groups.items()]
 
 
