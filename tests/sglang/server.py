@@ -97,8 +97,14 @@ def server_command(tp: int, port: int, *, model_path: Path | str = TINY_LLAMA, e
     ]
 
 
-def server_env(tp: int, base: dict | None = None, extra: dict | None = None) -> dict:
+def server_env(tp: int, base: dict | None = None, extra: dict | None = None, standins=()) -> dict:
+    """The server's environment. ``standins``: modules of shims/tt_sglang_standins to apply in
+    every SGLang process (e.g. ``("wide_dummy",)``), through TT_SGLANG_STANDINS."""
     env = dict(os.environ if base is None else base)
+    if standins:
+        env["TT_SGLANG_STANDINS"] = ",".join(standins)
+    else:
+        env.pop("TT_SGLANG_STANDINS", None)
     env["SGLANG_USE_CPU_ENGINE"] = "1"  # else: "No module named 'vllm'" from the rotary embedding
     if tp > 1:
         # One core per rank; without it, an assertion that TP size <= number of NUMA nodes.
@@ -174,14 +180,14 @@ class SGLangServer:
                  port: int | None = None, log_path: str | Path | None = None,
                  startup_timeout: float = 120.0, stop_timeout: float = 30.0,
                  model_path: Path | str = TINY_LLAMA, load_format: str = "dummy",
-                 cwd: str | Path | None = None):
+                 cwd: str | Path | None = None, standins=()):
         self.tp = tp
         self.prefix = [str(p) for p in prefix]
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.command = self.prefix + server_command(tp, self.port, model_path=model_path, load_format=load_format,
                                                     extra_args=[str(a) for a in extra_args])
-        self.env = server_env(tp, extra=env)
+        self.env = server_env(tp, extra=env, standins=standins)
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix=f"sglang-tp{tp}-", suffix=".log")
             os.close(fd)

@@ -21,6 +21,8 @@
 #   5. shims/torchvision_ops.pth + shims/_tt_torchvision_shim.py into site-packages: torchvision
 #      0.28.0 from PyPI is a CUDA build whose _C.so cannot load on CPU torch; defining the
 #      torchvision::nms/qnms schemas before it is imported lets it import.
+#      shims/tt_sglang_standins.pth too: it applies shims/tt_sglang_standins (MoE, MLA, EP,
+#      DP-attention and EAGLE-3 stand-ins, wide dummy weights) where TT_SGLANG_STANDINS asks.
 #      The other shim, shims/sgl_kernel, is NOT installed: the launcher puts tests/sglang/shims on
 #      PYTHONPATH (tests/sglang/server.py does), so it cannot shadow a real sgl_kernel.
 set -Eeuo pipefail
@@ -67,7 +69,7 @@ STEP="checking inputs"
 command -v "$PYTHON" >/dev/null || { echo "setup.sh: $PYTHON not found" >&2; exit 1; }
 PYVER="$("$PYTHON" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])')"
 HEAVY="$(printf '%s\n' "$RECIPE_VERSION" "$PYVER" "$TORCH_VERSION" "${NODEPS_PINS[*]}" "$(hash_of "$HERE/requirements.txt")")"
-LIGHT="$(hash_of "$HERE/shims/torchvision_ops.pth" "$HERE/shims/_tt_torchvision_shim.py" "$ROOT/pyproject.toml")"
+LIGHT="$(hash_of "$HERE/shims/torchvision_ops.pth" "$HERE/shims/_tt_torchvision_shim.py" "$HERE/shims/tt_sglang_standins.pth" "$ROOT/pyproject.toml")"
 WANT="$(printf 'heavy %s\nlight %s\n' "$(echo "$HEAVY" | sha256sum | cut -d' ' -f1)" "$LIGHT")"
 
 if [[ "${SGLANG_SETUP_FORCE:-0}" != "1" && -f "$MARKER" ]]; then
@@ -117,6 +119,9 @@ step "installing the torchvision shim into site-packages"
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 install -m 0644 "$HERE/shims/_tt_torchvision_shim.py" "$SITE/_tt_torchvision_shim.py"
 install -m 0644 "$HERE/shims/torchvision_ops.pth" "$SITE/torchvision_ops.pth"
+# One line that applies tests/sglang/shims/tt_sglang_standins (on PYTHONPATH, never installed)
+# only where TT_SGLANG_STANDINS names stand-ins: a plain run of this venv is untouched.
+install -m 0644 "$HERE/shims/tt_sglang_standins.pth" "$SITE/tt_sglang_standins.pth"
 
 step "checking: torch is the CPU build and unchanged, torchvision and sglang import"
 "$VENV/bin/python" - "$TORCH_VERSION" <<'EOF'
