@@ -1,0 +1,136 @@
+"""Which ranks hold the same data: a framework's parallel groups, as the processes declared them.
+
+A verdict compares a tensor across the ranks of one group. Most points live in the TP group, but
+under SGLang's DP attention (``--enable-dp-attention --dp-size N``) the TP group is split into N
+attention-DP ranks, each running its own requests: between the gather before the MoE and the
+scatter after it (and in attention, norms and the residual stream) a rank holds only its own
+tokens, and only the ranks of its attention-TP group hold the same ones. Those points are judged
+across the attention-TP group, and the tokens' split across the DP ranks is reported as a data
+split, not as a shard: no collective ever puts these slices together as one tensor of the model.
+
+Which points are DP-local is observed, not named: a point whose first dimension is, on every
+rank, that rank's own token count (or its own batch size: per-request tensors such as the
+logits) in a step whose DP ranks ran different tokens. Points with the gathered token count on
+every rank (the MoE block's) stay in the TP group. The processes declare their groups in their
+identity (``groups``: name -> size, rank, ranks; tracer/integrations/sglang.py); traces without
+them are judged as before, over their TP groups.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tensor_trace.exporters.analysis.evidence import item
+
+DP_LOCAL_GROUP = "attn_tp"
+
+
+def declared_groups(con) -> dict:
+    """proc -> its declared parallel groups (``{name: {size, rank, ranks}}``), for the
+    processes that declared any."""
+    out = {}
+    for proc, ident in con.execute("SELECT proc, identity FROM processes WHERE identity IS NOT NULL"):
+        try:
+            groups = (json.loads(ident) or {}).get("groups")
+        except (TypeError, ValueError):
+            continue
+        if isinstance(groups, dict) and groups:
+            out[proc] = groups
+    return out
+
+
+def dp_subgroups(con, procs, rank_of: dict) -> list | None:
+    """The attention-TP groups that partition ``procs`` (one TP group), as ``[(procs, size)]``,
+    when its processes declared DP attention (an attention-DP group of more than one rank);
+    None otherwise."""
+    declared = declared_groups(con)
+    if not any((declared.get(p, {}).get("attn_dp") or {}).get("size", 1) > 1 for p in procs):
+        return None
+    by_group: dict = {}
+    sizes: dict = {}
+    for p in procs:
+        g = declared.get(p, {}).get(DP_LOCAL_GROUP)
+        key = tuple(g["ranks"]) if g and g.get("ranks") else ("alone", rank_of.get(p))
+        by_group.setdefault(key, []).append(p)
+        sizes[key] = int(g["size"]) if g and g.get("size") else 1
+    return [(members, sizes[key]) for key, members in by_group.items()]
+
+
+def step_counts(con, step, procs) -> dict:
+    """proc -> (tokens, batch size, DP ranks' token counts) of one step, as the step recorded."""
+    ph = ",".join("?" * len(procs))
+    out = {}
+    for proc, attrs in con.execute(f"SELECT proc, attrs FROM steps WHERE step=? AND proc IN ({ph})",
+                                   (step, *procs)):
+        a = json.loads(attrs or "{}")
+        out[proc] = (a.get("tokens"), a.get("batch_size"), a.get("dp_tokens"))
+    return out
+
+
+def dp_local_points(view, counts: dict) -> set:
+    """Keys of the step's points that hold each rank's own tokens: the first dimension is that
+    rank's token count on every rank (or its batch size on every rank), and the ranks' counts
+    are not all the gathered count."""
+    local = set()
+    procs = view.procs
+    if len(counts) < len(procs) or any(counts[p][0] is None for p in procs):
+        return local
+    for key, obs in view.points.items():
+        if len(obs) < len(procs) or any(not obs[p].shape for p in procs):
+            continue
+        rows = {p: obs[p].shape[0] for p in procs}
+        for which in (0, 1):
+            own = {p: counts[p][which] for p in procs}
+            if any(n is None for n in own.values()) or rows != own:
+                continue
+            gathered = counts[procs[0]][2]
+            if gathered and all(n == sum(gathered) for n in own.values()):
+                continue  # the gathered count on every rank: not a split
+            if len(set(own.values())) > 1 or gathered:
+                local.add(key)
+                break
+    return local
+
+
+def tp_group_info(procs, size, rank_of) -> dict:
+    return dict(name="tp", size=size, ranks=[sorted(rank_of[p] for p in procs)])
+
+
+def rejudge_dp_local(ctx, con, step, view, verdicts: dict, subgroups: list) -> None:
+    """Replace the verdicts of the step's DP-local points (``verdicts`` of the whole TP group)
+    with their verdicts across their attention-TP groups, and say how the tokens are split."""
+    counts = step_counts(con, step, view.procs)
+    local = dp_local_points(view, counts)
+    rank_of = ctx.rank_of
+    for key, verdict in verdicts.items():
+        verdict.setdefault("group", tp_group_info(view.procs, len(view.procs), rank_of))
+    if not local:
+        return
+    per_group = []
+    for members, size in subgroups:
+        _, sub = ctx.judge_step(con, step, members, size)
+        per_group.append((members, size, sub))
+    for key in local:
+        whole = verdicts[key]
+        found = [(members, size, sub[key]) for members, size, sub in per_group if key in sub]
+        if not found:
+            continue
+        # the first DP rank that holds tokens speaks for the point; the others' verdicts are evidence
+        found.sort(key=lambda f: -sum(view.points[key][p].shape[0] for p in f[0]))
+        members, size, chosen = found[0]
+        rows = {rank_of[p]: view.points[key][p].shape[0] for p in view.procs}
+        split = dict(over="attn_dp", dim=0, rows=rows,
+                     what="tokens" if all(rows[rank_of[p]] == counts[p][0] for p in view.procs) else "requests")
+        text = (f"data split over the attention-DP ranks: each holds its own {split['what']} along dim 0 ("
+                + ", ".join(f"rank {r}: {n}" for r, n in sorted(rows.items()))
+                + f"); judged across its attention-TP group ({size} rank{'s' if size > 1 else ''})")
+        items = [item("group", text)] + list(chosen["items"])
+        for other_members, _, other in found[1:]:
+            if (other["placement"], other["reduction"]) != (chosen["placement"], chosen["reduction"]):
+                items.append(item("group", f"attention-TP group {sorted(rank_of[p] for p in other_members)}: "
+                                           f"{other['placement']}/{other['reduction']}"))
+        new = dict(chosen, items=items, shapes=whole["shapes"], dtypes=whole["dtypes"],
+                   group=dict(name=DP_LOCAL_GROUP, size=size,
+                              ranks=[sorted(rank_of[p] for p in m) for m, _, _ in per_group]),
+                   data_split=split)
+        verdicts[key] = new
