@@ -180,7 +180,8 @@ def compute_verdicts(con) -> int:
         if len(counts) > 1:
             items.append(item("sampling", "other steps disagree: " + ", ".join(
                 f"{p}/{r} in {n}" for (p, r), n in counts.items() if (p, r) != (placement, reduction))))
-        sem = declared.expected_by_layer(ctx.layer_attrs.get(module), slot, len(chosen["shapes"]))
+        judged_across = (chosen.get("group") or {}).get("size") or len(chosen["shapes"])
+        sem = declared.expected_by_layer(ctx.layer_attrs.get(module), slot, judged_across)
         if sem is not None:
             _semantics_check(sem, placement, reduction, items)
         dts = set(chosen["dtypes"].values())

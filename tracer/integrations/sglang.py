@@ -306,4 +306,8 @@ def module_attrs(module) -> dict | None:
         value = getattr(module, name, None)
         if isinstance(value, (bool, int, str)):
             out[name] = value
+    group = getattr(module, "tp_group", None)  # the layer's own group (attention TP under DP attention)
+    size = getattr(group, "world_size", None)
+    if isinstance(size, int):
+        out["group"], out["group_size"] = group_name(group), size
     return out
