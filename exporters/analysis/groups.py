@@ -56,34 +56,35 @@ def dp_subgroups(con, procs, rank_of: dict) -> list | None:
     return [(members, sizes[key]) for key, members in by_group.items()]
 
 
-def step_counts(con, step, procs) -> dict:
-    """proc -> (tokens, batch size, DP ranks' token counts) of one step, as the step recorded."""
-    ph = ",".join("?" * len(procs))
-    out = {}
-    for proc, attrs in con.execute(f"SELECT proc, attrs FROM steps WHERE step=? AND proc IN ({ph})",
-                                   (step, *procs)):
-        a = json.loads(attrs or "{}")
-        out[proc] = (a.get("tokens"), a.get("batch_size"), a.get("dp_tokens"))
-    return out
+def step_counts(view) -> dict:
+    """proc -> (tokens, batch size, DP ranks' token counts) of the view's step, as recorded."""
+    return {p: (a.get("tokens"), a.get("batch_size"), a.get("dp_tokens")) for p, a in view.step_attrs.items()}
 
 
 def dp_local_points(view, counts: dict) -> set:
     """Keys of the step's points that hold each rank's own tokens: the first dimension is that
-    rank's token count on every rank (or its batch size on every rank), and the ranks' counts
-    are not all the gathered count."""
+    rank's token count on every rank that has the point (or its batch size on every such rank),
+    and the ranks' counts are not all the gathered count. A rank without tokens may skip a
+    module altogether: the point is then seen on the others only."""
     local = set()
     procs = view.procs
     if len(counts) < len(procs) or any(counts[p][0] is None for p in procs):
         return local
     for key, obs in view.points.items():
-        if len(obs) < len(procs) or any(not obs[p].shape for p in procs):
+        seen = [p for p in procs if p in obs]
+        if not seen or any(counts[p][0] for p in procs if p not in obs):
             continue
-        rows = {p: obs[p].shape[0] for p in procs}
+        if any(not obs[p].shape for p in seen):
+            continue
+        rows = {p: obs[p].shape[0] for p in seen}
         for which in (0, 1):
-            own = {p: counts[p][which] for p in procs}
+            own = {p: counts[p][which] for p in seen}
             if any(n is None for n in own.values()) or rows != own:
                 continue
             gathered = counts[procs[0]][2]
+            if len(seen) < len(procs):
+                local.add(key)  # skipped where there were no tokens: the gathered part runs everywhere
+                break
             if gathered and all(n == sum(gathered) for n in own.values()):
                 continue  # the gathered count on every rank: not a split
             if len(set(own.values())) > 1 or gathered:
@@ -99,7 +100,7 @@ def tp_group_info(procs, size, rank_of) -> dict:
 def rejudge_dp_local(ctx, con, step, view, verdicts: dict, subgroups: list) -> None:
     """Replace the verdicts of the step's DP-local points (``verdicts`` of the whole TP group)
     with their verdicts across their attention-TP groups, and say how the tokens are split."""
-    counts = step_counts(con, step, view.procs)
+    counts = step_counts(view)
     local = dp_local_points(view, counts)
     rank_of = ctx.rank_of
     for key, verdict in verdicts.items():
@@ -116,11 +117,12 @@ def rejudge_dp_local(ctx, con, step, view, verdicts: dict, subgroups: list) -> N
         if not found:
             continue
         # the first DP rank that holds tokens speaks for the point; the others' verdicts are evidence
-        found.sort(key=lambda f: -sum(view.points[key][p].shape[0] for p in f[0]))
+        found.sort(key=lambda f: -sum(view.points[key][p].shape[0] for p in f[0] if p in view.points[key]))
         members, size, chosen = found[0]
-        rows = {rank_of[p]: view.points[key][p].shape[0] for p in view.procs}
+        seen = [p for p in view.procs if p in view.points[key]]
+        rows = {rank_of[p]: view.points[key][p].shape[0] for p in seen}
         split = dict(over="attn_dp", dim=0, rows=rows,
-                     what="tokens" if all(rows[rank_of[p]] == counts[p][0] for p in view.procs) else "requests")
+                     what="tokens" if all(rows[rank_of[p]] == counts[p][0] for p in seen) else "requests")
         text = (f"data split over the attention-DP ranks: each holds its own {split['what']} along dim 0 ("
                 + ", ".join(f"rank {r}: {n}" for r, n in sorted(rows.items()))
                 + f"); judged across its attention-TP group ({size} rank{'s' if size > 1 else ''})")

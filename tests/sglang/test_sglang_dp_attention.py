@@ -43,7 +43,7 @@ TOGETHER = [[5, 6, 7, 8, 9], [10, 11]]
 
 def _serve(log, prefix=()):
     srv = server.SGLangServer(2, model_path=MODEL, extra_args=ARGS, standins=STANDINS, log_path=log,
-                              prefix=list(prefix), startup_timeout=300)
+                              prefix=list(prefix), startup_timeout=600)
     with srv:
         alone = server.output_ids(srv.generate(ALONE, max_new_tokens=NEW_TOKENS))
         both = srv.request("/generate", {"input_ids": TOGETHER,
