@@ -61,36 +61,80 @@ def step_counts(view) -> dict:
     return {p: (a.get("tokens"), a.get("batch_size"), a.get("dp_tokens")) for p, a in view.step_attrs.items()}
 
 
-def dp_local_points(view, counts: dict) -> set:
-    """Keys of the step's points that hold each rank's own tokens: the first dimension is that
-    rank's token count on every rank that has the point (or its batch size on every such rank),
-    and the ranks' counts are not all the gathered count. A rank without tokens may skip a
-    module altogether: the point is then seen on the others only."""
-    local = set()
+# Rules of rules.py that link a point to a collective of the TP group: its values are those of
+# every DP rank's tokens (gathered, or a partial sum over them), not one DP rank's own.
+LINKED_RULES = {"gather-output", "gathered-by-all-reduce", "reduction-output", "reduction-input",
+                "gather-by-all-reduce-input", "gather-input", "reduce-scatter-output", "sums-add-up"}
+
+
+def dp_local_points(view, counts: dict, verdicts: dict) -> set:
+    """Keys of the step's points that hold each rank's own tokens (``_by_rows``), and of the
+    points inside a module call that does (e.g. attention's per-head norms, whose rows are
+    tokens times heads): the nearest enclosing call whose own points tell. A point whose rows are
+    not its rank's own and whose values meet a collective of the TP group (``verdicts``, across
+    the whole TP group) holds every DP rank's tokens: the MoE block's input, its partial sums."""
     procs = view.procs
     if len(counts) < len(procs) or any(counts[p][0] is None for p in procs):
-        return local
+        return set()
+    told = {}
     for key, obs in view.points.items():
-        seen = [p for p in procs if p in obs]
-        if not seen or any(counts[p][0] for p in procs if p not in obs):
-            continue
-        if any(not obs[p].shape for p in seen):
-            continue
-        rows = {p: obs[p].shape[0] for p in seen}
-        for which in (0, 1):
-            own = {p: counts[p][which] for p in seen}
-            if any(n is None for n in own.values()) or rows != own:
-                continue
-            gathered = counts[procs[0]][2]
-            if len(seen) < len(procs):
-                local.add(key)  # skipped where there were no tokens: the gathered part runs everywhere
-                break
-            if gathered and all(n == sum(gathered) for n in own.values()):
-                continue  # the gathered count on every rank: not a split
-            if len(set(own.values())) > 1 or gathered:
-                local.add(key)
-                break
+        says = _by_rows(view, counts, key, obs)
+        if not says and (verdicts.get(key) or {}).get("rule") in LINKED_RULES:
+            says = False
+        told[key] = says
+    call_says: dict = {}  # (module, call) -> True (DP-local) / False (gathered): its first point that tells
+    for key in sorted(told, key=lambda k: view.times.get(k, (1 << 62, 0, 0))):
+        if told[key] is not None:
+            call_says.setdefault(key[:2], told[key])
+    span_at: dict = {}  # key -> (proc, span index) on the first rank that has it (an idle one may not)
+    for (proc, idx, _slot), key in view.slot_key.items():
+        if key not in span_at or procs.index(proc) < procs.index(span_at[key][0]):
+            span_at[key] = (proc, idx)
+    local = set()
+    for key, says in told.items():
+        if says is None and key in span_at:
+            proc, idx = span_at[key]
+            parent = view.span_of[(proc, idx)][2]
+            for _ in range(64):  # up the module calls enclosing it
+                if key[:2] in call_says and not key[0].startswith("capture:"):
+                    says = call_says[key[:2]]
+                    break
+                owner = view.span_of.get((proc, parent))
+                if owner is None:
+                    break
+                if owner[:2] in call_says:
+                    says = call_says[owner[:2]]
+                    break
+                parent = owner[2]
+        if says:
+            local.add(key)
     return local
+
+
+def _by_rows(view, counts, key, obs):
+    """True where the point's first dimension is, on every rank that has it, that rank's own
+    token count (or its own batch size), and the ranks' counts are not all the gathered count;
+    None where its rows do not tell (the gathered count may also be a rank's tokens times heads). A
+    rank without tokens may skip a module altogether: the point is then seen on the others only."""
+    procs = view.procs
+    seen = [p for p in procs if p in obs]
+    if not seen or any(counts[p][0] for p in procs if p not in obs):
+        return None
+    if any(not obs[p].shape for p in seen):
+        return None
+    rows = {p: obs[p].shape[0] for p in seen}
+    gathered = counts[procs[0]][2]
+    for which in (0, 1):
+        own = {p: counts[p][which] for p in seen}
+        if any(n is None for n in own.values()) or rows != own:
+            continue
+        if len(seen) < len(procs):
+            return True  # skipped where there were no tokens: the gathered part runs everywhere
+        if gathered and all(n == sum(gathered) for n in own.values()):
+            break  # the gathered count on every rank: not a split
+        if len(set(own.values())) > 1 or gathered:
+            return True
+    return None
 
 
 def tp_group_info(procs, size, rank_of) -> dict:
@@ -101,7 +145,7 @@ def rejudge_dp_local(ctx, con, step, view, verdicts: dict, subgroups: list) -> N
     """Replace the verdicts of the step's DP-local points (``verdicts`` of the whole TP group)
     with their verdicts across their attention-TP groups, and say how the tokens are split."""
     counts = step_counts(view)
-    local = dp_local_points(view, counts)
+    local = dp_local_points(view, counts, verdicts)
     rank_of = ctx.rank_of
     for key, verdict in verdicts.items():
         verdict.setdefault("group", tp_group_info(view.procs, len(view.procs), rank_of))
