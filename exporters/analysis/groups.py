@@ -64,7 +64,7 @@ def step_counts(view) -> dict:
 # Rules of rules.py that link a point to a collective of the TP group: its values are those of
 # every DP rank's tokens (gathered, or a partial sum over them), not one DP rank's own.
 LINKED_RULES = {"gather-output", "gathered-by-all-reduce", "reduction-output", "reduction-input",
-                "gather-by-all-reduce-input", "gather-input", "reduce-scatter-output", "sums-add-up"}
+                "gather-by-all-reduce-input", "gather-input", "reduce-scatter-output"}
 
 
 def dp_local_points(view, counts: dict, verdicts: dict) -> set:
@@ -79,9 +79,9 @@ def dp_local_points(view, counts: dict, verdicts: dict) -> set:
     told = {}
     for key, obs in view.points.items():
         says = _by_rows(view, counts, key, obs)
-        if not says and (verdicts.get(key) or {}).get("rule") in LINKED_RULES:
+        if says is not True and (verdicts.get(key) or {}).get("rule") in LINKED_RULES:
             says = False
-        told[key] = says
+        told[key] = True if says == MAYBE else says
     call_says: dict = {}  # (module, call) -> True (DP-local) / False (gathered): its first point that tells
     for key in sorted(told, key=lambda k: view.times.get(k, (1 << 62, 0, 0))):
         if told[key] is not None:
@@ -92,47 +92,54 @@ def dp_local_points(view, counts: dict, verdicts: dict) -> set:
             span_at[key] = (proc, idx)
     local = set()
     for key, says in told.items():
-        if says is None and key in span_at:
+        # Inside a call that holds every DP rank's tokens (the MoE block) everything does, whatever
+        # its rows look like (an expert's tokens may number a rank's own); a gathered call never
+        # encloses a DP-local one within a forward pass.
+        chain = [call_says.get(key[:2])]
+        if key in span_at:
             proc, idx = span_at[key]
             parent = view.span_of[(proc, idx)][2]
             for _ in range(64):  # up the module calls enclosing it
-                if key[:2] in call_says and not key[0].startswith("capture:"):
-                    says = call_says[key[:2]]
-                    break
                 owner = view.span_of.get((proc, parent))
                 if owner is None:
                     break
-                if owner[:2] in call_says:
-                    says = call_says[owner[:2]]
-                    break
+                chain.append(call_says.get(owner[:2]))
                 parent = owner[2]
-        if says:
+        if says is False or False in chain:
+            continue
+        if says or (says is None and any(chain)):
             local.add(key)
     return local
 
 
+MAYBE = "maybe"
+
+
 def _by_rows(view, counts, key, obs):
-    """True where the point's first dimension is, on every rank that has it, that rank's own
-    token count (or its own batch size), and the ranks' counts are not all the gathered count;
-    None where its rows do not tell (the gathered count may also be a rank's tokens times heads). A
-    rank without tokens may skip a module altogether: the point is then seen on the others only."""
+    """True where the point's first dimension is, on every rank that has it and holds tokens,
+    that rank's own token count (or its own batch size), and the ranks' counts are not all the
+    gathered count; ``MAYBE`` where they match but are also the gathered count (one DP rank holds
+    every token: the others are idle); None where its rows do not tell (the gathered count may
+    also be a rank's tokens times heads). An idle DP rank runs a padded batch (its rows are not
+    tokens of its own) or skips a module altogether (the point is then seen on the others only)."""
     procs = view.procs
     seen = [p for p in procs if p in obs]
     if not seen or any(counts[p][0] for p in procs if p not in obs):
         return None
     if any(not obs[p].shape for p in seen):
         return None
-    rows = {p: obs[p].shape[0] for p in seen}
     gathered = counts[procs[0]][2]
+    holders = [p for p in seen if counts[p][0]] if gathered else seen
+    if not holders:
+        return None
+    rows = {p: obs[p].shape[0] for p in holders}
     for which in (0, 1):
-        own = {p: counts[p][which] for p in seen}
+        own = {p: counts[p][which] for p in holders}
         if any(n is None for n in own.values()) or rows != own:
             continue
-        if len(seen) < len(procs):
-            return True  # skipped where there were no tokens: the gathered part runs everywhere
         if gathered and all(n == sum(gathered) for n in own.values()):
-            break  # the gathered count on every rank: not a split
-        if len(set(own.values())) > 1 or gathered:
+            return MAYBE if len(holders) < len(procs) else None
+        if len(holders) < len(procs) or len(set(own.values())) > 1 or gathered:
             return True
     return None
 
