@@ -172,8 +172,10 @@ def rejudge_dp_local(ctx, con, step, view, verdicts: dict, subgroups: list) -> N
         members, size, chosen = found[0]
         seen = [p for p in view.procs if p in view.points[key]]
         rows = {rank_of[p]: view.points[key][p].shape[0] for p in seen}
-        split = dict(over="attn_dp", dim=0, rows=rows,
-                     what="tokens" if all(rows[rank_of[p]] == counts[p][0] for p in seen) else "requests")
+        holders = [p for p in seen if counts[p][0]] or seen
+        what = next((w for i, w in ((0, "tokens"), (1, "requests"))
+                     if all(rows[rank_of[p]] == counts[p][i] for p in holders)), "rows")
+        split = dict(over="attn_dp", dim=0, rows=rows, what=what)
         text = (f"data split over the attention-DP ranks: each holds its own {split['what']} along dim 0 ("
                 + ", ".join(f"rank {r}: {n}" for r, n in sorted(rows.items()))
                 + f"); judged across its attention-TP group ({size} rank{'s' if size > 1 else ''})")
