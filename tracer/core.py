@@ -136,8 +136,9 @@ class Tracer:
         # modules
         self.names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.ids: dict = {}  # id(module) -> entry with its path id in the current rank file
-        # module held under several paths -> its call sites, (weakref to the holding module, its
-        # path, the entry of the path through it), in named_modules order
+        # module held under several paths -> (entry of its first path, entries of all its paths,
+        # {id(holder): [(weakref to the holder, the holder's path, entry of the path through
+        # it)]}): its call sites
         self.shared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.site_paths: dict = {}  # path id -> path, of the call sites named so far
         self._id_refs: dict = {}
@@ -211,7 +212,8 @@ class Tracer:
                       clock_offset_ns=self.clock_offset, torch=torch.__version__,
                       config=dict(modules=cfg.modules, exclude=cfg.exclude, steps=list(cfg.steps),
                                   fingerprint=cfg.fingerprint))
-        self.writer = RankWriter(path, header, flush_interval_s=cfg.flush_interval_s)
+        self.writer = RankWriter(path, header, flush_interval_s=cfg.flush_interval_s,
+                                 idle_flush_s=cfg.idle_flush_s)
         self.live = None
         if cfg.otlp_endpoint:
             from tensor_trace.tracer.live_otlp import LiveOTLP
@@ -430,7 +432,10 @@ class Tracer:
                 sites[id(sub)][1].append((at[holder], holder_path, self._module_entry(path, sub)))
         for sub, held in sites.values():
             if len(held) > 1:
-                self.shared[sub] = tuple((weakref.ref(h), hp, e) for h, hp, e in held)
+                by_holder: dict = {}  # id(holder) -> its sites (one holder may hold it twice)
+                for h, hp, e in held:
+                    by_holder.setdefault(id(h), []).append((weakref.ref(h), hp, e))
+                self.shared[sub] = (held[0][2], tuple(e for _, _, e in held), by_holder)
         self._record_module_attrs(module)
         if self.fingerprint and not _is_capturing():
             self._record_parameters(module)
@@ -451,7 +456,7 @@ class Tracer:
         """The entries of every path of a named module (one, unless it is shared)."""
         sites = self.shared.get(module)
         if sites is not None:
-            return [site[2] for site in sites]
+            return list(sites[1])
         entry = self.names.get(module)
         return [] if entry is None else [entry]
 
@@ -689,6 +694,7 @@ class Tracer:
                     self.writer.add(rec)
             self.stats["spans"] += self.span_count
             self.stats["collectives"] += self.coll_count
+            self.writer.flush_when_idle()  # on disk soon if no step follows (never written here)
         self.stack.clear()
         self.step_root = None  # never keep the model alive past its step
         self.step_frame = None
@@ -904,20 +910,25 @@ class Tracer:
     def _call_site(self, sites):
         """The entry of a shared module's path for this call: the site whose holder is the
         innermost running module (the holder's own current path decides between sites of a
-        holder that is itself shared); the first path when no holder is running."""
+        holder that is itself shared); the first path when no holder is running. One dict
+        look-up per open call walked, whatever the number of sites (a rotary module in each of
+        80 layers is found at the top frame)."""
+        first, _, by_holder = sites
         for frame in reversed(self.stack):
             running = frame[_F_MODULE]
-            found = None
-            for holder, holder_path, entry in sites:
-                if holder() is running:
-                    if found is None:
-                        found = entry
-                        here = self.frame_path(frame)
+            held = by_holder.get(id(running))
+            if held is None:
+                continue
+            held = [site for site in held if site[0]() is running]
+            if not held:
+                continue
+            if len(held) > 1:
+                here = self.frame_path(frame)
+                for _, holder_path, entry in held:
                     if holder_path == here:
                         return entry
-            if found is not None:
-                return found
-        return sites[0][2]
+            return held[0][2]
+        return first
 
     def frame_path(self, frame) -> str:
         """The path of an open call (a shared module's: the path of this call's site)."""
