@@ -137,3 +137,42 @@ def test_streaming_reader_across_block_boundaries(tmp_path, monkeypatch, block):
     rt = load_rank_file(str(bad))
     assert rt.report.corrupt_chunks >= 1 and rt.report.truncated_tail
     assert 0 in rt.steps and 8 in rt.steps and len(rt.steps) >= 7
+
+
+def _wait_for(cond, timeout=10.0):
+    import time
+
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.005)
+    return cond()
+
+
+def test_idle_flush_writes_after_a_step_once_no_record_follows(tmp_path):
+    # A server's last step: on disk soon after it ends, long before the periodic flush (an hour
+    # here) or close, so a SIGKILL after it loses nothing; written by the thread, not the caller.
+    import time
+
+    w = RankWriter(str(tmp_path / "idle.ttr"), dict(run_id="r"), flush_interval_s=3600, idle_flush_s=0.3)
+    on_disk = w.bytes_written
+    w.add((schema.STEP_BEGIN, 0, w.string(""), 0, {}))
+    w.add((schema.STEP_END, 0, 999, 0, 0))
+    w.flush_when_idle()
+    assert w.bytes_written == on_disk  # the caller never writes
+    # Busy: another step begins within the delay and records keep coming: nothing written (the
+    # periodic flush would take them), until that step ends and nothing follows.
+    w.add((schema.STEP_BEGIN, 1, w.string(""), 1000, {}))
+    for i in range(90):
+        time.sleep(0.01)
+        w.add((schema.SPAN, 1, i, -1, w.module("m", "Linear"), i, i, 1,
+               w.layout((("output", (2,), "float32", "cpu"),)), -1, -1, 0, 0))
+    assert w.bytes_written == on_disk and w.idle_flushes == 0
+    w.add((schema.STEP_END, 1, 1999, 0, 0))
+    w.flush_when_idle()
+    assert _wait_for(lambda: w.idle_flushes == 1)
+    size = os.path.getsize(w.path)
+    assert size == w.bytes_written > on_disk
+    rt = load_rank_file(w.path)  # readable as it is, without close
+    assert sorted(rt.steps) == [0, 1] and rt.steps[1].t_end == 1999 and rt.end is None
+    w.close()
+    assert not w._thread.is_alive() or _wait_for(lambda: not w._thread.is_alive(), 5)
