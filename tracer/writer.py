@@ -163,8 +163,11 @@ class RankWriter:
 
     def flush_when_idle(self) -> None:
         """Ask the background thread to flush once no record has been added for
-        ``idle_flush_s`` (e.g. a step has ended and no other begins). Never writes itself."""
-        self._wake.set()
+        ``idle_flush_s`` (e.g. a step has ended and no other begins). Never writes itself.
+        While steps follow each other the event is still set from the last call: a read."""
+        wake = self._wake
+        if not wake.is_set():
+            wake.set()
 
     def close(self) -> None:
         self._stop.set()
