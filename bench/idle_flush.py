@@ -113,7 +113,8 @@ def main() -> None:
         q = statistics.quantiles(ratios[k], n=4)
         print(f"busy, {k} ms/step median: idle flush on {statistics.median(res[(True, k)]):.3f}, off "
               f"{statistics.median(res[(False, k)]):.3f}; paired on/off median {statistics.median(ratios[k]):.4f} "
-              f"[p25 {q[0]:.4f}, p75 {q[2]:.4f}]")
+              f"[p25 {q[0]:.4f}, p75 {q[2]:.4f}]; minima on {min(res[(True, k)]):.3f}, off "
+              f"{min(res[(False, k)]):.3f}")
     print(f"idle flushes while steps followed each other: {flushes[True]}; "
           f"flush_when_idle() itself: {call_us:.2f} us a call")
     print(f"idle: last step on disk after {', '.join(f'{x:.1f}' for x in lat)} ms "

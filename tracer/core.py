@@ -886,21 +886,27 @@ class Tracer:
     def _entry_slow(self, module):
         """(path, class, selected, writer generation, path id) of a module, made on first use
         in this rank file; kept by id with a weak reference that removes it when the module dies."""
+        key = id(module)
+        ids = self.ids
+        cached = ids.get(key)
+        if cached is not None and cached[3] is _PER_CALL:  # shared: its sites ride in the entry
+            path, cls, selected = self._call_site(cached[5])
+            path_id = self.writer.module(path, cls)
+            self.site_paths[path_id] = path
+            return (path, cls, selected, self.writer.generation, path_id)
         sites = self.shared.get(module)
         if sites is not None:
             path, cls, selected = entry = self._call_site(sites)
             path_id = self.writer.module(path, cls)
             self.site_paths[path_id] = path
             full = (path, cls, selected, self.writer.generation, path_id)
-            cached = (path, cls, selected, _PER_CALL, path_id)  # never current: named per call
+            cached = (path, cls, selected, _PER_CALL, path_id, sites)  # never current: per call
         else:
             entry = self.names.get(module)
             if entry is None:
                 self.names[module] = entry = self._child_entry(module)
             path, cls, selected = entry
             full = cached = (path, cls, selected, self.writer.generation, self.writer.module(path, cls))
-        key = id(module)
-        ids = self.ids
         ids[key] = cached
         if key not in self._id_refs:
             self._id_refs[key] = weakref.ref(module, lambda _r, k=key: (ids.pop(k, None),
@@ -918,6 +924,10 @@ class Tracer:
             running = frame[_F_MODULE]
             held = by_holder.get(id(running))
             if held is None:
+                continue
+            if len(held) == 1:  # the common case: one attribute of one holder
+                if held[0][0]() is running:
+                    return held[0][2]
                 continue
             held = [site for site in held if site[0]() is running]
             if not held:
