@@ -176,3 +176,27 @@ def test_idle_flush_writes_after_a_step_once_no_record_follows(tmp_path):
     assert sorted(rt.steps) == [0, 1] and rt.steps[1].t_end == 1999 and rt.end is None
     w.close()
     assert not w._thread.is_alive() or _wait_for(lambda: not w._thread.is_alive(), 5)
+
+
+def test_a_traced_step_is_on_disk_once_the_process_goes_idle(tmp_path):
+    # The tracer asks for the idle flush at each step end: a server's last step is readable
+    # from its rank file while the process still runs (and could be SIGKILLed), periodic flush
+    # or not.
+    import torch
+
+    from tensor_trace import tracer
+    from tensor_trace.exporters.reader import rank_files
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    tr = tracer.start(out_dir=str(tmp_path), flush_interval_s=3600, idle_flush_s=0.05, lineage=False)
+    try:
+        for _ in range(3):
+            net(torch.randn(2, 4))
+        writer = tr.writer
+        assert _wait_for(lambda: writer.idle_flushes >= 1)
+        (f,) = rank_files(str(tmp_path))
+        rt = load_rank_file(f)
+        assert sorted(rt.steps) == [0, 1, 2] and all(s.t_end is not None for s in rt.steps.values())
+        assert rt.end is None  # still running: written by the idle flush, not by stop
+    finally:
+        tracer.stop()
