@@ -42,6 +42,9 @@ class TraceConfig:
     intercept: str = "call"
     otlp_endpoint: str | None = None
     flush_interval_s: float = 1.0
+    # After a step ends, the rank file is written once no record has come for this long (the
+    # process went idle: a server after its last request, which may be SIGKILLed next).
+    idle_flush_s: float = 0.05
     max_errors: int = 20  # after this many hook errors tracing turns itself off in the process
     max_spans_per_step: int = 1_000_000
 

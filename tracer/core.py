@@ -7,7 +7,10 @@ installed only while a step inside the ``--steps`` window runs, so steps outside
 but the root's two hook calls. Before the first root is known a global hook is needed to find it.
 
 Names. A module's path is its ``named_modules()`` name under the first root that contains it,
-kept in a ``WeakKeyDictionary`` (as PyTorch's ModTracker does), so modules die normally.
+kept in a ``WeakKeyDictionary`` (as PyTorch's ModTracker does), so modules die normally. A module
+held under several paths (SGLang's one rotary embedding in every layer) is named per call by its
+call site: the path whose parent is the innermost running module (``Tracer.shared``). Only such
+modules pay for it: their cached entry never matches, so their calls take ``_entry_slow``.
 
 Safety. Every hook body runs under ``_guard``: an exception is counted, reported once on stderr,
 written into the trace, and after ``max_errors`` of them tracing turns itself off in the process.
@@ -52,6 +55,7 @@ _F_MODULE, _F_INDEX, _F_PARENT, _F_PATH, _F_CALL, _F_T0, _F_SLOTS, _F_FP_PRE, _F
 
 
 LINEAGE_FIRST = 2  # traced steps of each kind that always record lineage
+_PER_CALL = object()  # the writer generation of a shared module's cached entry: never current
 
 
 def _clock_offset() -> int:
@@ -132,6 +136,11 @@ class Tracer:
         # modules
         self.names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.ids: dict = {}  # id(module) -> entry with its path id in the current rank file
+        # module held under several paths -> (entry of its first path, entries of all its paths,
+        # {id(holder): [(weakref to the holder, the holder's path, entry of the path through
+        # it)]}): its call sites
+        self.shared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.site_paths: dict = {}  # path id -> path, of the call sites named so far
         self._id_refs: dict = {}
         self.roots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.root_paths: dict[int, int] = {}
@@ -203,7 +212,8 @@ class Tracer:
                       clock_offset_ns=self.clock_offset, torch=torch.__version__,
                       config=dict(modules=cfg.modules, exclude=cfg.exclude, steps=list(cfg.steps),
                                   fingerprint=cfg.fingerprint))
-        self.writer = RankWriter(path, header, flush_interval_s=cfg.flush_interval_s)
+        self.writer = RankWriter(path, header, flush_interval_s=cfg.flush_interval_s,
+                                 idle_flush_s=cfg.idle_flush_s)
         self.live = None
         if cfg.otlp_endpoint:
             from tensor_trace.tracer.live_otlp import LiveOTLP
@@ -408,10 +418,24 @@ class Tracer:
         self.roots[module] = handles
         names = self.names
         prefix = self._root_prefix(module)
+        at: dict = {}  # named_modules name -> module, for the holder of each path
+        sites: dict = {}  # id(module named now) -> (module, [(holder, holder path, entry)])
         for name, sub in module.named_modules(remove_duplicate=False):
+            at[name] = sub
+            path = f"{prefix}.{name}" if prefix and name else (prefix or name)
             if sub not in names:
-                path = f"{prefix}.{name}" if prefix and name else (prefix or name)
                 names[sub] = self._module_entry(path, sub)
+                sites[id(sub)] = (sub, [])
+            if name and id(sub) in sites:
+                holder = name.rpartition(".")[0]
+                holder_path = f"{prefix}.{holder}" if prefix and holder else (prefix or holder)
+                sites[id(sub)][1].append((at[holder], holder_path, self._module_entry(path, sub)))
+        for sub, held in sites.values():
+            if len(held) > 1:
+                by_holder: dict = {}  # id(holder) -> its sites (one holder may hold it twice)
+                for h, hp, e in held:
+                    by_holder.setdefault(id(h), []).append((weakref.ref(h), hp, e))
+                self.shared[sub] = (held[0][2], tuple(e for _, _, e in held), by_holder)
         self._record_module_attrs(module)
         if self.fingerprint and not _is_capturing():
             self._record_parameters(module)
@@ -421,11 +445,20 @@ class Tracer:
 
         writer = None
         for sub in root.modules():
-            entry = self.names.get(sub)
-            attrs = integrations.module_attrs(sub) if entry is not None else None
+            entries = self._entries_of(sub)
+            attrs = integrations.module_attrs(sub) if entries else None
             if attrs:
                 writer = writer or self.ensure_writer()
-                writer.add((schema.MODULE_ATTRS, writer.module(entry[0], entry[1]), attrs))
+                for entry in entries:
+                    writer.add((schema.MODULE_ATTRS, writer.module(entry[0], entry[1]), attrs))
+
+    def _entries_of(self, module) -> list:
+        """The entries of every path of a named module (one, unless it is shared)."""
+        sites = self.shared.get(module)
+        if sites is not None:
+            return list(sites[1])
+        entry = self.names.get(module)
+        return [] if entry is None else [entry]
 
     def _record_parameters(self, root) -> None:
         """Fingerprint every module's own parameters once: weights that differ across ranks
@@ -433,16 +466,17 @@ class Tracer:
         writer = self.ensure_writer()
         fps = StepFingerprints()
         for sub in root.modules():
-            entry = self.names.get(sub)
-            if entry is None or not entry[2]:
+            entries = [e for e in self._entries_of(sub) if e[2]]
+            if not entries:
                 continue
             params = [(n, p) for n, p in sub.named_parameters(recurse=False) if p is not None]
             if not params:
                 continue
             base = fps.add([p.detach() for _, p in params], store=False)
-            writer.add((schema.PARAMS, writer.module(entry[0], entry[1]), [
-                [writer.string(n), writer.meta(*kinds.meta_args(p)), base + i]
-                for i, (n, p) in enumerate(params)]))
+            for entry in entries:  # a shared module's weights, under each of its paths
+                writer.add((schema.PARAMS, writer.module(entry[0], entry[1]), [
+                    [writer.string(n), writer.meta(*kinds.meta_args(p)), base + i]
+                    for i, (n, p) in enumerate(params)]))
         fps.finish_step(schema.PARAMS_STEP)
         self.fps._pending.extend(fps._pending)  # written with the next step's fingerprints
 
@@ -660,6 +694,7 @@ class Tracer:
                     self.writer.add(rec)
             self.stats["spans"] += self.span_count
             self.stats["collectives"] += self.coll_count
+            self.writer.flush_when_idle()  # on disk soon if no step follows (never written here)
         self.stack.clear()
         self.step_root = None  # never keep the model alive past its step
         self.step_frame = None
@@ -795,7 +830,7 @@ class Tracer:
             if not entry[2] or self.span_count >= self.max_spans:
                 if entry[2]:
                     self.stats["dropped_spans"] += 1
-                stack.append([module, -1, parent, 0, 0, 0, None, -1, False])
+                stack.append([module, -1, parent, entry[4], 0, 0, None, -1, False])
                 return None
             path_id = entry[4]
             call, index = _open_span(self, path_id)
@@ -851,18 +886,69 @@ class Tracer:
     def _entry_slow(self, module):
         """(path, class, selected, writer generation, path id) of a module, made on first use
         in this rank file; kept by id with a weak reference that removes it when the module dies."""
-        entry = self.names.get(module)
-        if entry is None:
-            self.names[module] = entry = self._child_entry(module)
-        path, cls, selected = entry
-        full = (path, cls, selected, self.writer.generation, self.writer.module(path, cls))
         key = id(module)
         ids = self.ids
-        ids[key] = full
+        cached = ids.get(key)
+        if cached is not None and cached[3] is _PER_CALL:  # shared: its sites ride in the entry
+            path, cls, selected = self._call_site(cached[5])
+            path_id = self.writer.module(path, cls)
+            self.site_paths[path_id] = path
+            return (path, cls, selected, self.writer.generation, path_id)
+        sites = self.shared.get(module)
+        if sites is not None:
+            path, cls, selected = entry = self._call_site(sites)
+            path_id = self.writer.module(path, cls)
+            self.site_paths[path_id] = path
+            full = (path, cls, selected, self.writer.generation, path_id)
+            cached = (path, cls, selected, _PER_CALL, path_id, sites)  # never current: per call
+        else:
+            entry = self.names.get(module)
+            if entry is None:
+                self.names[module] = entry = self._child_entry(module)
+            path, cls, selected = entry
+            full = cached = (path, cls, selected, self.writer.generation, self.writer.module(path, cls))
+        ids[key] = cached
         if key not in self._id_refs:
             self._id_refs[key] = weakref.ref(module, lambda _r, k=key: (ids.pop(k, None),
                                                                         self._id_refs.pop(k, None)))
         return full
+
+    def _call_site(self, sites):
+        """The entry of a shared module's path for this call: the site whose holder is the
+        innermost running module (the holder's own current path decides between sites of a
+        holder that is itself shared); the first path when no holder is running. One dict
+        look-up per open call walked, whatever the number of sites (a rotary module in each of
+        80 layers is found at the top frame)."""
+        first, _, by_holder = sites
+        for frame in reversed(self.stack):
+            running = frame[_F_MODULE]
+            held = by_holder.get(id(running))
+            if held is None:
+                continue
+            if len(held) == 1:  # the common case: one attribute of one holder
+                if held[0][0]() is running:
+                    return held[0][2]
+                continue
+            held = [site for site in held if site[0]() is running]
+            if not held:
+                continue
+            if len(held) > 1:
+                here = self.frame_path(frame)
+                for _, holder_path, entry in held:
+                    if holder_path == here:
+                        return entry
+            return held[0][2]
+        return first
+
+    def frame_path(self, frame) -> str:
+        """The path of an open call (a shared module's: the path of this call's site)."""
+        module = frame[_F_MODULE]
+        if module in self.shared:
+            path = self.site_paths.get(frame[_F_PATH])
+            if path is not None:
+                return path
+        entry = self.names.get(module)
+        return "" if entry is None else entry[0]
 
     def _discover_root(self, module, args) -> None:
         self.busy = True
@@ -879,9 +965,8 @@ class Tracer:
         # named after the innermost open call, the way ModTracker names such modules.
         parent = ""
         for frame in reversed(self.stack):
-            entry = self.names.get(frame[_F_MODULE])
-            if entry is not None:
-                parent = entry[0]
+            if frame[_F_MODULE] in self.names:
+                parent = self.frame_path(frame)
                 break
         name = type(module).__name__
         return self._module_entry(f"{parent}.{name}" if parent else name, module)
@@ -1129,9 +1214,10 @@ class Tracer:
     def enclosing_module(self, pattern) -> str | None:
         """Path of the innermost open call whose path matches the compiled regex ``pattern``."""
         for frame in reversed(self.stack):
-            entry = self.names.get(frame[_F_MODULE])
-            if entry is not None and pattern.fullmatch(entry[0]):
-                return entry[0]
+            if frame[_F_MODULE] in self.names:
+                path = self.frame_path(frame)
+                if pattern.fullmatch(path):
+                    return path
         return None
 
     def innermost_span(self) -> int:

@@ -2,8 +2,15 @@
 
 Records are appended to an in-memory list by the hooks (a list append: the cheapest thing a
 hook can do) and written by a background thread at least once a second as one framed chunk
-(see ``tensor_trace.schema``). So a process killed with SIGKILL loses at most its last second;
-exit, SIGTERM and SIGINT flush what is left.
+(see ``tensor_trace.schema``); exit, SIGTERM and SIGINT flush what is left.
+
+Idle flush. A server goes idle after its last request's last step, and may then be SIGKILLed
+(SGLang kills its schedulers about a second after Ctrl-C): ``flush_when_idle`` (the tracer calls
+it at every step end) asks the thread to write as soon as no record has been added for
+``idle_flush_s``. The caller only sets an event; when the next step follows within that delay,
+nothing is written until the periodic flush, so a busy process pays no write per step. So a
+process killed with SIGKILL loses at most the records of the last ``idle_flush_s`` after a step
+(or of the last second inside a long one).
 
 Memory bound: at most ``max_buffered`` records wait in memory; past that the hook that adds the
 record writes the chunk itself (disk, not drops: the trace is the point). Intern tables hold at
@@ -29,9 +36,11 @@ class RankWriter:
     """Append-only writer of one process's rank file."""
 
     def __init__(self, path: str, header: dict, *, flush_interval_s: float = 1.0,
-                 max_buffered: int = 200_000, max_interned: int = 500_000):
+                 idle_flush_s: float = 0.05, max_buffered: int = 200_000, max_interned: int = 500_000):
         self.path = path
         self.flush_interval_s = flush_interval_s
+        self.idle_flush_s = idle_flush_s
+        self.idle_flushes = 0  # chunks written because the process went idle (tests, stats)
         self.max_buffered = max_buffered
         self.max_interned = max_interned
         self.bytes_written = 0
@@ -53,6 +62,7 @@ class RankWriter:
         self._closed = False
         self.listeners: list = []  # called with each flushed batch of records (live export)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # flush_when_idle, or close
         self._thread: threading.Thread | None = None
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
@@ -151,8 +161,17 @@ class RankWriter:
                 except Exception:
                     pass
 
+    def flush_when_idle(self) -> None:
+        """Ask the background thread to flush once no record has been added for
+        ``idle_flush_s`` (e.g. a step has ended and no other begins). Never writes itself.
+        While steps follow each other the event is still set from the last call: a read."""
+        wake = self._wake
+        if not wake.is_set():
+            wake.set()
+
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         self.flush()
         with self._lock:
             if not self._closed:
@@ -169,8 +188,25 @@ class RankWriter:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.flush_interval_s):
+        # Never raises (flush does not): an exception here would end flushing for good.
+        stop, wake, clock = self._stop, self._wake, time.monotonic
+        due = clock() + self.flush_interval_s
+        while not stop.is_set():
+            if wake.wait(max(0.0, due - clock())) and not stop.is_set():
+                wake.clear()
+                buf = self._buf
+                n = len(buf)
+                if stop.wait(self.idle_flush_s):
+                    return
+                idle = self._buf is buf and len(buf) == n
+                if not idle and clock() < due:
+                    continue  # records keep coming: the periodic flush takes them
+                if idle:
+                    self.idle_flushes += bool(n)
+            if stop.is_set():
+                return
             self.flush()
+            due = clock() + self.flush_interval_s
 
     def before_fork(self) -> None:
         self._lock.acquire()

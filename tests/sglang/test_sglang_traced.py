@@ -27,6 +27,7 @@ _ready, _why = server.venv_ready()
 pytestmark = [pytest.mark.sglang, pytest.mark.skipif(not _ready, reason=f"no SGLang venv: {_why}")]
 
 LAYERS = 2  # tests/data/tiny-llama/config.json
+MAX_NEW_TOKENS = 8  # of the traced fixture's request
 TT = str(server.VENV / "bin" / "tensor-trace")
 
 
@@ -37,8 +38,8 @@ def seeded_model(tmp_path_factory):
 
 def _serve(tp, model, log, prefix=()):
     srv = server.SGLangServer(tp, model_path=model, load_format="safetensors", log_path=log, prefix=list(prefix))
-    with srv:
-        tokens = server.output_ids(srv.generate(server.DEFAULT_INPUT_IDS, max_new_tokens=8))
+    with srv:  # stopped (SIGINT) as soon as the response is in
+        tokens = server.output_ids(srv.generate(server.DEFAULT_INPUT_IDS, max_new_tokens=MAX_NEW_TOKENS))
     assert not srv.killed, srv.log_tail()
     return tokens, srv
 
@@ -76,6 +77,32 @@ def test_both_ranks_traced_and_tokens_unchanged(traced):
             paths = {s.path for s in step.spans}
             assert {"model.embed_tokens", "model.layers.0.self_attn.qkv_proj", "logits_processor"} <= paths
             assert "lm_head" not in paths  # the logits processor reads lm_head.weight directly
+            # One rotary module serves every layer (get_rope caches it): each call is named by
+            # its call site, the layer whose attention calls it, never as layer 0's repeat.
+            rotary = sorted((s.path, s.call) for s in step.spans if s.path.endswith("rotary_emb"))
+            assert rotary == [(f"model.layers.{i}.self_attn.rotary_emb", 0) for i in range(LAYERS)]
+
+
+def test_the_last_request_is_on_disk_after_an_immediate_ctrl_c(traced):
+    # The fixture stops the server right after the response, as README's recipe does with no
+    # pause; SGLang SIGKILLs its schedulers about a second after SIGINT. Every step the ranks
+    # ran must be in their files, complete: the server's warm-up request (3 tokens, 8 new) and
+    # /health generations (1 token, 1 new), then this request's extend (its 4 prompt tokens)
+    # and a decode per further token (TP ranks run the same steps).
+    runs = []
+    for t in (load_rank_file(f) for f in rank_files(traced["out"])):
+        if not t.steps:
+            continue
+        assert t.report.problems() == [], t.report.problems()
+        steps = [t.steps[n] for n in sorted(t.steps)]
+        assert [s.step for s in steps] == list(range(len(steps)))
+        assert all(s.t_end is not None for s in steps), [s.step for s in steps if s.t_end is None]
+        modes = [(s.attrs.get("forward_mode"), s.attrs.get("tokens")) for s in steps]
+        ours = [i for i, m in enumerate(modes) if m == ("extend", len(server.DEFAULT_INPUT_IDS))]
+        assert len(ours) == 1, modes
+        assert modes[ours[0] + 1:] == [("decode", 1)] * (MAX_NEW_TOKENS - 1), modes
+        runs.append(modes)
+    assert len(runs) == 2 and runs[0] == runs[1], runs
 
 
 def test_embedding_is_post_reduction(traced):

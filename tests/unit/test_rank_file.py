@@ -137,3 +137,66 @@ def test_streaming_reader_across_block_boundaries(tmp_path, monkeypatch, block):
     rt = load_rank_file(str(bad))
     assert rt.report.corrupt_chunks >= 1 and rt.report.truncated_tail
     assert 0 in rt.steps and 8 in rt.steps and len(rt.steps) >= 7
+
+
+def _wait_for(cond, timeout=10.0):
+    import time
+
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.005)
+    return cond()
+
+
+def test_idle_flush_writes_after_a_step_once_no_record_follows(tmp_path):
+    # A server's last step: on disk soon after it ends, long before the periodic flush (an hour
+    # here) or close, so a SIGKILL after it loses nothing; written by the thread, not the caller.
+    import time
+
+    w = RankWriter(str(tmp_path / "idle.ttr"), dict(run_id="r"), flush_interval_s=3600, idle_flush_s=0.3)
+    on_disk = w.bytes_written
+    w.add((schema.STEP_BEGIN, 0, w.string(""), 0, {}))
+    w.add((schema.STEP_END, 0, 999, 0, 0))
+    w.flush_when_idle()
+    assert w.bytes_written == on_disk  # the caller never writes
+    # Busy: another step begins within the delay and records keep coming: nothing written (the
+    # periodic flush would take them), until that step ends and nothing follows.
+    w.add((schema.STEP_BEGIN, 1, w.string(""), 1000, {}))
+    for i in range(90):
+        time.sleep(0.01)
+        w.add((schema.SPAN, 1, i, -1, w.module("m", "Linear"), i, i, 1,
+               w.layout((("output", (2,), "float32", "cpu"),)), -1, -1, 0, 0))
+    assert w.bytes_written == on_disk and w.idle_flushes == 0
+    w.add((schema.STEP_END, 1, 1999, 0, 0))
+    w.flush_when_idle()
+    assert _wait_for(lambda: w.idle_flushes == 1)
+    size = os.path.getsize(w.path)
+    assert size == w.bytes_written > on_disk
+    rt = load_rank_file(w.path)  # readable as it is, without close
+    assert sorted(rt.steps) == [0, 1] and rt.steps[1].t_end == 1999 and rt.end is None
+    w.close()
+    assert not w._thread.is_alive() or _wait_for(lambda: not w._thread.is_alive(), 5)
+
+
+def test_a_traced_step_is_on_disk_once_the_process_goes_idle(tmp_path):
+    # The tracer asks for the idle flush at each step end: a server's last step is readable
+    # from its rank file while the process still runs (and could be SIGKILLed), periodic flush
+    # or not.
+    import torch
+
+    from tensor_trace import tracer
+    from tensor_trace.exporters.reader import rank_files
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    tr = tracer.start(out_dir=str(tmp_path), flush_interval_s=3600, idle_flush_s=0.05, lineage=False)
+    try:
+        for _ in range(3):
+            net(torch.randn(2, 4))
+        writer = tr.writer
+        assert _wait_for(lambda: writer.idle_flushes >= 1)
+        (f,) = rank_files(str(tmp_path))
+        rt = load_rank_file(f)
+        assert sorted(rt.steps) == [0, 1, 2] and all(s.t_end is not None for s in rt.steps.values())
+        assert rt.end is None  # still running: written by the idle flush, not by stop
+    finally:
+        tracer.stop()
