@@ -1,4 +1,4 @@
-"""tensor-trace query placement|reduction|collectives|shapes|lineage|diff|sql"""
+"""tensor-trace query placement|reduction|collectives|shapes|lineage|diff|steps|sql"""
 
 from __future__ import annotations
 
@@ -164,6 +164,31 @@ def diff(dir_a, dir_b, as_json):
                 click.echo(f"    {m}")
     if not any(d.values()):
         click.echo("no differences")
+
+
+@query.command()
+@_trace
+@click.option("--where", "where", multiple=True, metavar="KEY=VALUE",
+              help="Keep steps whose attr KEY is VALUE (repeatable), e.g. forward_mode=target_verify, draft=true.")
+@_json
+def steps(trace_dir, where, as_json):
+    """Traced steps and their attrs (forward mode, batch size, tokens, model, draft)."""
+    from tensor_trace.errors import BadInput
+    from tensor_trace.exporters import query as q
+
+    cond = {}
+    for item in where:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise BadInput(f"--where {item!r}: expected KEY=VALUE")
+        cond[key] = value
+    rows = q.steps(_store(trace_dir), cond)
+    if as_json:
+        return echo_json(rows)
+    echo_table(["rank", "step", "root", "attrs", "spans", "collectives"],
+               [[r["rank"] if r["rank"] is not None else f"proc {r['proc']}", r["step"], r["root"],
+                 " ".join(f"{k}={q._attr_text(v)}" for k, v in sorted(r["attrs"].items())), r["spans"],
+                 r["collectives"]] for r in rows])
 
 
 @query.command()
