@@ -84,7 +84,8 @@ def compare(expected: dict, actual: dict) -> list[dict]:
 
 def _captured_text(c) -> str:
     pts = c.get("points") or []
-    return pts[0] if c.get("op") == "identity" and len(pts) == 1 else f"{c.get('op')} of [{', '.join(pts)}]"
+    text = pts[0] if c.get("op") == "identity" and len(pts) == 1 else f"{c.get('op')} of [{', '.join(pts)}]"
+    return f"{text}: the {c['what']}" if c.get("what") else text
 
 
 def _captured(p, e, a) -> list:
@@ -102,22 +103,23 @@ def _captures_moved(exp_sources, act_sources) -> list:
     def made_of(sources):
         out = {}
         for s in sources:
-            for q in (s.get("captured") or {}).get("points") or []:
-                out.setdefault(q, s["point"])
+            c = s.get("captured") or {}
+            for q in c.get("points") or []:
+                out.setdefault(q, (s["point"], f" ({c['what']})" if c.get("what") else ""))
         return out
 
     exp, act = made_of(exp_sources), made_of(act_sources)
     if not exp or not act:
         return []
     out = []
-    for q, src in exp.items():
+    for q, (src, what) in exp.items():
         if q not in act:
             out.append(dict(kind="capture_missing", point=q, source=src,
-                            message=f"{q} is captured by no source (the contract captures it at {src})"))
-    for q, src in act.items():
+                            message=f"{q}{what} is captured by no source (the contract captures it at {src})"))
+    for q, (src, what) in act.items():
         if q not in exp:
             out.append(dict(kind="capture_extra", point=q, source=src,
-                            message=f"{q} is captured at {src}; the contract captures no such tensor"))
+                            message=f"{q}{what} is captured at {src}; the contract captures no such tensor"))
     return out
 
 

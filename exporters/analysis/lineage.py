@@ -366,11 +366,18 @@ def _captured(res, leaf: dict) -> dict | None:
         return None
     kind, payload, via, _inside = _follow(res, ref)
     if kind == "leaf":
-        return dict(op="identity", points=[payload["point"]], via=list(reversed(via)))
-    if kind == "node":
-        return dict(op=payload.text, points=[s["point"] for s in _sources(res, payload, MAX_NEST)],
-                    via=list(reversed(via)))
-    return None
+        out = dict(op="identity", points=[payload["point"]], via=list(reversed(via)))
+    elif kind == "node":
+        out = dict(op=payload.text, points=[s["point"] for s in _sources(res, payload, MAX_NEST)],
+                   via=list(reversed(via)))
+    else:
+        return None
+    from tensor_trace.exporters.query import capture_info
+
+    info = capture_info(res.con, module) or {}
+    if info.get("what"):
+        out["what"] = info["what"]  # the framework integration's words (e.g. which layer's residual)
+    return out
 
 
 def _slot_index(res, proc, step, module_id, call, slot):
