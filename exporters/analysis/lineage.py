@@ -250,6 +250,10 @@ def _enter(res, at, depth):
     inner = _follow(res, ref, depth)
     if inner[0] == "node" and inner[1].family in _LAID_OUT:
         return inner
+    if inner[0] == "leaf" and str(inner[1].get("module", "")).startswith("capture:"):
+        # A module output that is a named capture passed on (cloned, viewed): SGLang's model
+        # returns its EAGLE-3 captures as a list of copies. The capture names it better.
+        return inner
     return None
 
 

@@ -137,9 +137,22 @@ def echo_lineage(res) -> None:
         parts = [" <- ".join(s.get("via") or [])] + [f"inside {p}" for p in s.get("inside") or []]
         return ", ".join(p for p in parts if p) or "-"
 
-    echo_table(["#", "source", "op", "shape", "placement", "via"],
-               [[i, s["point"], s["op"], fmt_shapes(s["shapes"]) if s["shapes"] else "-", s["placement"], path(s)]
-                for i, s in enumerate(res["sources"])])
+    def captured(s):
+        c = s.get("captured")
+        if not c:
+            return "-"
+        pts = c["points"]
+        text = pts[0] if c["op"] == "identity" and len(pts) == 1 else f"{c['op']} of [{', '.join(pts)}]"
+        return f"{text} ({c['what']})" if c.get("what") else text
+
+    header = ["#", "source", "op", "shape", "placement", "via"]
+    rows = [[i, s["point"], s["op"], fmt_shapes(s["shapes"]) if s["shapes"] else "-", s["placement"], path(s)]
+            for i, s in enumerate(res["sources"])]
+    if any(s.get("captured") for s in res["sources"]):  # named capture points: what each was handed
+        header.append("captured")
+        for row, s in zip(rows, res["sources"]):
+            row.append(captured(s))
+    echo_table(header, rows)
 
 
 @query.command()

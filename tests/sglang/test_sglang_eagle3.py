@@ -40,7 +40,7 @@ MODELS = server.REPO_ROOT / "tests" / "data" / "sglang-models"
 TARGET = MODELS / "llama-4layer"
 STANDINS = ("wide_dummy", "eagle3")
 NEW_TOKENS = 6
-FC_INPUT = "model.fc:input.0"  # the draft's fc (LlamaForCausalLMEagle3.model.fc), its input
+FC_INPUT = "LlamaForCausalLMEagle3.model.fc:input.0"  # the draft model's fc, its input
 TIMINGS: dict = {}
 
 
@@ -122,20 +122,18 @@ def test_draft_and_verify_steps_are_tagged(wired):
     assert {s["rank"] for s in draft} == {0, 1}
 
 
-def _captured_layers(lin) -> list:
-    return [s.get("captured", {}).get("points") for s in lin["sources"]]
-
-
 def test_fc_input_lineage_reaches_the_captures_and_their_layers(wired):
     _, lin = q("query", "lineage", FC_INPUT, "--trace", wired["out"])
     print(json.dumps(lin, indent=1))
     assert [s["point"] for s in lin["sources"]] == [f"capture:eagle3.aux.{k}" for k in range(3)]
     # Crossed a step: the target's logits processor concatenated them, the draft got the result.
     assert any("logits_processor" in p for p in lin.get("inside", [])), lin
-    # Aux layer ids [0, 1, 2]: the residual stream after layers 0, 1, 2, each the sum of that
-    # layer's two outputs (hidden state and residual).
-    for k, points in enumerate(_captured_layers(lin)):
-        assert points and all(p.startswith(f"model.layers.{k}:output") for p in points), (k, points)
+    # Aux layer ids [0, 1, 2]: the residual stream after layers 0, 1, 2, i.e. entering layers
+    # 1, 2, 3, where SGLang's fused add+norm returns it (the input norm's second output).
+    for k, s in enumerate(lin["sources"]):
+        c = s["captured"]
+        assert c["points"] == [f"model.layers.{k + 1}.input_layernorm:output.1"], (k, c)
+        assert f"after model.layers.{k})" in c["what"], c
 
 
 def test_contract_check_names_the_embedding_and_the_missing_layer(wired, miswired, workdir):
@@ -152,5 +150,6 @@ def test_contract_check_names_the_embedding_and_the_missing_layer(wired, miswire
     kinds = {m["kind"]: m for m in res["mismatches"]}
     assert kinds["capture_extra"]["point"].startswith("model.embed_tokens:output")
     assert kinds["capture_extra"]["source"].startswith("capture:eagle3.aux.0")
-    assert kinds["capture_missing"]["point"].startswith("model.layers.2:output")
-    assert "model.embed_tokens" in bad.output and "model.layers.2" in bad.output
+    assert kinds["capture_missing"]["point"] == "model.layers.3.input_layernorm:output.1"
+    assert "after model.layers.2" in kinds["capture_missing"]["message"]
+    assert "model.embed_tokens" in bad.output and "after model.layers.2" in bad.output
