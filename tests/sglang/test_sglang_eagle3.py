@@ -33,7 +33,9 @@ sys.modules[_spec.name] = server
 _spec.loader.exec_module(server)
 
 _ready, _why = server.venv_ready()
-pytestmark = [pytest.mark.sglang, pytest.mark.skipif(not _ready, reason=f"no SGLang venv: {_why}")]
+# The first test starts all three servers (about 40 s each on an idle 2-core machine).
+pytestmark = [pytest.mark.sglang, pytest.mark.skipif(not _ready, reason=f"no SGLang venv: {_why}"),
+              pytest.mark.timeout(900)]
 
 TT = str(server.VENV / "bin" / "tensor-trace")
 MODELS = server.REPO_ROOT / "tests" / "data" / "sglang-models"
