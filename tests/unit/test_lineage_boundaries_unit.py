@@ -369,26 +369,33 @@ class CapturingTarget(nn.Module):
     """Captures the residual stream entering the layers in ``entering`` as named capture
     points, as SGLang's Llama does for EAGLE-3 (entering layer 0 = the embedding's output)."""
 
-    def __init__(self, entering):
+    def __init__(self, entering, packer=False):
         super().__init__()
         self.embed = nn.Linear(H, H)
         self.layers = nn.ModuleList(Layer() for _ in range(4))
         self.logits = CatLeaf()
         self.entering = list(entering)
+        self.packer = packer  # SGLang's AuxHiddenStatePacker: copies into one preallocated buffer
 
     def forward(self, x):
         x = self.embed(x)
         captures = []
+        buf = x.new_empty(x.shape[0], H * len(self.entering)) if self.packer else None
         for i, layer in enumerate(self.layers):
             if i in self.entering:
-                tracer.current().record_capture(f"aux.{len(captures)}", x, {"layer": f"layers.{i}"})
+                k = len(captures)
+                tracer.current().record_capture(f"aux.{k}", x, {"layer": f"layers.{i}"})
+                if buf is not None:
+                    buf[..., k * H:(k + 1) * H].copy_(x)
                 captures.append(x.clone())
             x = layer(x)
+        if buf is not None:
+            return x, buf
         return self.logits(x, captures)
 
 
-def _two_step_trace(tmp_path, entering):
-    target, draft = CapturingTarget(entering), Draft()
+def _two_step_trace(tmp_path, entering, packer=False):
+    target, draft = CapturingTarget(entering, packer), Draft()
     torch.manual_seed(0)
     tracer.start(out_dir=str(tmp_path))
     try:
@@ -401,11 +408,16 @@ def _two_step_trace(tmp_path, entering):
     return open_store(str(tmp_path))
 
 
-def test_captures_concatenated_in_a_leaf_reach_the_draft_a_step_later(tmp_path):
-    res = lin.lineage(_two_step_trace(tmp_path, (1, 2, 3)), "Draft.fc:input.0")
-    assert res["op"] == "cat(dim=-1)" and res["inside"] == ["logits:output.1"]
+@pytest.mark.parametrize("packer", [False, True])
+def test_captures_concatenated_in_a_leaf_reach_the_draft_a_step_later(tmp_path, packer):
+    res = lin.lineage(_two_step_trace(tmp_path, (1, 2, 3), packer), "Draft.fc:input.0")
+    if packer:
+        assert res["op"] == "slices(dim=1)" and res["inside"] == [":output.1"]
+        assert [s["via"] for s in res["sources"]] == [[]] * 3
+    else:
+        assert res["op"] == "cat(dim=-1)" and res["inside"] == ["logits:output.1"]
+        assert [s["via"] for s in res["sources"]] == [["clone"]] * 3
     assert [s["point"] for s in res["sources"]] == [f"capture:aux.{k}" for k in range(3)]
-    assert [s["via"] for s in res["sources"]] == [["clone"]] * 3
     # what each capture was handed: the output of the layer before
     assert [s["captured"] for s in res["sources"]] == [
         dict(op="identity", points=[f"layers.{k}:output"], via=[]) for k in range(3)]
