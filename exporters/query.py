@@ -295,6 +295,32 @@ def _fp_text(p: dict) -> str:
     return f"sum {fp[0]:.6g}, sumsq {fp[1]:.6g}" if fp and fp[1] is not None else str(fp)
 
 
+def steps(con, where: dict | None = None) -> list[dict]:
+    """Traced steps, one row per process and step, with their attrs (forward mode, batch size,
+    tokens, and for SGLang the model that ran and ``draft`` for an EAGLE draft worker's
+    forward), keeping those whose attrs equal every ``where`` item; a value is matched as
+    its text, so ``draft=true`` and ``batch_size=1`` match JSON true and 1."""
+    where = where or {}
+    rank_of = dict(con.execute("SELECT proc, rank FROM processes"))
+    out = []
+    for proc, step, root, attrs, n_spans, n_coll, interrupted in con.execute(
+            "SELECT proc, step, root, attrs, n_spans, n_collectives, interrupted FROM steps ORDER BY proc, step"):
+        a = json.loads(attrs) if attrs else {}
+        if any(_attr_text(a.get(k)) != v for k, v in where.items()):
+            continue
+        out.append(dict(proc=proc, rank=rank_of.get(proc), step=step, root=root, attrs=a, spans=n_spans,
+                        collectives=n_coll, interrupted=bool(interrupted)))
+    return out
+
+
+def _attr_text(value) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
 def sql(con, text: str) -> dict:
     try:
         cur = con.execute(text)

@@ -383,7 +383,7 @@ class Tracer:
         with _DisableTorchFunction():
             result = self._global_pre(module, args)
         if (not module._modules and self.tracing_step and self.lineage.mode is not None
-                and _get_ident() == self.step_thread):
+                and _get_ident() == self.step_thread and not _hands_sequence(args)):
             quiet = _DisableTorchFunction()
             quiet.__enter__()
             self.leaf_quiet.append((module, quiet))
@@ -1205,7 +1205,7 @@ class Tracer:
             writer.add((_SPAN, self.step, index, parent, path_id, call, t - self.step_t0_raw, 0, layout,
                         -1, fp, 0, self.span_flags))
             if self.lineage is not None and self.lineage.mode is not None:
-                self.lineage.link_span(self.step, index, [(_OUT, tensor)])
+                self.lineage.link_capture(self.step, index, tensor)
         except Exception as exc:
             self._on_error("capture", exc)
         finally:
@@ -1260,6 +1260,21 @@ class Tracer:
 
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
 _DisableTorchFunction = torch._C.DisableTorchFunction  # modes and subclasses both
+
+
+def _hands_sequence(args) -> bool:
+    """Whether a module call is handed a list or tuple of two or more tensors: a leaf that is
+    gets to combine them (SGLang's logits processor concatenates the EAGLE-3 captures it is
+    passed as a list), so its body keeps the lineage mode on. One pass over the arguments."""
+    for a in args:
+        if isinstance(a, (list, tuple)) and len(a) > 1:
+            n = 0
+            for x in a:
+                if isinstance(x, torch.Tensor):
+                    n += 1
+                    if n > 1:
+                        return True
+    return False
 
 
 def _open_span(t, path_id) -> tuple:

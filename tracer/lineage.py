@@ -235,6 +235,21 @@ class LineageRecorder:
                 # the first call that receives it.
                 self.note(t, [0, step, span, i])
 
+    def link_capture(self, step, span, t) -> None:
+        """A named capture point (``capture:NAME``) of tensor ``t``: the capture names the
+        tensor from now on (what is later built from it, e.g. a concatenation of EAGLE-3 aux
+        hidden states, points at the capture), and a SLOT_SRC record keeps what it captured
+        (a module's output, or an op's result), so that both can be told."""
+        if self.writes:
+            self._sight(t)
+        hit = self.producers.get(id(t))
+        if hit is not None and hit[0]() is t:
+            ref = hit[1]
+            self.tracer.writer.add((schema.SLOT_SRC, step, span, 0, ref))
+            if ref[0] == 1:
+                self.used.append(ref)
+        self.note(t, [0, step, span, 0])
+
     def _laid_out(self, ref) -> bool:
         """Whether a node of this step laid tensors side by side (cat, stack, writes into a
         buffer), possibly behind single-input ops (a dtype change, a view)."""

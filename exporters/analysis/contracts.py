@@ -22,7 +22,8 @@ def make_contract(lin: dict) -> dict:
         sources=[dict(position=i, point=s["point"], module=s.get("module"),
                       role=f"input {i} of {s['op']}", op=s["op"], via=s.get("via", []),
                       shapes=s["shapes"], dtype=s.get("dtype"), placement=s["placement"],
-                      **({"inside": s["inside"]} if s.get("inside") else {}))
+                      **({"inside": s["inside"]} if s.get("inside") else {}),
+                      **({"captured": s["captured"]} if s.get("captured") else {}))
                  for i, s in enumerate(lin["sources"])])
 
 
@@ -75,7 +76,50 @@ def compare(expected: dict, actual: dict) -> list[dict]:
                             message=f"source {p} moved from position {i} to {j}"))
         es, as_ = expected["sources"][i], actual["sources"][j]
         out += _fields(f"source {p}", es, as_)
+        out += _captured(p, es.get("captured"), as_.get("captured"))
+    out += _captures_moved(expected["sources"], actual["sources"])
     out += _fields(name, expected, actual)
+    return out
+
+
+def _captured_text(c) -> str:
+    pts = c.get("points") or []
+    text = pts[0] if c.get("op") == "identity" and len(pts) == 1 else f"{c.get('op')} of [{', '.join(pts)}]"
+    return f"{text}: the {c['what']}" if c.get("what") else text
+
+
+def _captured(p, e, a) -> list:
+    """A named capture point that captured something else than in the contract (its name, a
+    capture's running number, stays the same when the layers it is handed change)."""
+    if not e or not a or e.get("points") == a.get("points"):
+        return []
+    return [dict(kind="captured", source=p, expected=e.get("points"), actual=a.get("points"),
+                 message=f"source {p} captured {_captured_text(a)}, contract: {_captured_text(e)}")]
+
+
+def _captures_moved(exp_sources, act_sources) -> list:
+    """Over all sources that are captures: the tensors the contract's captures were made of
+    that no capture of the trace has (a layer no longer captured), and the reverse."""
+    def made_of(sources):
+        out = {}
+        for s in sources:
+            c = s.get("captured") or {}
+            for q in c.get("points") or []:
+                out.setdefault(q, (s["point"], f" ({c['what']})" if c.get("what") else ""))
+        return out
+
+    exp, act = made_of(exp_sources), made_of(act_sources)
+    if not exp or not act:
+        return []
+    out = []
+    for q, (src, what) in exp.items():
+        if q not in act:
+            out.append(dict(kind="capture_missing", point=q, source=src,
+                            message=f"{q}{what} is captured by no source (the contract captures it at {src})"))
+    for q, (src, what) in act.items():
+        if q not in exp:
+            out.append(dict(kind="capture_extra", point=q, source=src,
+                            message=f"{q}{what} is captured at {src}; the contract captures no such tensor"))
     return out
 
 

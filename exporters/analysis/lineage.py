@@ -202,6 +202,7 @@ def _follow(res: _Resolver, ref, depth=0):
         kind = ref[0]
         if kind == 0:
             leaf = res.leaf(ref[1], ref[2], ref[3])
+            leaf["at"] = (ref[1], ref[2], ref[3])
             inner = _enter(res, (ref[1], ref[2], ref[3]), depth)
             if inner is not None:
                 return inner[0], inner[1], via + inner[2], inside + [leaf["point"]] + inner[3]
@@ -248,6 +249,10 @@ def _enter(res, at, depth):
         return None
     inner = _follow(res, ref, depth)
     if inner[0] == "node" and inner[1].family in _LAID_OUT:
+        return inner
+    if inner[0] == "leaf" and str(inner[1].get("module", "")).startswith("capture:"):
+        # A module output that is a named capture passed on (cloned, viewed): SGLang's model
+        # returns its EAGLE-3 captures as a list of copies. The capture names it better.
         return inner
     return None
 
@@ -341,9 +346,41 @@ def _sources(res, node: _Node, depth=0) -> list[dict]:
                      via=list(reversed(via)))
             if payload.get("module"):
                 s["module"] = payload["module"]
+            captured = _captured(res, payload)
+            if captured is not None:
+                s["captured"] = captured
         if inside:
             s["inside"] = inside
         out.append(s)
+    return out
+
+
+def _captured(res, leaf: dict) -> dict | None:
+    """What a named capture point (``capture:NAME``) captured, from the tracer's record of the
+    tensor it was handed (tracer/lineage.py ``link_capture``): ``{"op", "points"}``, the points
+    in order (one for a module output captured as is, e.g. ``model.embed_tokens:output``; the
+    inputs of the op that made it otherwise, e.g. a decoder layer's two outputs summed into the
+    residual stream). None for another point, or where nothing recorded made the tensor."""
+    module = leaf.get("module") or leaf.get("point", "").split(":output")[0]
+    at = leaf.get("at")
+    if not str(module).startswith("capture:") or at is None:
+        return None
+    ref = res.slot_src(*at)
+    if ref is None:
+        return None
+    kind, payload, via, _inside = _follow(res, ref)
+    if kind == "leaf":
+        out = dict(op="identity", points=[payload["point"]], via=list(reversed(via)))
+    elif kind == "node":
+        out = dict(op=payload.text, points=[s["point"] for s in _sources(res, payload, MAX_NEST)],
+                   via=list(reversed(via)))
+    else:
+        return None
+    from tensor_trace.exporters.query import capture_info
+
+    info = capture_info(res.con, module) or {}
+    if info.get("what"):
+        out["what"] = info["what"]  # the framework integration's words (e.g. which layer's residual)
     return out
 
 

@@ -1,4 +1,4 @@
-"""tensor-trace query placement|reduction|collectives|shapes|lineage|diff|sql"""
+"""tensor-trace query placement|reduction|collectives|shapes|lineage|diff|steps|sql"""
 
 from __future__ import annotations
 
@@ -146,9 +146,22 @@ def echo_lineage(res) -> None:
         parts = [" <- ".join(s.get("via") or [])] + [f"inside {p}" for p in s.get("inside") or []]
         return ", ".join(p for p in parts if p) or "-"
 
-    echo_table(["#", "source", "op", "shape", "placement", "via"],
-               [[i, s["point"], s["op"], fmt_shapes(s["shapes"]) if s["shapes"] else "-", s["placement"], path(s)]
-                for i, s in enumerate(res["sources"])])
+    def captured(s):
+        c = s.get("captured")
+        if not c:
+            return "-"
+        pts = c["points"]
+        text = pts[0] if c["op"] == "identity" and len(pts) == 1 else f"{c['op']} of [{', '.join(pts)}]"
+        return f"{text} ({c['what']})" if c.get("what") else text
+
+    header = ["#", "source", "op", "shape", "placement", "via"]
+    rows = [[i, s["point"], s["op"], fmt_shapes(s["shapes"]) if s["shapes"] else "-", s["placement"], path(s)]
+            for i, s in enumerate(res["sources"])]
+    if any(s.get("captured") for s in res["sources"]):  # named capture points: what each was handed
+        header.append("captured")
+        for row, s in zip(rows, res["sources"]):
+            row.append(captured(s))
+    echo_table(header, rows)
 
 
 @query.command()
@@ -173,6 +186,31 @@ def diff(dir_a, dir_b, as_json):
                 click.echo(f"    {m}")
     if not any(d.values()):
         click.echo("no differences")
+
+
+@query.command()
+@_trace
+@click.option("--where", "where", multiple=True, metavar="KEY=VALUE",
+              help="Keep steps whose attr KEY is VALUE (repeatable), e.g. forward_mode=target_verify, draft=true.")
+@_json
+def steps(trace_dir, where, as_json):
+    """Traced steps and their attrs (forward mode, batch size, tokens, model, draft)."""
+    from tensor_trace.errors import BadInput
+    from tensor_trace.exporters import query as q
+
+    cond = {}
+    for item in where:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise BadInput(f"--where {item!r}: expected KEY=VALUE")
+        cond[key] = value
+    rows = q.steps(_store(trace_dir), cond)
+    if as_json:
+        return echo_json(rows)
+    echo_table(["rank", "step", "root", "attrs", "spans", "collectives"],
+               [[r["rank"] if r["rank"] is not None else f"proc {r['proc']}", r["step"], r["root"],
+                 " ".join(f"{k}={q._attr_text(v)}" for k, v in sorted(r["attrs"].items())), r["spans"],
+                 r["collectives"]] for r in rows])
 
 
 @query.command()

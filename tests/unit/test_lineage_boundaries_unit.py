@@ -355,3 +355,85 @@ def test_box_reads_a_region_off_offsets_and_strides():
     assert _box(geom(buf[1:, 0:4]), geom(buf[:, 4:])) is None  # left of it
     b3 = torch.empty(2, 3, 24)
     assert _box(geom(b3[..., 16:24]), geom(b3)) == ([0, 0, 16], [2, 3, 8])
+
+
+class CatLeaf(nn.Module):
+    """Like SGLang's LogitsProcessor: no children, and it concatenates the list of captures it
+    is handed (a leaf's body is otherwise unwatched)."""
+
+    def forward(self, x, captures):
+        return x, torch.cat(captures, dim=-1)
+
+
+class CapturingTarget(nn.Module):
+    """Captures the residual stream entering the layers in ``entering`` as named capture
+    points, as SGLang's Llama does for EAGLE-3 (entering layer 0 = the embedding's output)."""
+
+    def __init__(self, entering, packer=False):
+        super().__init__()
+        self.embed = nn.Linear(H, H)
+        self.layers = nn.ModuleList(Layer() for _ in range(4))
+        self.logits = CatLeaf()
+        self.entering = list(entering)
+        self.packer = packer  # SGLang's AuxHiddenStatePacker: copies into one preallocated buffer
+
+    def forward(self, x):
+        x = self.embed(x)
+        captures = []
+        buf = x.new_empty(x.shape[0], H * len(self.entering)) if self.packer else None
+        for i, layer in enumerate(self.layers):
+            if i in self.entering:
+                k = len(captures)
+                tracer.current().record_capture(f"aux.{k}", x, {"layer": f"layers.{i}"})
+                if buf is not None:
+                    buf[..., k * H:(k + 1) * H].copy_(x)
+                captures.append(x.clone())
+            x = layer(x)
+        if buf is not None:
+            return x, buf
+        return self.logits(x, captures)
+
+
+def _two_step_trace(tmp_path, entering, packer=False):
+    target, draft = CapturingTarget(entering, packer), Draft()
+    torch.manual_seed(0)
+    tracer.start(out_dir=str(tmp_path))
+    try:
+        with torch.inference_mode():
+            for _ in range(2):
+                _, packed = target(torch.randn(3, H))
+                draft(packed)
+    finally:
+        tracer.stop()
+    return open_store(str(tmp_path))
+
+
+@pytest.mark.parametrize("packer", [False, True])
+def test_captures_concatenated_in_a_leaf_reach_the_draft_a_step_later(tmp_path, packer):
+    res = lin.lineage(_two_step_trace(tmp_path, (1, 2, 3), packer), "Draft.fc:input.0")
+    if packer:
+        assert res["op"] == "slices(dim=1)" and res["inside"] == [":output.1"]
+        assert [s["via"] for s in res["sources"]] == [[]] * 3
+    else:
+        assert res["op"] == "cat(dim=-1)" and res["inside"] == ["logits:output.1"]
+        assert [s["via"] for s in res["sources"]] == [["clone"]] * 3
+    assert [s["point"] for s in res["sources"]] == [f"capture:aux.{k}" for k in range(3)]
+    # what each capture was handed: the output of the layer before
+    assert [s["captured"] for s in res["sources"]] == [
+        dict(op="identity", points=[f"layers.{k}:output"], via=[]) for k in range(3)]
+
+
+def test_a_contract_names_a_capture_handed_another_tensor(tmp_path):
+    wired = lin.lineage(_two_step_trace(tmp_path / "a", (1, 2, 3)), "Draft.fc:input.0")
+    miswired = lin.lineage(_two_step_trace(tmp_path / "b", (0, 1, 2)), "Draft.fc:input.0")
+    contract = lin.make_contract(wired)
+    assert lin.compare(contract, wired) == []
+    problems = lin.compare(contract, miswired)
+    by_kind = {}
+    for m in problems:
+        by_kind.setdefault(m["kind"], []).append(m)
+    # the point names are the same (captures are numbered), what they captured is not
+    assert "extra" not in by_kind and "missing" not in by_kind
+    assert [m["source"] for m in by_kind["captured"]] == [f"capture:aux.{k}" for k in range(3)]
+    assert [(m["point"], m["source"]) for m in by_kind["capture_extra"]] == [("embed:output", "capture:aux.0")]
+    assert [(m["point"], m["source"]) for m in by_kind["capture_missing"]] == [("layers.2:output", "capture:aux.2")]

@@ -192,6 +192,9 @@ def _model_runner_forward(orig):
         if "tp_rank" not in tr.identity:
             _record_tp_identity(tr)
         attrs = _step_attrs(forward_batch)
+        # Which model ran: an EAGLE draft and its target share the forward modes (extend,
+        # decode), so a step says whose forward it was.
+        attrs["model"] = type(model).__name__
         if getattr(self, "is_draft_worker", False):
             attrs["draft"] = True
         return tr.run_external_step(model, (forward_batch,), attrs, orig, self, forward_batch, *args, **kwargs)
