@@ -7,6 +7,8 @@ used in its row, with routing weight 0, so the rank computes a zero contribution
 plain -1 -> 0 is not enough: a row can then name expert 0 twice, ``scatter_`` does not count
 duplicates, and the per-expert token counts no longer cover the sorted tokens: ``shape mismatch:
 value tensor of shape [5, 64] cannot be broadcast to indexing result of shape [6, 64]``.)
+So a rank also runs its local experts on the tokens it does not own, with weight 0: the traced
+per-expert ``SiluAndMul`` calls include those rows (the rank's output sum is unchanged).
 """
 
 from __future__ import annotations
