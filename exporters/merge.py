@@ -31,7 +31,7 @@ from tensor_trace.exporters.merge_align import align_collectives, check_missing_
 from tensor_trace.exporters.reader import ReadReport, iter_chunks, rank_files
 
 STORE_NAME = "merged.sqlite"
-STORE_VERSION = 10
+STORE_VERSION = 11
 BATCH = 20_000
 
 SCHEMA_SQL = """
@@ -72,7 +72,8 @@ CREATE TABLE errors(proc INTEGER, t INTEGER, location TEXT, message TEXT);
 CREATE TABLE collective_issues(group_id INTEGER, seq INTEGER, kind TEXT, ranks TEXT, detail TEXT);
 CREATE TABLE points(point TEXT PRIMARY KEY, module TEXT, call INTEGER, slot TEXT, placement TEXT,
     reduction TEXT, shapes TEXT, dtype TEXT, dtypes TEXT, steps INTEGER, evidence TEXT,
-    collective TEXT, fingerprint TEXT, semantics TEXT, sort_key INTEGER, rule TEXT, evidence_items TEXT);
+    collective TEXT, fingerprint TEXT, semantics TEXT, sort_key INTEGER, rule TEXT, evidence_items TEXT,
+    grouping TEXT);
 """
 
 INDEX_SQL = """

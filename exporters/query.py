@@ -16,12 +16,12 @@ import sqlite3
 from tensor_trace.errors import BadInput, NoAnswer
 
 _POINT_COLS = ("point, module, call, slot, placement, reduction, shapes, dtype, dtypes, steps, evidence, "
-               "collective, fingerprint, semantics, rule, evidence_items")
+               "collective, fingerprint, semantics, rule, evidence_items, grouping")
 
 
 def _point_row(row) -> dict:
     (point, module, call, slot, placement, reduction, shapes, dtype, dtypes, steps, evidence,
-     collective, fingerprint, semantics, rule, items) = row
+     collective, fingerprint, semantics, rule, items, grouping) = row
     out = dict(point=point, module=module, call=call, slot=slot, placement=placement, reduction=reduction,
                rule=rule, evidence_items=json.loads(items) if items else [],
                shapes={int(k): v for k, v in json.loads(shapes).items()}, dtype=dtype, steps=steps,
@@ -31,7 +31,21 @@ def _point_row(row) -> dict:
         out["layer_semantics"] = json.loads(semantics)
     if dtypes:
         out["dtypes"] = {int(k): v for k, v in json.loads(dtypes).items()}
+    out.update(_grouping(json.loads(grouping) if grouping else None))
     return out
+
+
+def _grouping(g: dict | None) -> dict:
+    """``group`` (the parallel group a point was judged across: name, size, the ranks of each
+    such group) and ``data_split`` (null, or how its data is split across those groups: ``over``
+    the group dimension, along ``dim``, ``rows`` per rank), where the processes declared their
+    groups."""
+    if not g:
+        return {}
+    split = g.get("data_split")
+    if split and "rows" in split:
+        split = dict(split, rows={int(k): v for k, v in split["rows"].items()})
+    return dict(group=g.get("group"), data_split=split)
 
 
 def capture_info(con, module: str) -> dict | None:
@@ -119,6 +133,7 @@ def _with_capture_info(con, pts: list) -> list:
 
 def _placement_at_step(con, pattern, step) -> list[dict]:
     from tensor_trace.exporters.analysis.evidence import texts
+    from tensor_trace.exporters.analysis import groups
     from tensor_trace.exporters.analysis.verdicts import StoreContext, tp_groups_with_size
     from tensor_trace.exporters.analysis.step_view import point_name
 
@@ -129,7 +144,7 @@ def _placement_at_step(con, pattern, step) -> list[dict]:
     out = []
     multi = {r[0] for r in con.execute("SELECT DISTINCT module FROM points WHERE call > 0")}
     for procs, size in tp_groups_with_size(con):
-        view, verdicts = ctx.judge_step(con, step, procs, size)
+        view, verdicts = ctx.judge_step(con, step, procs, size, groups.dp_subgroups(con, procs, ctx.rank_of))
         for key in sorted(verdicts, key=lambda k: view.times.get(k, (1 << 62, 0, 0))):
             module, call, slot = key
             v = verdicts[key]
@@ -139,7 +154,8 @@ def _placement_at_step(con, pattern, step) -> list[dict]:
                             reduction=v["reduction"], rule=v["rule"], shapes=v["shapes"],
                             dtype=next(iter(dtypes)) if len(dtypes) == 1 else None,
                             evidence=texts(v["items"]) + [f"step {step}"], evidence_items=v["items"],
-                            collective=v["collective"], steps=1, fingerprint=v["fp"]))
+                            collective=v["collective"], steps=1, fingerprint=v["fp"],
+                            **(dict(group=v["group"], data_split=v.get("data_split")) if v.get("group") else {})))
     if pattern:
         keep = {p["point"] for p in match_points(con, pattern)}
         out = [p for p in out if p["point"] in keep]
@@ -151,8 +167,11 @@ def _placement_at_step(con, pattern, step) -> list[dict]:
 def reduction(con, point: str) -> dict:
     pts = find_point(con, point)
     p = pts[0]
-    return dict(point=p["point"], verdict=p["reduction"], placement=p["placement"], rule=p.get("rule"),
-                collective=p["collective"], evidence=p["evidence"], evidence_items=p.get("evidence_items", []))
+    out = dict(point=p["point"], verdict=p["reduction"], placement=p["placement"], rule=p.get("rule"),
+               collective=p["collective"], evidence=p["evidence"], evidence_items=p.get("evidence_items", []))
+    if "group" in p:
+        out.update(group=p["group"], data_split=p["data_split"])
+    return out
 
 
 def shapes(con, point: str) -> list[dict]:

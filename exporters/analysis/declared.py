@@ -79,6 +79,8 @@ def expected_by_layer(attrs: dict | None, slot: str, ranks: int) -> dict | None:
     cross-checked against the evidence, never used instead of it. Output slots only."""
     if not attrs or slot not in ("output", "output.0") or ranks < 2:
         return None
+    if attrs.get("tp_size") == 1 or attrs.get("group_size") == 1:
+        return None  # the layer's own group has one rank (e.g. attention TP under DP attention)
     cls = attrs.get("sglang_class")
     says = f"SGLang's {cls}"
     if cls in ("ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear"):

@@ -2,7 +2,8 @@
 
 An item is ``{kind, text, refs}``: ``kind`` says what was observed (``rule``, ``shape``,
 ``values``, ``collective``, ``concat``, ``weights``, ``dataflow``, ``declared``, ``semantics``,
-``missing``, ``sampling``, ``capture``), ``text`` is the sentence a person reads, ``refs`` names
+``missing``, ``sampling``, ``capture``, ``group``: the parallel group a point was judged
+across and how its data is split across such groups), ``text`` is the sentence a person reads, ``refs`` names
 what it points at (points, collectives, parameters). Queries choose items by kind, never by the
 wording of their text.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 # Kinds that say why a verdict is what it is, strongest first: the one-line summary of a point
 # shows the first of these it has.
-DECISIVE = ("collective", "concat", "weights", "dataflow", "declared", "semantics", "capture", "missing")
+DECISIVE = ("collective", "concat", "weights", "dataflow", "declared", "semantics", "capture", "missing", "group")
 
 
 def item(kind: str, text: str, **refs) -> dict:

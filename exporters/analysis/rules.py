@@ -112,29 +112,54 @@ def fingerprints(j, pt):
     return _decide(pt, "unknown", "unknown", "no-fingerprint", None, *extra)
 
 
-def _gathering(c, procs) -> bool:
+def _gathering(c, procs, step_attrs=None) -> bool:
     """An all_reduce that puts slices together: on each rank its input is zero outside one
     contiguous, dense range of rows, the ranges follow the ranks' order and tile the tensor, at
     least two ranks contribute, and the sums of squares add up exactly (no cross terms). A
     vocab-parallel embedding's masked lookup is zero outside scattered rows, not one range: a
-    reduction. Needs the rows the tracer saw nonzero (collective attribute ``nonzero_rows``)."""
+    reduction. Needs the rows the tracer saw nonzero (collective attribute ``nonzero_rows``).
+
+    A rank may contribute no rows where its step says it holds no tokens of its own while other
+    DP ranks do (DP attention's gather of each DP rank's tokens, ``step_attrs``: proc -> the
+    step's ``tokens`` and ``dp_tokens``): then every rank's slice must be exactly its own tokens."""
     ins = [c.ins[p][0] for p in procs if c.ins.get(p)]
     out = c.outs.get(procs[0])
-    if not ins or len(ins) < len(procs) or not out or not disjoint_sum(ins, out[0]):
+    if not ins or len(ins) < len(procs) or not out:
         return False
     spans = []
+    own = {}
     for p in procs:
         rows = (c.attrs_of.get(p) or {}).get("nonzero_rows")
         if not rows or not isinstance(rows[0], list):
             return False
         first, last, dense = rows[0]
+        own[p] = dense
         if dense:
             if dense != last - first + 1:
                 return False
             spans.append((first, last))
-    if len(spans) < 2 or spans[0][0] != 0 or spans[-1][1] != out[0].shape[0] - 1:
+    if not spans or spans[0][0] != 0 or spans[-1][1] != out[0].shape[0] - 1:
         return False  # the slices must tile the gathered tensor
-    return all(a[1] + 1 == b[0] for a, b in zip(spans, spans[1:]))
+    if len(spans) < 2 and not _own_tokens(own, step_attrs):
+        return False
+    if not all(a[1] + 1 == b[0] for a, b in zip(spans, spans[1:])):
+        return False
+    # slices in different rows: equal fingerprints (the same values in each slice) do not refute it
+    return disjoint_sum(ins, out[0], known_distinct=len(spans) > 1)
+
+
+def _own_tokens(rows: dict, step_attrs) -> bool:
+    """Each rank's nonzero rows are its own tokens of a DP-split step: a rank holds as many rows
+    as the tokens its step ran, the ranks ran different token counts (a DP split, ``dp_tokens``)
+    and one of them none."""
+    if not step_attrs:
+        return False
+    tokens = {p: (step_attrs.get(p) or {}).get("tokens") for p in rows}
+    if any(not isinstance(n, int) for n in tokens.values()):
+        return False
+    if not all((step_attrs.get(p) or {}).get("dp_tokens") for p in rows):
+        return False
+    return tokens == rows and 0 in tokens.values() and len(set(tokens.values())) > 1
 
 
 def reduction_output(j, pt, exact=True):
@@ -153,7 +178,7 @@ def reduction_output(j, pt, exact=True):
             return _decide(pt, "replicate" if pt.equal else "divergent", "no-reduction", "gather-output",
                            coll_json(c, pt.procs[0]),
                            _coll_item(c, f"equals the output of {coll_desc(c)} on every rank: gathered, not reduced"))
-        if _gathering(c, pt.procs):
+        if _gathering(c, pt.procs, j.v.step_attrs):
             return _decide(pt, "replicate", "no-reduction", "gathered-by-all-reduce", coll_json(c, pt.procs[0]),
                            _coll_item(c, f"equals the output of {coll_desc(c)}{times}, whose inputs are zero "
                                          f"outside one slice each: a gather, not a reduction"))
@@ -187,7 +212,7 @@ def reduction_input(j, pt, exact=True):
             # reduction, which that earlier reduction's output reports).
             continue
         times = f" (times {scale:.4g})" if scale != 1.0 else ""
-        if c.op not in REDUCE_SCATTER and _gathering(c, pt.procs):
+        if c.op not in REDUCE_SCATTER and _gathering(c, pt.procs, j.v.step_attrs):
             return _decide(pt, "shard(0)", "no-reduction", "gather-by-all-reduce-input", coll_json(c, pt.procs[0]),
                            _coll_item(c, f"is the input of {coll_desc(c)}{times} and zero outside its own "
                                          f"slice (the sums of squares add up exactly): the all_reduce gathers"))

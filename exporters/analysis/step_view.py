@@ -64,8 +64,11 @@ class StepView:
         self.max_call = collections.Counter()
         ph = ",".join("?" * len(procs))
         rows = []
-        for proc, first, last in con.execute(
-                f"SELECT proc, span_first, span_last FROM steps WHERE step=? AND proc IN ({ph})", (step, *procs)):
+        self.step_attrs: dict = {}  # proc -> the step's attrs as recorded (mode, tokens, ...)
+        for proc, first, last, attrs in con.execute(
+                f"SELECT proc, span_first, span_last, attrs FROM steps WHERE step=? AND proc IN ({ph})",
+                (step, *procs)):
+            self.step_attrs[proc] = json.loads(attrs) if attrs else {}
             if first is not None:
                 rows += con.execute(
                     "SELECT proc, idx, parent, module_id, call, t0, dur, layout_id, fp_pre, fp_post, n_pre "

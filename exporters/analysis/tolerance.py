@@ -98,14 +98,16 @@ def all_equal(ts: list) -> bool:
     return all(fp_equal(ts[0], t) for t in ts[1:])
 
 
-def disjoint_sum(ins: list, out: Observed) -> bool:
+def disjoint_sum(ins: list, out: Observed, known_distinct: bool = False) -> bool:
     """A sum of the ``ins`` whose sum of squares is the sum of theirs: the inputs are nonzero
     on disjoint elements (each zero outside its own slice), so the sum only puts the slices
     together (one rank's tensor sent to all is the extreme case). Partial sums of a real
-    computation have cross terms far above the tolerance."""
+    computation have cross terms far above the tolerance. Equal fingerprints on every rank
+    refute it, unless the caller knows the inputs differ (``known_distinct``: they are nonzero
+    in different rows, e.g. the same values in two ranks' slices of a zero-filled buffer)."""
     if out.fp is None or out.fp[1] is None or any(t.fp is None or t.fp[1] is None for t in ins):
         return False
-    if sum(1 for t in ins if t.fp[1] > 0) < 1 or all_equal(ins):
+    if sum(1 for t in ins if t.fp[1] > 0) < 1 or (all_equal(ins) and not known_distinct):
         return False
     total = sum(t.fp[1] for t in ins)
     return sumsq_close(total, out.fp[1], out.numel, out.dtype)

@@ -8,7 +8,7 @@ import json
 import math
 
 from tensor_trace import schema
-from tensor_trace.exporters.analysis import declared
+from tensor_trace.exporters.analysis import declared, groups
 from tensor_trace.exporters.analysis.evidence import item, texts
 from tensor_trace.exporters.analysis.judge import Judge
 from tensor_trace.exporters.analysis.step_view import StepView, point_name
@@ -122,10 +122,16 @@ class StoreContext:
         self.params = load_params(con)
         self.layer_attrs = {m: json.loads(a) for m, a in con.execute("SELECT module, attrs FROM module_attrs")}
 
-    def judge_step(self, con, step, procs, size) -> tuple:
+    def judge_step(self, con, step, procs, size, subgroups=None) -> tuple:
+        """The step's verdicts across one TP group; with ``subgroups`` (its attention-TP groups
+        under DP attention: ``groups.dp_subgroups``) the points that hold each DP rank's own
+        tokens are judged across those instead."""
         view = StepView(con, step, procs, self.layouts, self.modules, self.rank_of)
         judge = Judge(view, self.params, self.rank_of, size, self.layer_attrs)
-        return view, judge.judge_all()
+        verdicts = judge.judge_all()
+        if subgroups:
+            groups.rejudge_dp_local(self, con, step, view, verdicts, subgroups)
+        return view, verdicts
 
 
 def _semantics_check(sem, placement, reduction, items) -> None:
@@ -145,8 +151,9 @@ def compute_verdicts(con) -> int:
     per_point: dict = {}
     multi: collections.Counter = collections.Counter()
     for procs, size in tp_groups_with_size(con):
+        subgroups = groups.dp_subgroups(con, procs, ctx.rank_of)
         for step in sample_steps(con, procs):
-            view, verdicts = ctx.judge_step(con, step, procs, size)
+            view, verdicts = ctx.judge_step(con, step, procs, size, subgroups)
             for m, c in view.max_call.items():
                 multi[m] = max(multi[m], c)
             for key, verdict in verdicts.items():
@@ -173,7 +180,8 @@ def compute_verdicts(con) -> int:
         if len(counts) > 1:
             items.append(item("sampling", "other steps disagree: " + ", ".join(
                 f"{p}/{r} in {n}" for (p, r), n in counts.items() if (p, r) != (placement, reduction))))
-        sem = declared.expected_by_layer(ctx.layer_attrs.get(module), slot, len(chosen["shapes"]))
+        judged_across = (chosen.get("group") or {}).get("size") or len(chosen["shapes"])
+        sem = declared.expected_by_layer(ctx.layer_attrs.get(module), slot, judged_across)
         if sem is not None:
             _semantics_check(sem, placement, reduction, items)
         dts = set(chosen["dtypes"].values())
@@ -184,8 +192,17 @@ def compute_verdicts(con) -> int:
                      json.dumps(chosen["collective"]) if chosen["collective"] else None,
                      json.dumps(verdicts[0]["fp"]) if verdicts[0]["fp"] else None,
                      json.dumps(sem) if sem is not None else None,
-                     min(v["order"][0] for v in verdicts), chosen["rule"], json.dumps(items)))
+                     min(v["order"][0] for v in verdicts), chosen["rule"], json.dumps(items),
+                     _grouping(chosen)))
     rows.sort(key=lambda r: (r[14], r[0]))
-    con.executemany("INSERT OR REPLACE INTO points VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+    con.executemany("INSERT OR REPLACE INTO points VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     [r[:14] + (i,) + r[15:] for i, r in enumerate(rows)])
     return len(rows)
+
+
+def _grouping(verdict) -> str | None:
+    """The group a point was judged across and how its data is split across groups (JSON), for
+    traces whose processes declared their groups."""
+    if not verdict.get("group"):
+        return None
+    return json.dumps(dict(group=verdict["group"], data_split=verdict.get("data_split")))

@@ -35,8 +35,17 @@ def placement(pattern, trace_dir, step, as_json):
     if as_json:
         return echo_json(pts)
     echo_table(["point", "placement", "reduction", "shape", "dtype", "evidence"],
-               [[p["point"], p["placement"], p["reduction"], fmt_shapes(p["shapes"]), p.get("dtype") or "mixed",
+               [[p["point"], _placement_text(p), p["reduction"], fmt_shapes(p["shapes"]), p.get("dtype") or "mixed",
                  _key_evidence(p)] for p in pts])
+
+
+def _placement_text(p: dict) -> str:
+    """The placement, and where the point's data is split across groups (DP attention's tokens)
+    the split: ``replicate, split(attn_dp, dim 0)``."""
+    split = p.get("data_split")
+    if not split:
+        return p["placement"]
+    return f"{p['placement']}, split({split['over']}, dim {split['dim']})"
 
 
 def _key_evidence(p: dict) -> str:
@@ -60,7 +69,7 @@ def reduction(point, trace_dir, as_json):
     r = q.reduction(_store(trace_dir), point)
     if as_json:
         return echo_json(r)
-    click.echo(f"{r['point']}: {r['verdict']} ({r['placement']})")
+    click.echo(f"{r['point']}: {r['verdict']} ({_placement_text(r)})")
     c = r["collective"]
     if c:
         click.echo(f"  collective: {c['op']}{'(' + c['reduce_op'] + ')' if c['reduce_op'] else ''} #{c['seq']} "

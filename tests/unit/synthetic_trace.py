@@ -108,8 +108,9 @@ class _Call:
 class SyntheticTrace:
     """What one TP group did, to be written as rank files and merged."""
 
-    def __init__(self, world_size=2, *, readable=None, tp_ranks=None, root="model"):
+    def __init__(self, world_size=2, *, readable=None, tp_ranks=None, root="model", identity=None):
         self.world_size = world_size
+        self.identity = identity or {}  # rank -> more identity (e.g. a framework's "groups")
         self.readable = list(range(world_size)) if readable is None else list(readable)
         self.tp_ranks = tp_ranks
         self.root = root
@@ -128,10 +129,12 @@ class SyntheticTrace:
         self.layer_attrs[module] = attrs
 
     @contextlib.contextmanager
-    def step(self, attrs=None):
+    def step(self, attrs=None, per_rank=None):
+        """One step; ``per_rank`` (rank -> attrs) adds to ``attrs`` where ranks ran different
+        batches (DP attention's token counts)."""
         self._events = []
         yield self
-        self.steps.append((attrs or {}, self._events))
+        self.steps.append(({"": attrs or {}, **(per_rank or {})}, self._events))
         self._events = None
 
     @contextlib.contextmanager
@@ -168,6 +171,7 @@ class SyntheticTrace:
         ident = dict(rank=rank, world_size=self.world_size, local_rank=rank, device="cpu")
         if self.tp_ranks is not None:
             ident.update(tp_ranks=list(self.tp_ranks), tp_size=len(self.tp_ranks))
+        ident.update(self.identity.get(rank, {}))
         w.add((schema.IDENTITY, ident))
         for module, attrs in self.layer_attrs.items():
             w.add((schema.MODULE_ATTRS, w.module(module, attrs.get("sglang_class", "Module")), attrs))
@@ -175,7 +179,8 @@ class SyntheticTrace:
         coll_attrs = store_has("collectives", "attrs")
         seq = {g: 0 for g in self.groups}
         written_groups = set()
-        for step, (step_attrs, events) in enumerate(self.steps):
+        for step, (attrs_of, events) in enumerate(self.steps):
+            step_attrs = dict(attrs_of[""], **attrs_of.get(rank, {}))
             fp_rec: dict = {}  # index -> (sum, sumsq)
             counter = [0]
 

@@ -200,15 +200,58 @@ def _model_runner_forward(orig):
 
 
 def _record_tp_identity(tr) -> None:
-    """This worker's TP group as SGLang built it (rank in group, size, global ranks)."""
+    """This worker's TP group as SGLang built it (rank in group, size, global ranks), and its
+    other parallel groups (``groups``: attention TP/CP/DP, MoE EP/TP/DP, PP), so the analysis
+    can judge each point across the ranks that hold the same data."""
     try:
         from sglang.srt.distributed import get_tp_group
 
         g = get_tp_group()
+        extra = {}
+        groups = parallel_groups()
+        if groups:
+            extra["groups"] = groups
+            extra["dp_attention"] = groups.get("attn_dp", {}).get("size", 1) > 1
         tr.update_identity(tp_rank=g.rank_in_group, tp_size=g.world_size, tp_ranks=list(g.ranks),
-                           tp_group="tp")
+                           tp_group="tp", **extra)
     except Exception as exc:
         tr._on_error("sglang tp identity", exc)
+
+
+# SGLang's GroupCoordinators (runtime_context.ParallelContext attributes), by the name the trace uses
+_GROUP_ATTRS = (("tp", "tp_group"), ("attn_tp", "attn_tp_group"), ("attn_cp", "attn_cp_group"),
+                ("moe_ep", "moe_ep_group"), ("moe_tp", "moe_tp_group"), ("moe_dp", "moe_dp_group"),
+                ("pp", "pp_group"))
+
+
+def parallel_groups() -> dict:
+    """``{name: {"size", "rank", "ranks"}}`` of SGLang's parallel groups in this process (global
+    ranks, this rank's index in the group). Attention DP is no GroupCoordinator: its ranks are
+    those of the TP group at the same attention-TP and -CP position (SGLang's layout is
+    (dp, cp, tp), tp fastest: ``runtime_context.derive_attention_ranks``)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+    except Exception:
+        return {}
+    out = {}
+    for name, attr in _GROUP_ATTRS:
+        try:
+            gc = getattr(par, attr)
+            out[name] = dict(size=int(gc.world_size), rank=int(gc.rank_in_group), ranks=list(gc.ranks))
+        except Exception:
+            continue
+    try:
+        dp, tp = int(par.attn_dp_size or 1), out.get("tp")
+        a_tp, a_cp = out.get("attn_tp", {}).get("size", 1), out.get("attn_cp", {}).get("size", 1)
+        if tp and dp * a_tp * a_cp == tp["size"]:
+            offset = tp["rank"] % (a_tp * a_cp)
+            out["attn_dp"] = dict(size=dp, rank=int(par.attn_dp_rank),
+                                  ranks=[tp["ranks"][k * a_tp * a_cp + offset] for k in range(dp)])
+    except Exception:
+        pass
+    return out
 
 
 def _register_context(model_runner_module) -> None:
@@ -236,6 +279,10 @@ def _step_attrs(forward_batch) -> dict:
         ids = getattr(forward_batch, "input_ids", None)
         if ids is not None and hasattr(ids, "numel"):
             attrs["tokens"] = int(ids.numel())
+        # DP attention: every DP rank's token count in this forward (the split of the batch)
+        dp_tokens = getattr(forward_batch, "global_num_tokens_cpu", None)
+        if isinstance(dp_tokens, (list, tuple)) and len(dp_tokens) > 1:
+            attrs["dp_tokens"] = [int(n) for n in dp_tokens]
     except Exception:
         pass
     return attrs
@@ -264,4 +311,8 @@ def module_attrs(module) -> dict | None:
         value = getattr(module, name, None)
         if isinstance(value, (bool, int, str)):
             out[name] = value
+    group = getattr(module, "tp_group", None)  # the layer's own group (attention TP under DP attention)
+    size = getattr(group, "world_size", None)
+    if isinstance(size, int):
+        out["group"], out["group_size"] = group_name(group), size
     return out

@@ -20,7 +20,7 @@ import importlib.abc
 import os
 import sys
 
-MODULES = ("wide_dummy", "moe_kernels", "mla_backend", "ep_ids")  # what ``all`` applies, in order; helpers add theirs here
+MODULES = ("wide_dummy", "dp_attention", "moe_kernels", "mla_backend", "ep_ids")  # what ``all`` applies, in order; helpers add theirs here
 
 _pending: dict[str, list] = {}
 

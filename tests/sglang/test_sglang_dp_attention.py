@@ -1,0 +1,155 @@
+"""Real SGLang 0.5.23 with DP attention: `--tp 2 --enable-dp-attention --dp-size 2` (Qwen3-MoE).
+
+Needs the SGLang venv (`bash tests/sglang/setup.sh`); skipped without it. Stand-ins: wide_dummy
+(shards differ, so partial sums are visible) and dp_attention (the torch_native backend's missing
+``get_cpu_graph_seq_len_fill_value``). One traced and one untraced server, the same requests:
+one prompt alone (one DP rank runs it, the other is idle: tokens [n, 0]), then two prompts of
+different lengths at once (round robin: one per DP rank; here they run in different forward
+passes, each while the other DP rank is idle).
+
+At TP=2 with two attention-DP ranks each attention-TP group has one rank: attention, norms and
+the residual stream hold each DP rank's own tokens (nothing to compare across ranks, a data
+split), while the MoE block runs on the tokens of both, gathered, across the TP group.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tensor_trace.cli import main
+from tensor_trace.exporters.reader import load_rank_file, rank_files
+
+_spec = importlib.util.spec_from_file_location("tt_sglang_server", Path(__file__).with_name("server.py"))
+server = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = server
+_spec.loader.exec_module(server)
+
+_ready, _why = server.venv_ready()
+pytestmark = [pytest.mark.sglang, pytest.mark.skipif(not _ready, reason=f"no SGLang venv: {_why}")]
+
+TT = str(server.VENV / "bin" / "tensor-trace")
+MODEL = server.REPO_ROOT / "tests" / "data" / "sglang-models" / "qwen3-moe"
+ARGS = ["--enable-dp-attention", "--dp-size", "2"]
+STANDINS = ("wide_dummy", "dp_attention")
+NEW_TOKENS = 3
+ALONE = [1, 2, 3]
+TOGETHER = [[5, 6, 7, 8, 9], [10, 11]]
+# 25-45 s on an idle 2-core machine with its 4 processes (launcher, DP controller, 2 schedulers)
+STARTUP_S = float(os.environ.get("TT_SGLANG_STARTUP_S", "600"))
+
+
+def _serve(log, prefix=()):
+    srv = server.SGLangServer(2, model_path=MODEL, extra_args=ARGS, standins=STANDINS, log_path=log,
+                              prefix=list(prefix), startup_timeout=STARTUP_S)
+    with srv:
+        alone = server.output_ids(srv.generate(ALONE, max_new_tokens=NEW_TOKENS))
+        both = srv.request("/generate", {"input_ids": TOGETHER,
+                                         "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0}})
+        tokens = [alone] + [server.output_ids(r) for r in both]
+    assert not srv.killed, srv.log_tail()
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sglang-dp-attention")
+    out = d / "trace"
+    tokens = _serve(d / "traced.log", [TT, "record", "-o", str(out), "--"])
+    plain = _serve(d / "plain.log")
+    return dict(out=str(out), tokens=tokens, plain=plain)
+
+
+def q(*args):
+    r = CliRunner().invoke(main, ["query", *map(str, args), "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def _ranks(traced):
+    return [t for t in (load_rank_file(f) for f in rank_files(traced["out"])) if t.steps]
+
+
+def test_tokens_unchanged_and_no_tracer_errors(traced):
+    assert traced["tokens"] == traced["plain"]
+    assert all(len(t) == NEW_TOKENS for t in traced["tokens"]), traced["tokens"]
+    traces = _ranks(traced)
+    assert sorted(t.identity["rank"] for t in traces) == [0, 1]
+    for t in traces:
+        assert not t.errors, t.errors
+
+
+def test_groups_recorded_on_each_rank(traced):
+    for t in _ranks(traced):
+        rank, groups = t.identity["rank"], t.identity["groups"]
+        assert t.identity["dp_attention"] is True
+        assert groups["tp"] == dict(size=2, rank=rank, ranks=[0, 1])
+        assert groups["attn_tp"] == dict(size=1, rank=0, ranks=[rank])
+        assert groups["attn_dp"] == dict(size=2, rank=rank, ranks=[0, 1])
+        assert groups["moe_tp"]["size"] * groups["moe_ep"]["size"] == 2
+        assert groups["pp"] == dict(size=1, rank=0, ranks=[rank])
+
+
+def test_tokens_split_unevenly_and_one_dp_rank_empty(traced):
+    """The steps record each DP rank's tokens. SGLang's warm-up runs the same prompt on both DP
+    ranks ([n, n]); the requests are dispatched round robin, so each DP rank in turn runs a
+    forward pass while the other is idle ([n, 0] and [0, m]: uneven, one rank empty)."""
+    splits = set()
+    for t in _ranks(traced):
+        for s in t.steps.values():
+            if s.attrs.get("dp_tokens"):
+                splits.add(tuple(s.attrs["dp_tokens"]))
+                assert s.attrs["tokens"] == s.attrs["dp_tokens"][t.identity["groups"]["attn_dp"]["rank"]]
+    assert any(split[0] == 0 < split[1] for split in splits), splits
+    assert any(split[1] == 0 < split[0] for split in splits), splits
+
+
+def test_dp_local_points_are_a_data_split_never_unknown(traced):
+    pts = q("placement", "*:*", "--trace", traced["out"])
+    local = [p for p in pts if p.get("data_split")]
+    assert local, [p["point"] for p in pts][:20]
+    for p in local:
+        assert p["group"]["name"] == "attn_tp" and p["group"]["size"] == 1, p
+        assert p["data_split"]["over"] == "attn_dp" and p["data_split"]["dim"] == 0, p
+        assert p["placement"] != "unknown" and not any("other steps disagree" in e for e in p["evidence"]), p
+    # Steps of different token splits agree on every point, of either group. The experts'
+    # intermediate (one SiluAndMul call per expert, moe-TP sharded) is not judged right yet at
+    # all (issue #19's MoE part): its verdicts are left out here.
+    unknown = [p["point"] for p in pts if (p["placement"] == "unknown" or "other steps disagree" in " ".join(p["evidence"]))
+               and ".mlp.experts.SiluAndMul" not in p["point"]]
+    assert not unknown, unknown
+
+
+def test_embedding_and_o_proj_whole_on_their_dp_rank(traced):
+    """Under DP attention the embedding is not vocab-parallel and o_proj's attention-TP group has
+    one rank: both are whole per DP rank (replicate in a one-rank group), split across DP ranks."""
+    for name in ("model.embed_tokens", "model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"):
+        (p,) = q("placement", name, "--trace", traced["out"])
+        assert (p["placement"], p["reduction"]) == ("replicate", "no-reduction"), p["evidence"]
+        assert p["group"]["name"] == "attn_tp" and p["data_split"]["over"] == "attn_dp", p
+
+
+def test_moe_block_judged_across_the_tp_group(traced):
+    """The MoE block runs on both DP ranks' tokens, gathered: its input is whole on every rank
+    (gathered by an all_reduce over zero-filled buffers: a gather), its experts' output a partial
+    sum that the layer's reduction completes."""
+    (inp,) = q("placement", "model.layers.0.mlp:input.0", "--trace", traced["out"])
+    assert inp["group"]["name"] == "tp" and inp["data_split"] is None, inp
+    assert (inp["placement"], inp["reduction"]) == ("replicate", "no-reduction"), inp["evidence"]
+    (experts,) = q("placement", "model.layers.0.mlp.experts", "--trace", traced["out"])
+    assert experts["group"]["name"] == "tp" and experts["data_split"] is None, experts
+    assert (experts["placement"], experts["reduction"]) == ("partial", "pre-reduction"), experts["evidence"]
+
+
+def test_dp_gather_all_reduce_judged_a_gather(traced):
+    pts = q("placement", "*:*", "--trace", traced["out"])
+    gathered = [p for p in pts if p["rule"] == "gathered-by-all-reduce"]
+    assert gathered, sorted({p["rule"] for p in pts})
+    for p in gathered:
+        assert p["collective"]["op"] == "all_reduce" and p["reduction"] == "no-reduction", p

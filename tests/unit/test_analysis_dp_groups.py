@@ -1,0 +1,95 @@
+"""Points under DP attention: judged across the group whose ranks hold the same data.
+
+Two ranks, one TP group [0, 1], split by DP attention into two attention-DP ranks whose
+attention-TP groups have one rank each (SGLang's ``--tp 2 --enable-dp-attention --dp-size 2``).
+Each DP rank runs its own tokens (here 3 and 0, then 2 and 1), gathered for the MoE block by an
+all_reduce over zero-filled buffers and taken back after it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from synthetic_trace import SyntheticTrace, arrays, check, gen, point, pos, same, store_has
+
+needs_coll_attrs = pytest.mark.skipif(not store_has("collectives", "attrs"), reason="no collective attrs")
+R = [0, 1]
+H = 4
+
+
+def _groups(rank, dp=2):
+    attn_tp = dict(size=1, rank=0, ranks=[rank])
+    return dict(groups=dict(tp=dict(size=2, rank=rank, ranks=R), attn_tp=attn_tp,
+                            attn_dp=dict(size=dp, rank=rank, ranks=R),
+                            moe_tp=dict(size=2, rank=rank, ranks=R), moe_ep=dict(size=1, rank=0, ranks=[rank])),
+                dp_attention=True)
+
+
+def _dp_step(tr, rng, tokens):
+    """Embedding, attention output projection (per DP rank), the DP gather by all_reduce, the
+    MoE block on the gathered tokens (a partial sum per rank) and its all_reduce."""
+    n = sum(tokens)
+    ids = {r: np.arange(tokens[r], dtype=np.int64) for r in R}
+    emb = {r: pos(rng, tokens[r], H) for r in R}
+    per_rank = {r: dict(tokens=tokens[r], batch_size=1 if tokens[r] else 0, dp_tokens=list(tokens)) for r in R}
+    with tr.step(dict(forward_mode="extend"), per_rank=per_rank):
+        with tr.call("model.embed_tokens", arrays(ids)) as c:
+            c.returns(arrays(emb))
+        attn = {r: pos(rng, tokens[r], H) for r in R}
+        with tr.call("model.layers.0.self_attn.o_proj", arrays(emb)) as c:
+            c.returns(arrays(attn))
+        padded, start = {}, 0
+        for r in R:
+            buf = np.zeros((n, H), np.float32)
+            buf[start:start + tokens[r]] = attn[r]
+            padded[r] = buf
+            start += tokens[r]
+        total = padded[0] + padded[1]
+        rows = {r: {"nonzero_rows": [[int(np.nonzero(padded[r].any(1))[0][0]), int(np.nonzero(padded[r].any(1))[0][-1]),
+                                      tokens[r]] if tokens[r] else [0, 0, 0]]} for r in R}
+        tr.coll("all_reduce", [arrays(padded)], [same(total, R)], attrs=rows)
+        parts = {r: pos(rng, n, H) for r in R}
+        with tr.call("model.layers.0.mlp", same(total, R)) as c:
+            c.returns(arrays(parts))
+        tr.coll("all_reduce", [arrays(parts)], [same(parts[0] + parts[1], R)])
+
+
+@pytest.fixture(scope="module")
+def con(tmp_path_factory):
+    rng = gen(3)
+    tr = SyntheticTrace(2, tp_ranks=R, identity={r: _groups(r) for r in R})
+    _dp_step(tr, rng, (3, 0))
+    _dp_step(tr, rng, (2, 1))
+    return tr.merge(tmp_path_factory.mktemp("dp"))
+
+
+def test_dp_local_points_are_judged_in_their_attention_tp_group(con):
+    for name in ("model.embed_tokens:output", "model.layers.0.self_attn.o_proj:output"):
+        p = point(con, name)
+        check(p, "replicate", "no-reduction", "one-rank-group")
+        assert p["group"]["name"] == "attn_tp" and p["group"]["size"] == 1, p["group"]
+        assert p["data_split"]["over"] == "attn_dp" and p["data_split"]["dim"] == 0, p
+        assert not any("other steps disagree" in e for e in p["evidence"]), p["evidence"]
+        assert any(i["kind"] == "group" and "data split" in i["text"] for i in p["evidence_items"]), p
+
+
+@needs_coll_attrs
+def test_dp_gather_by_all_reduce_with_an_empty_dp_rank_is_a_gather(con):
+    p = point(con, "model.layers.0.mlp:input.0")
+    check(p, "replicate", "no-reduction", "gathered-by-all-reduce")
+    assert p["group"]["name"] == "tp" and p["data_split"] is None
+
+
+def test_moe_points_stay_in_the_tp_group(con):
+    p = point(con, "model.layers.0.mlp:output")
+    check(p, "partial", "pre-reduction", "reduction-input")
+    assert p["group"] == dict(name="tp", size=2, ranks=[[0, 1]])
+
+
+def test_without_declared_groups_the_split_is_judged_over_the_tp_group(tmp_path):
+    """A trace whose processes declared no groups (older traces) keeps its TP-group verdicts."""
+    tr = SyntheticTrace(2, tp_ranks=R)
+    _dp_step(tr, gen(3), (3, 0))
+    p = point(tr.merge(tmp_path), "model.embed_tokens:output")
+    assert p["placement"] == "shard(0)" and "group" not in p
