@@ -68,6 +68,9 @@ for _f, _name, _kind in [
     (torch.add, "add", "binary"), (T.add, "add", "binary"), (T.__add__, "add", "binary"),
     (T.__radd__, "add", "binary"),
     (T.add_, "add_", "inplace"), (T.__iadd__, "add_", "inplace"),
+    # other in-place arithmetic: no lineage node, but what it updates is fingerprinted first
+    (T.mul_, "mul_", "mutate"), (T.__imul__, "mul_", "mutate"), (T.sub_, "sub_", "mutate"),
+    (T.__isub__, "sub_", "mutate"), (T.div_, "div_", "mutate"), (T.__itruediv__, "div_", "mutate"),
     # copies that keep the values (a dtype or layout change): followed, not matched by values
     (T.to, "to", "one"), (T.float, "to", "one"), (T.half, "to", "one"), (T.bfloat16, "to", "one"),
     (T.contiguous, "contiguous", "one"), (T.detach, "detach", "one"),
@@ -80,6 +83,7 @@ for _f, _name, _kind in [
 ]:
     _TRACKED[_f] = (_name, _kind)
 _get_ident = __import__("threading").get_ident
+_UPDATES_FIRST_ARG = frozenset(("inplace", "write", "mutate"))
 _tracked_get = _TRACKED.get
 _is_compiling = torch.compiler.is_compiling
 
@@ -101,9 +105,15 @@ class LineageMode(TorchFunctionMode):
         if hit is None:
             return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         rec = self.recorder
         tracer = rec.tracer
+        if hit[1] in _UPDATES_FIRST_ARG and args and isinstance(args[0], T):
+            # A recorded output updated in place later in the step (a shared expert's output
+            # that the routed experts' output is added into) is fingerprinted as it was.
+            rec.before_update(args[0])
+            if hit[1] == "mutate":
+                return func(*args, **kwargs) if kwargs else func(*args)
+        out = func(*args, **kwargs)
         if tracer.tracing_step and not tracer.busy and _get_ident() == tracer.step_thread:
             tracer.busy = True
             try:
@@ -186,6 +196,22 @@ class LineageRecorder:
                 # watched here (a copy) is matched back by its values (deferred: no launch).
                 refs[i] = [2, tracer.fps.add([t], store=False), list(t.shape)] if tracer.fp_now else [3, list(t.shape)]
             writer.add((schema.LINEAGE, step, node, writer.string(name), attrs, refs, shape))
+
+    def before_update(self, t) -> None:
+        """``t`` is about to be updated in place: a deferred fingerprint it holds is taken now,
+        and a cached immediate one is not reused for its next sighting (a tensor made under
+        ``inference_mode`` has no version counter that would tell)."""
+        tracer = self.tracer
+        if not tracer.tracing_step or tracer.busy or not tracer.fp_now or _get_ident() != tracer.step_thread:
+            return
+        tracer.busy = True
+        try:
+            tracer.fps.materialize((t,))
+            tracer.fps.forget((t,))
+        except Exception as exc:
+            tracer._on_error("lineage: before an in-place update", exc)
+        finally:
+            tracer.busy = False
 
     # ------------------------------------------------------------------ producers
     def note(self, t, ref) -> None:

@@ -96,4 +96,29 @@ def expected_by_layer(attrs: dict | None, slot: str, ranks: int) -> dict | None:
         return dict(says=says, placement="replicate", reduction="post-reduction")
     if cls == "ReplicatedLinear":
         return dict(says=says, placement="replicate", reduction=None)
+    if cls == "FusedMoE":
+        split = moe_split(attrs)
+        if split is None:
+            return None
+        reduce = bool(attrs.get("reduce_results"))
+        return dict(says=f"{says}({split['text']}, reduce_results={reduce})",
+                    placement="replicate" if reduce else "partial",
+                    reduction="post-reduction" if reduce else "pre-reduction")
     return None
+
+
+def moe_split(attrs: dict | None) -> dict | None:
+    """How an SGLang FusedMoE layer splits its experts across ranks, or None where every rank
+    holds all of them whole: ``tp`` (moe_tp_size: every rank holds a slice of every expert's
+    intermediate dimension, ``inter`` wide), ``ep`` (moe_ep_size: every rank holds whole experts
+    of its own, ``local`` of ``experts``). Either way each rank's sum over its experts is a
+    partial sum of the layer's output."""
+    if not attrs or attrs.get("sglang_class") != "FusedMoE":
+        return None
+    tp, ep = int(attrs.get("moe_tp_size") or 1), int(attrs.get("moe_ep_size") or 1)
+    if tp * ep <= 1:
+        return None
+    out = dict(tp=tp, ep=ep, inter=attrs.get("intermediate_size_per_partition"),
+               local=attrs.get("num_local_experts"), experts=attrs.get("num_experts"))
+    out["text"] = f"moe_tp_size={tp}, moe_ep_size={ep}"
+    return out

@@ -24,7 +24,7 @@ observed to the point's items and passes. Strongest first:
 
 from __future__ import annotations
 
-from tensor_trace.exporters.analysis import dataflow, declared
+from tensor_trace.exporters.analysis import dataflow, declared, experts
 from tensor_trace.exporters.analysis.evidence import Verdict, item
 from tensor_trace.exporters.analysis.step_view import (GATHER, REDUCE_SCATTER, REDUCING, coll_desc,
                                                        coll_json)
@@ -549,6 +549,7 @@ def _values(j, pt):
     return None
 
 
-RULES = (group_ranks, shapes, fingerprints, _values, reduction_output, scatter_output, reduction_input,
-         gather_input, scaled_reduction_output, scaled_reduction_input, equal_values, sums_add_up, declared_dtensor, concatenation, lineage_ops, sharded_weight,
-         same_values_as_producer, derived_from_shard, divergent)
+RULES = (experts.expert_parallel_local, group_ranks, shapes, fingerprints, _values, reduction_output,
+         scatter_output, reduction_input, gather_input, scaled_reduction_output, scaled_reduction_input,
+         experts.expert_tp_slice, equal_values, sums_add_up, declared_dtensor, experts.declared_partial,
+         concatenation, lineage_ops, sharded_weight, same_values_as_producer, derived_from_shard, divergent)

@@ -204,3 +204,44 @@ def test_quiet_interception_only_in_steps_that_record_lineage(tmp_path, intercep
         tracer.stop()
     assert quiet == [True, True, False, True, False]  # steps 0, 1, then every 3rd
     assert len(_records(str(tmp_path), schema.SPAN)) == 5 * 2
+
+
+class SharedPlusRouted(nn.Module):
+    """A shared expert's output that the routed experts' output is then added into, in place,
+    as SGLang's DeepSeek MoE does (``shared.add_(routed)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.routed = nn.Linear(4, 4)
+
+    def forward(self, x):
+        shared = self.shared(x)
+        shared.add_(self.routed(x))
+        shared.mul_(2.0)
+        return shared
+
+
+@pytest.mark.parametrize("mode", ["immediate", "deferred"])
+def test_an_output_updated_in_place_later_keeps_its_value_at_return(tmp_path, mode):
+    m = SharedPlusRouted()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        want_shared = m.shared(x)
+        want_out = (want_shared + m.routed(x)) * 2.0
+    tracer.start(out_dir=str(tmp_path), fingerprint_mode=mode)
+    try:
+        with torch.inference_mode():  # no version counter that would tell the update
+            m(x)
+    finally:
+        tracer.stop()
+    from tensor_trace.exporters.reader import load_rank_file
+
+    rt = load_rank_file(rank_files(str(tmp_path))[0])
+    step = rt.steps[0]
+    outs = {s.path: s for s in step.spans}
+    shared = [t for t in outs["shared"].tensors if t.slot.startswith("output")][0]
+    root = [t for t in outs[""].tensors if t.slot.startswith("output")][0] if "" in outs else None
+    assert shared.fp[0] == pytest.approx(want_shared.sum().item(), rel=1e-5, abs=1e-5)
+    if root is not None:
+        assert root.fp[0] == pytest.approx(want_out.sum().item(), rel=1e-5, abs=1e-5)

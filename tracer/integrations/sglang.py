@@ -293,9 +293,14 @@ def _step_attrs(forward_batch) -> dict:
 
 _PARALLEL_CLASSES = ("VocabParallelEmbedding", "ParallelLMHead", "ColumnParallelLinear",
                      "MergedColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear",
-                     "ReplicatedLinear")
+                     "ReplicatedLinear", "FusedMoE")
 _ATTRS = ("gather_output", "reduce_results", "input_is_parallel", "parallel_group", "tp_size",
-          "input_size_per_partition", "output_size_per_partition", "num_embeddings_per_partition")
+          "input_size_per_partition", "output_size_per_partition", "num_embeddings_per_partition",
+          # FusedMoE (and its subclasses): how the experts are split across ranks. Expert
+          # parallel gives each rank whole experts of its own (moe_ep), tensor parallel a slice
+          # of every expert's intermediate dimension (moe_tp).
+          "moe_tp_size", "moe_ep_size", "num_experts", "num_local_experts", "top_k",
+          "intermediate_size_per_partition")
 
 
 def module_attrs(module) -> dict | None:

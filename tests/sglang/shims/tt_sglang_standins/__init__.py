@@ -20,7 +20,7 @@ import importlib.abc
 import os
 import sys
 
-MODULES = ("wide_dummy", "dp_attention", "eagle3")  # what ``all`` applies, in order; helpers add theirs here
+MODULES = ("wide_dummy", "dp_attention", "moe_kernels", "mla_backend", "ep_ids", "eagle3")  # what ``all`` applies, in order
 
 _pending: dict[str, list] = {}
 
