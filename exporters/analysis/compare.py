@@ -1,0 +1,433 @@
+"""Where do two runs part? Two traces (any TP sizes) compared point by point, step by step,
+from their fingerprints and inferred placements alone: no tensor dumped, no dimension annotated.
+
+Alignment. Points are aligned by (module, call, slot). Steps are paired by kind: for a server,
+the forward mode and the token count of the step (SGLang's integration records both), the k-th
+step of a kind in A with the k-th of that kind in B; for a plain program, in order. Steps that
+were captured into a CUDA graph hold no values and are left out. ``steps`` pairs steps
+explicitly (an eager step with the replay of the same inputs, in one trace or two).
+
+Unsharding. Each side's tensor is made whole by its placement (the merged store's ``points``
+table): ``shard(D)``: the per-rank sums and sums of squares add up to the whole tensor's;
+``partial``: the per-rank sums add up to the reduced tensor's sum (its sum of squares is not
+recoverable: only the sum is compared); ``replicate``: any rank. A ``divergent`` or ``unknown``
+point is compared rank by rank against the other side's whole tensor.
+
+Tolerance. Two fingerprints are compared through two relative errors, each bounded by the
+largest elementwise relative error between the tensors (so a tolerance on elements is a
+tolerance on them): the norm's, ``|‖a‖ - ‖b‖| / max(‖a‖, ‖b‖)``, and the sum's,
+``|Σa - Σb| / (√n · max(‖a‖, ‖b‖))`` (√n·‖x‖ bounds Σ|x|). The runs may differ per element by
+rounding at each op before the point, accumulating like a random walk, and by fp32 accumulation
+in another order: ``tol = eps(dtype) * sqrt(ops before the point) * order + 2**-24 * sqrt(n)``,
+with eps from ``tolerance.py`` (bfloat16 2**-7, float16 2**-10, float32 2**-20) and ``order`` 2
+where the runs reduce in another order (other TP sizes), else 1.
+"""
+
+from __future__ import annotations
+
+import bisect
+import fnmatch
+import json
+import math
+
+from tensor_trace import schema
+from tensor_trace.errors import BadInput
+from tensor_trace.exporters.analysis.tolerance import eps
+from tensor_trace.exporters.analysis.verdicts import tp_groups_with_size
+
+SAME, DIFFERS, NOT_COMPARABLE, ONLY_A, ONLY_B = "same", "differs", "not comparable", "only in A", "only in B"
+_FLOAT = ("float", "bfloat", "complex")
+TOL_FORMULA = "eps(dtype) * sqrt(ops before the point) * order + 2**-24 * sqrt(numel)"
+
+
+class Side:
+    """One trace as compare reads it: its first TP group, the placement of every point, and
+    its steps with their kinds."""
+
+    def __init__(self, con, label: str):
+        self.con, self.label = con, label
+        groups = tp_groups_with_size(con)
+        if not groups:
+            raise BadInput(f"trace {label} has no processes")
+        rank_of = {p: (r if r is not None else 0) for p, r in con.execute("SELECT proc, rank FROM processes")}
+        groups.sort(key=lambda g: min(rank_of[p] for p in g[0]))
+        procs, self.size = groups[0]
+        self.procs = sorted(procs, key=lambda p: rank_of[p])
+        self.ranks = [rank_of[p] for p in self.procs]
+        self.modules = dict(con.execute("SELECT module_id, path FROM modules"))
+        self.layouts = {}
+        for lid, slots in con.execute("SELECT layout_id, slots FROM layouts"):
+            self.layouts[lid] = tuple((s[0], tuple(s[1]), s[2]) for s in json.loads(slots))
+        self.points = {}  # (module, call, slot) -> (name, placement, reduction, evidence items)
+        for name, module, call, slot, placement, reduction, items in con.execute(
+                "SELECT point, module, call, slot, placement, reduction, evidence_items FROM points"):
+            self.points[(module, call, slot)] = (name, placement, reduction, items)
+        ph = ",".join("?" * len(self.procs))
+        rows = con.execute(
+            f"SELECT step, attrs FROM steps WHERE proc IN ({ph}) AND t_end IS NOT NULL AND span_first IS NOT NULL "
+            f"GROUP BY step HAVING COUNT(*) = ? ORDER BY step", (*self.procs, len(self.procs))).fetchall()
+        self.steps = []  # (step, kind)
+        self.attrs = {}
+        for step, attrs in rows:
+            a = json.loads(attrs or "{}")
+            self.attrs[step] = a
+            if a.get("captured"):
+                continue  # recorded under CUDA-graph capture: no values
+            self.steps.append((step, step_kind(a)))
+
+    def read_step(self, step: int, wanted=None) -> tuple:
+        """({key: [(shape, dtype, fp) per proc, None where missing]}, {key: (ns, spans ended
+        before it)}) of one step; ``wanted(key)`` filters the keys."""
+        con, nproc = self.con, len(self.procs)
+        out: dict = {}
+        order: dict = {}
+        layouts, modules = self.layouts, self.modules
+        for pi, proc in enumerate(self.procs):
+            fps = {}
+            for first, data, indices in con.execute(
+                    "SELECT first, data, indices FROM fingerprints WHERE step=? AND proc=?", (step, proc)):
+                for i, s, q in schema.fingerprint_pairs(first, data, indices):
+                    fps[i] = (s, None if math.isnan(q) else q)
+            rng = con.execute("SELECT span_first, span_last FROM steps WHERE proc=? AND step=?",
+                              (proc, step)).fetchone()
+            if rng is None or rng[0] is None:
+                continue
+            ends = []
+            for module_id, call, t0, dur, lay, fp_pre, fp_post, n_pre in con.execute(
+                    "SELECT module_id, call, t0, dur, layout_id, fp_pre, fp_post, n_pre FROM spans "
+                    "WHERE rowid BETWEEN ? AND ? AND step=?", (rng[0], rng[1], step)):
+                module = modules[module_id]
+                if pi == 0:
+                    ends.append(t0 + dur)
+                for i, (slot, shape, dtype) in enumerate(layouts.get(lay, ())):
+                    key = (module, call, slot)
+                    if wanted is not None and not wanted(key):
+                        continue
+                    if i < n_pre:
+                        ref, t = (fp_pre + i if fp_pre >= 0 else -1), t0
+                    else:
+                        ref, t = (fp_post + i - n_pre if fp_post >= 0 else -1), t0 + dur
+                    per = out.get(key)
+                    if per is None:
+                        per = out[key] = [None] * nproc
+                    per[pi] = (shape, dtype, fps.get(ref))
+                    if pi == 0:
+                        order[key] = t
+            if pi == 0:
+                ends.sort()
+                order = {k: (t, bisect.bisect_right(ends, t)) for k, t in order.items()}
+        return out, order
+
+
+def step_kind(attrs: dict):
+    """What a step is, for pairing across runs: a server's forward mode and token count (and
+    batch size), or None for a program that records neither (paired in order)."""
+    mode = attrs.get("forward_mode")
+    if mode is None and attrs.get("tokens") is None:
+        return None
+    return (mode, attrs.get("tokens"), attrs.get("batch_size"))
+
+
+def parse_steps(specs) -> list:
+    """``--steps`` values: ``A:B`` pairs step A of the first trace with step B of the second,
+    ``N`` step N of both; several by commas or repeated options; ``A0-A1:B0`` a run of steps."""
+    pairs = []
+    for spec in specs or ():
+        for part in str(spec).split(","):
+            part = part.strip()
+            if not part:
+                continue
+            try:
+                a, _, b = part.partition(":")
+                b = b or a
+                if "-" in a:
+                    lo, hi = (int(x) for x in a.split("-"))
+                    b0 = int(b.split("-")[0])
+                    pairs += [(s, b0 + s - lo) for s in range(lo, hi + 1)]
+                else:
+                    pairs.append((int(a), int(b)))
+            except ValueError:
+                raise BadInput(f"--steps {part!r}: expected A:B, N or A0-A1:B0 (step numbers)") from None
+    return pairs
+
+
+def pair_steps(a: Side, b: Side, explicit: list) -> tuple:
+    """[(step_a, step_b)] and the steps left unpaired on each side."""
+    if explicit:
+        have_a, have_b = {s for s, _ in a.steps}, {s for s, _ in b.steps}
+        for sa, sb in explicit:
+            if sa not in have_a:
+                raise BadInput(f"step {sa} is not a complete step of trace A (it has {_step_list(have_a)})")
+            if sb not in have_b:
+                raise BadInput(f"step {sb} is not a complete step of trace B (it has {_step_list(have_b)})")
+        return list(explicit), [], []
+    queues: dict = {}
+    for step, kind in b.steps:
+        queues.setdefault(kind, []).append(step)
+    pairs, left_a = [], []
+    for step, kind in a.steps:
+        q = queues.get(kind)
+        if q:
+            pairs.append((step, q.pop(0)))
+        else:
+            left_a.append(step)
+    left_b = sorted(s for q in queues.values() for s in q)
+    return pairs, left_a, left_b
+
+
+def _step_list(steps) -> str:
+    s = sorted(steps)
+    return ", ".join(map(str, s[:8])) + (" ..." if len(s) > 8 else "") if s else "none"
+
+
+class Whole:
+    """One side's tensor at a point, made whole by its placement."""
+
+    __slots__ = ("numel", "shape", "dtype", "s", "q", "how", "ranks", "q_bound", "ranks_local")
+
+    def __init__(self, numel, shape, dtype, s, q, how, ranks=None, q_bound=None):
+        self.numel, self.shape, self.dtype, self.s, self.q, self.how = numel, shape, dtype, s, q, how
+        self.ranks = ranks  # per-rank Wholes, for a point compared rank by rank
+        self.q_bound = q_bound  # a partial sum's: an upper bound of the reduced sum of squares
+        self.ranks_local = None  # a shard's per-rank tensors, for a fallback rank by rank
+
+
+def unshard(per: list, placement: str, size: int):
+    """The whole tensor from its per-rank (shape, dtype, fp); None where a rank is missing or
+    has no fingerprint (``per`` in TP-rank order)."""
+    if any(x is None or x[2] is None for x in per):
+        return None
+    shape, dtype, fp = per[0]
+    numel = math.prod(shape) if shape else 1
+    if size == 1 or len(per) == 1 or placement == "replicate":
+        return Whole(numel, shape, dtype, fp[0], fp[1], "rank 0" if len(per) > 1 else "whole")
+    if placement.startswith("shard("):
+        d = int(placement[6:-1])
+        if any(len(x[0]) != len(shape) for x in per) or d >= len(shape):
+            return None
+        whole = list(shape)
+        whole[d] = sum(x[0][d] for x in per)
+        q = None if any(x[2][1] is None for x in per) else sum(x[2][1] for x in per)
+        w = Whole(math.prod(whole), tuple(whole), dtype, sum(x[2][0] for x in per), q,
+                  f"sum of {len(per)} shards along dim {d}")
+        w.ranks_local = _per_rank(per)
+        return w
+    if placement == "partial":
+        if any(x[0] != shape for x in per) or any(x[2][1] is None for x in per):
+            return None
+        bound = sum(math.sqrt(max(x[2][1], 0.0)) for x in per) ** 2  # the norm's triangle inequality
+        return Whole(numel, shape, dtype, sum(x[2][0] for x in per), None,
+                     f"sum of {len(per)} partial sums, sum only", q_bound=bound)
+    # divergent / unknown: rank by rank
+    return Whole(numel, shape, dtype, fp[0], fp[1], f"{placement}: rank by rank", _per_rank(per))
+
+
+def _per_rank(per) -> list:
+    return [Whole(math.prod(x[0]) if x[0] else 1, x[0], x[1], x[2][0], x[2][1], f"rank {i}")
+            for i, x in enumerate(per)]
+
+
+class Tolerance:
+    """The tolerance of one comparison (see the module docstring)."""
+
+    def __init__(self, size_a: int, size_b: int, steps_differ: bool):
+        self.order = 2.0 if size_a != size_b or steps_differ else 1.0
+        self.why = (f"TP {size_a} against TP {size_b}: another reduction order" if size_a != size_b else
+                    "other steps: another execution" if steps_differ else f"same TP size ({size_a})")
+
+    def of(self, dtype_a, dtype_b, numel: int, ops: int) -> float:
+        if not any(str(d).startswith(_FLOAT) for d in (dtype_a, dtype_b)):
+            return 0.0  # ids, positions, masks: equal or not
+        e = max(eps(dtype_a), eps(dtype_b))
+        return e * math.sqrt(max(ops, 1)) * self.order + 2.0 ** -24 * math.sqrt(max(numel, 1))
+
+    def describe(self) -> dict:
+        return dict(formula=TOL_FORMULA, order=self.order, reason=self.why, integers="exact",
+                    eps={"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10, "float32": 2.0 ** -20},
+                    measures="relative error of the norm |‖a‖-‖b‖|/max, and of the sum |Σa-Σb|/(√n·max‖·‖): "
+                             "each at most the largest elementwise relative error")
+
+
+def rel_errors(wa: Whole, wb: Whole, per_a=None, per_b=None) -> tuple:
+    """(relative error, what it measured) of two whole tensors of the same size."""
+    qa, qb = wa.q, wb.q
+    if qa is None and qb is None and wa.q_bound is None and wb.q_bound is None:
+        # integer or boolean values fingerprinted by their sum alone: exact
+        return (0.0 if wa.s == wb.s else 1.0), "exact sum (no sum of squares for this kind)"
+    norms = [math.sqrt(max(q, 0.0)) for q in (qa, qb) if q is not None]
+    if not norms:  # both partial: the bounds of their norms
+        norms = [math.sqrt(max(q, 0.0)) for q in (wa.q_bound, wb.q_bound) if q is not None]
+    top = max(norms)
+    if top <= 0.0:
+        return (0.0 if wa.s == wb.s == 0.0 else 1.0), "zero tensor"
+    sum_err = abs(wa.s - wb.s) / (math.sqrt(wa.numel) * top)
+    if qa is not None and qb is not None:
+        norm_err = abs(math.sqrt(max(qa, 0.0)) - math.sqrt(max(qb, 0.0))) / top
+        return max(norm_err, sum_err), ("norm" if norm_err >= sum_err else "sum")
+    return sum_err, "sum (one side is partial: its sum of squares is not recoverable)"
+
+
+def compare_pair(wa: Whole, wb: Whole) -> tuple:
+    """(relative error, measured, reason not comparable)."""
+    if wa.ranks is not None or wb.ranks is not None:
+        # a rank-by-rank side: every rank against the other's whole (or the same rank)
+        ra = wa.ranks or [wa]
+        rb = wb.ranks or [wb]
+        if len(ra) != len(rb) and len(ra) > 1 and len(rb) > 1:
+            return None, None, f"divergent at two TP sizes ({len(ra)} and {len(rb)} ranks)"
+        worst, what = 0.0, ""
+        n = max(len(ra), len(rb))
+        for i in range(n):
+            x, y = ra[min(i, len(ra) - 1)], rb[min(i, len(rb) - 1)]
+            if x.numel != y.numel:
+                return None, None, f"rank {i}'s tensor is {list(x.shape)} in A, {list(y.shape)} in B"
+            err, m = rel_errors(x, y)
+            if err is None:
+                return None, None, m
+            if err >= worst:
+                worst, what = err, f"{m}, rank {i}"
+        return worst, what, None
+    if wa.numel != wb.numel:
+        # A placement of one side that makes no tensor of the other's size (a verdict misled
+        # by the bug itself) still leaves its ranks' tensors to compare with the other's whole.
+        for x, y, side in ((wa, wb, "A"), (wb, wa, "B")):
+            if x.ranks_local is not None and all(r.numel == y.numel for r in x.ranks_local):
+                err, what, why = compare_pair(Whole(x.numel, x.shape, x.dtype, x.s, x.q, x.how, x.ranks_local),
+                                              y) if side == "A" else compare_pair(
+                    y, Whole(x.numel, x.shape, x.dtype, x.s, x.q, x.how, x.ranks_local))
+                if err is not None:
+                    return err, f"{what}; {side}'s {x.how} would be {list(x.shape)}: compared rank by rank", None
+        return None, None, f"whole shapes differ: {list(wa.shape)} in A, {list(wb.shape)} in B"
+    err, what = rel_errors(wa, wb)
+    if err is None:
+        return None, None, what
+    return err, what, None
+
+
+def _fmt(w: Whole) -> str:
+    q = f", sumsq {w.q:.6g}" if w.q is not None else ""
+    return f"sum {w.s:.6g}{q} ({w.how}, {list(w.shape)} {w.dtype})"
+
+
+def compare(con_a, con_b, pattern: str | None = None, steps=None) -> dict:
+    """The contract's ``compare`` object: ``first_divergence``, ``points``, ``tolerance``
+    (plus ``steps``, the pairs compared, and ``unpaired``)."""
+    a, b = Side(con_a, "A"), Side(con_b, "B")
+    explicit = parse_steps(steps)
+    pairs, left_a, left_b = pair_steps(a, b, explicit)
+    tol = Tolerance(a.size, b.size, any(sa != sb for sa, sb in explicit))
+
+    def wanted(key) -> bool:
+        if pattern is None:
+            return True
+        name = (a.points.get(key) or b.points.get(key) or (None,))[0] or f"{key[0]}#{key[1]}:{key[2]}"
+        return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name.split(":")[0], pattern) \
+            or fnmatch.fnmatchcase(key[0], pattern)
+
+    results: dict = {}  # key -> dict
+    first = None
+    for pair_i, (sa, sb) in enumerate(pairs):
+        obs_a, order_a = a.read_step(sa, wanted)
+        obs_b, order_b = b.read_step(sb, wanted)
+        for key in obs_a.keys() | obs_b.keys():
+            r = results.get(key)
+            if r is None:
+                r = results[key] = dict(key=key, status=None, rel_error=None, tol=None, steps=0,
+                                        reason=None, order=order_a.get(key) or order_b.get(key) or (1 << 62, 0),
+                                        in_a=False, in_b=False)
+            pa, pb = obs_a.get(key), obs_b.get(key)
+            r["in_a"] |= pa is not None
+            r["in_b"] |= pb is not None
+            if pa is None or pb is None:
+                continue
+            plc_a = (a.points.get(key) or (None, "unknown"))[1]
+            plc_b = (b.points.get(key) or (None, "unknown"))[1]
+            wa, wb = unshard(pa, plc_a, a.size), unshard(pb, plc_b, b.size)
+            if wa is None or wb is None:
+                r["reason"] = r["reason"] or ("a rank's tensor or fingerprint is missing in "
+                                              + ("A" if wa is None else "B"))
+                continue
+            err, what, why = compare_pair(wa, wb)
+            if err is None:
+                r["reason"] = r["reason"] or why
+                continue
+            ops = (order_a.get(key) or order_b.get(key) or (0, 1))[1]
+            t = tol.of(wa.dtype, wb.dtype, max(wa.numel, wb.numel), ops)
+            r["steps"] += 1
+            if r["rel_error"] is None or err > r["rel_error"]:
+                r["rel_error"], r["tol"], r["measured"] = err, t, what
+                r["worst"] = (sa, sb, wa, wb)
+            if err > t and r["status"] != DIFFERS:
+                r["status"] = DIFFERS
+                r["first_bad"] = (sa, sb, err, t, what, wa, wb)
+                rank = (pair_i, r["order"])
+                if first is None or rank < first[0]:
+                    first = (rank, key)
+    points = []
+    for key, r in sorted(results.items(), key=lambda kv: (kv[1]["order"], kv[0])):
+        ent_a, ent_b = a.points.get(key), b.points.get(key)
+        name = (ent_a or ent_b or (f"{key[0]}:{key[2]}",))[0]
+        if not r["in_b"]:
+            status = ONLY_A
+        elif not r["in_a"]:
+            status = ONLY_B
+        elif r["status"] == DIFFERS:
+            status = DIFFERS
+        elif r["steps"]:
+            status = SAME
+        else:
+            status = NOT_COMPARABLE
+        row = dict(point=name, status=status, rel_error=_round(r["rel_error"]), tolerance=_round(r["tol"]),
+                   placement_a=ent_a[1] if ent_a else None, placement_b=ent_b[1] if ent_b else None,
+                   steps_compared=r["steps"])
+        if status == NOT_COMPARABLE:
+            row["reason"] = r["reason"] or "no step of both runs holds it"
+        points.append(row)
+        r["row"] = row
+    first_div = None
+    if first is not None:
+        key = first[1]
+        r = results[key]
+        sa, sb, err, t, what, wa, wb = r["first_bad"]
+        first_div = dict(point=r["row"]["point"], step_a=sa, step_b=sb, rel_error=_round(err), tolerance=_round(t),
+                         detail=(f"relative error {err:.3g} ({what}) > tolerance {t:.3g}: "
+                                 f"A {_fmt(wa)}; B {_fmt(wb)}"),
+                         evidence=_evidence(a, b, key, wa, wb, results))
+    return dict(first_divergence=first_div, points=points, tolerance=tol.describe(),
+                steps=[list(p) for p in pairs], unpaired=dict(a=left_a, b=left_b),
+                groups=dict(a=dict(ranks=a.ranks, size=a.size), b=dict(ranks=b.ranks, size=b.size)))
+
+
+def _evidence(a: Side, b: Side, key, wa: Whole, wb: Whole, results: dict) -> list:
+    """Why the first divergence is believed: each side's placement and its reason, the scale
+    between the two, and whether the same call's inputs agreed."""
+    out = []
+    for side, w in ((a, wa), (b, wb)):
+        ent = side.points.get(key)
+        if ent is None:
+            continue
+        items = json.loads(ent[3]) if ent[3] else []
+        from tensor_trace.exporters.analysis.evidence import key_item
+
+        hit = key_item(items)
+        out.append(f"{side.label} (TP {side.size}): {ent[1]}/{ent[2]}" + (f": {hit['text']}" if hit else ""))
+    if wa.q and wb.q and wa.q > 0 and wb.q > 0:
+        scale = math.sqrt(wb.q / wa.q)
+        out.append(f"norm of B / norm of A = {scale:.4g}")
+        for n, side in ((b.size, "B"), (a.size, "A")):
+            big = scale if side == "B" else 1.0 / scale
+            if n > 1 and abs(big - n) <= 1e-2 * n:
+                out.append(f"{side} holds {n} times the values: the TP size of {side}, as a sum-reduction of "
+                           f"values already replicated gives (a double reduction? see tensor-trace check)")
+    module, call, slot = key
+    if slot.startswith("output"):
+        ins = [r for k, r in results.items() if k[0] == module and k[1] == call and k[2].startswith("input")]
+        if ins:
+            bad = [r["row"]["point"] for r in ins if r["row"]["status"] == DIFFERS]
+            out.append(f"the call's inputs differ too: {', '.join(bad)}" if bad else
+                       f"the call's {len(ins)} input(s) agree: the values part inside {module}")
+    return out
+
+
+def _round(x):
+    return None if x is None else float(f"{x:.4g}")
