@@ -29,6 +29,7 @@ import bisect
 import fnmatch
 import json
 import math
+import struct
 
 from tensor_trace import schema
 from tensor_trace.errors import BadInput
@@ -65,7 +66,9 @@ class Side:
         ph = ",".join("?" * len(self.procs))
         rows = con.execute(
             f"SELECT step, attrs FROM steps WHERE proc IN ({ph}) AND t_end IS NOT NULL AND span_first IS NOT NULL "
+            f"AND NOT interrupted "
             f"GROUP BY step HAVING COUNT(*) = ? ORDER BY step", (*self.procs, len(self.procs))).fetchall()
+        self._slots_of: dict = {}  # (module id, call, layout, inputs) -> _slots(...)
         self.steps = []  # (step, kind)
         self.attrs = {}
         for step, attrs in rows:
@@ -77,46 +80,58 @@ class Side:
 
     def read_step(self, step: int, wanted=None) -> tuple:
         """({key: [(shape, dtype, fp) per proc, None where missing]}, {key: (ns, spans ended
-        before it)}) of one step; ``wanted(key)`` filters the keys."""
+        before it)}) of one step; ``wanted(key)`` filters the keys. A fingerprint's sum of
+        squares is NaN where it has none."""
         con, nproc = self.con, len(self.procs)
         out: dict = {}
         order: dict = {}
-        layouts, modules = self.layouts, self.modules
+        slots_of = self._slots_of
+        pair, size = schema.FP_PAIR, schema.FP_PAIR.size
         for pi, proc in enumerate(self.procs):
-            fps = {}
+            fps: dict = {}
             for first, data, indices in con.execute(
                     "SELECT first, data, indices FROM fingerprints WHERE step=? AND proc=?", (step, proc)):
-                for i, s, q in schema.fingerprint_pairs(first, data, indices):
-                    fps[i] = (s, None if math.isnan(q) else q)
+                n = len(data) // size
+                idx = range(first, first + n) if indices is None else struct.unpack(f"<{n}I", indices[:4 * n])
+                fps.update(zip(idx, pair.iter_unpack(data[:n * size])))
             rng = con.execute("SELECT span_first, span_last FROM steps WHERE proc=? AND step=?",
                               (proc, step)).fetchone()
             if rng is None or rng[0] is None:
                 continue
             ends = []
+            get = fps.get
             for module_id, call, t0, dur, lay, fp_pre, fp_post, n_pre in con.execute(
                     "SELECT module_id, call, t0, dur, layout_id, fp_pre, fp_post, n_pre FROM spans "
                     "WHERE rowid BETWEEN ? AND ? AND step=?", (rng[0], rng[1], step)):
-                module = modules[module_id]
+                ck = (module_id, call, lay, n_pre)
+                ent = slots_of.get(ck)
+                if ent is None:
+                    ent = slots_of[ck] = self._slots(module_id, call, lay, n_pre, wanted)
                 if pi == 0:
                     ends.append(t0 + dur)
-                for i, (slot, shape, dtype) in enumerate(layouts.get(lay, ())):
-                    key = (module, call, slot)
-                    if wanted is not None and not wanted(key):
-                        continue
-                    if i < n_pre:
-                        ref, t = (fp_pre + i if fp_pre >= 0 else -1), t0
-                    else:
-                        ref, t = (fp_post + i - n_pre if fp_post >= 0 else -1), t0 + dur
+                for key, shape, dtype, i, pre in ent:
+                    base = fp_pre if pre else fp_post
                     per = out.get(key)
                     if per is None:
                         per = out[key] = [None] * nproc
-                    per[pi] = (shape, dtype, fps.get(ref))
+                    per[pi] = (shape, dtype, get(base + i) if base >= 0 else None)
                     if pi == 0:
-                        order[key] = t
+                        order[key] = t0 if pre else t0 + dur
             if pi == 0:
                 ends.sort()
                 order = {k: (t, bisect.bisect_right(ends, t)) for k, t in order.items()}
         return out, order
+
+    def _slots(self, module_id, call, lay, n_pre, wanted) -> tuple:
+        """(key, shape, dtype, index into the span's inputs or outputs, is an input) of a span's
+        slots that ``wanted`` keeps."""
+        module = self.modules[module_id]
+        out = []
+        for i, (slot, shape, dtype) in enumerate(self.layouts.get(lay, ())):
+            key = (module, call, slot)
+            if wanted is None or wanted(key):
+                out.append((key, shape, dtype, i if i < n_pre else i - n_pre, i < n_pre))
+        return tuple(out)
 
 
 def step_kind(attrs: dict):
@@ -195,12 +210,18 @@ class Whole:
 def unshard(per: list, placement: str, size: int):
     """The whole tensor from its per-rank (shape, dtype, fp); None where a rank is missing or
     has no fingerprint (``per`` in TP-rank order)."""
+    if size == 1 or len(per) == 1 or placement == "replicate":
+        for r, x in enumerate(per):  # any rank
+            if x is not None and x[2] is not None:
+                shape, dtype, (s, q) = x
+                return Whole(math.prod(shape) if shape else 1, shape, dtype, s, None if q != q else q,
+                             f"rank {r}" if len(per) > 1 else "whole")
+        return None
     if any(x is None or x[2] is None for x in per):
         return None
+    per = [(x[0], x[1], (x[2][0], None if x[2][1] != x[2][1] else x[2][1])) for x in per]  # NaN: none
     shape, dtype, fp = per[0]
     numel = math.prod(shape) if shape else 1
-    if size == 1 or len(per) == 1 or placement == "replicate":
-        return Whole(numel, shape, dtype, fp[0], fp[1], "rank 0" if len(per) > 1 else "whole")
     if placement.startswith("shard("):
         d = int(placement[6:-1])
         if any(len(x[0]) != len(shape) for x in per) or d >= len(shape):
@@ -327,8 +348,8 @@ def compare(con_a, con_b, pattern: str | None = None, steps=None) -> dict:
     results: dict = {}  # key -> dict
     first = None
     for pair_i, (sa, sb) in enumerate(pairs):
-        obs_a, order_a = a.read_step(sa, wanted)
-        obs_b, order_b = b.read_step(sb, wanted)
+        obs_a, order_a = a.read_step(sa, wanted if pattern else None)
+        obs_b, order_b = b.read_step(sb, wanted if pattern else None)
         for key in obs_a.keys() | obs_b.keys():
             r = results.get(key)
             if r is None:
