@@ -30,6 +30,7 @@ import fnmatch
 import json
 import math
 import struct
+from itertools import chain
 
 from tensor_trace import schema
 from tensor_trace.errors import BadInput
@@ -68,7 +69,8 @@ class Side:
             f"SELECT step, attrs FROM steps WHERE proc IN ({ph}) AND t_end IS NOT NULL AND span_first IS NOT NULL "
             f"AND NOT interrupted "
             f"GROUP BY step HAVING COUNT(*) = ? ORDER BY step", (*self.procs, len(self.procs))).fetchall()
-        self._slots_of: dict = {}  # (module id, call, layout, inputs) -> _slots(...)
+        self._plans: dict = {}  # a step's span structure -> Plan
+        self._aligned: dict = {}  # the plans of a step's processes -> whether their points align
         self.steps = []  # (step, kind)
         self.attrs = {}
         for step, attrs in rows:
@@ -76,71 +78,146 @@ class Side:
             self.attrs[step] = a
             if a.get("captured"):
                 continue  # recorded under CUDA-graph capture: no values
-            self.steps.append((step, step_kind(a)))
+            self.steps.append((step, step_kind(a)))  # paired by pair_steps on common fields
 
-    def read_step(self, step: int, wanted=None) -> tuple:
-        """({key: [(shape, dtype, fp) per proc, None where missing]}, {key: (ns, spans ended
-        before it)}) of one step; ``wanted(key)`` filters the keys. A fingerprint's sum of
-        squares is NaN where it has none."""
-        con, nproc = self.con, len(self.procs)
-        out: dict = {}
-        order: dict = {}
-        slots_of = self._slots_of
-        pair, size = schema.FP_PAIR, schema.FP_PAIR.size
-        for pi, proc in enumerate(self.procs):
-            fps: dict = {}
+    def placement(self, key) -> str:
+        ent = self.points.get(key)
+        return ent[1] if ent else "unknown"
+
+    def read_step(self, step: int, wanted=None) -> "StepData":
+        """Every wanted point of one step on every process of the group."""
+        con = self.con
+        size = schema.FP_PAIR.size
+        plans, cols = [], []
+        ranges = dict((p, (f, l)) for p, f, l in con.execute(
+            "SELECT proc, span_first, span_last FROM steps WHERE step=?", (step,)))
+        for proc in self.procs:
+            rng = ranges.get(proc)
+            if rng is None or rng[0] is None:
+                rng = (1, 0)
+            # The step's structure (modules, calls, layouts, in order) as a positional checksum
+            # computed by SQLite: only a structure not seen before is read in full.
+            summary = con.execute(_STRUCTURE_SQL, (rng[0], rng[0], rng[0], rng[1], step)).fetchone()
+            plan = self._plans.get(summary)
+            if plan is None:
+                full = con.execute(
+                    "SELECT module_id, call, layout_id, n_pre, fp_pre, fp_post, t0, dur FROM spans "
+                    "WHERE rowid BETWEEN ? AND ? AND step=?", (rng[0], rng[1], step)).fetchall()
+                plan = self._plans[summary] = Plan(self, full, wanted)
+            bases = tuple(con.execute("SELECT fp_pre, fp_post FROM spans WHERE rowid BETWEEN ? AND ? "
+                                      "AND step=?", (rng[0], rng[1], step)).fetchall())
+            got = plan.refs.get(bases)
+            if got is None:
+                got = plan.refs[bases] = plan.resolve(bases)
+            refs, largest = got
+            vals: list = [None] * (largest + 2)
+            top = len(vals) - 1  # the last entry stays None: where a slot without values points
             for first, data, indices in con.execute(
                     "SELECT first, data, indices FROM fingerprints WHERE step=? AND proc=?", (step, proc)):
                 n = len(data) // size
-                idx = range(first, first + n) if indices is None else struct.unpack(f"<{n}I", indices[:4 * n])
-                fps.update(zip(idx, pair.iter_unpack(data[:n * size])))
-            rng = con.execute("SELECT span_first, span_last FROM steps WHERE proc=? AND step=?",
-                              (proc, step)).fetchone()
-            if rng is None or rng[0] is None:
-                continue
-            ends = []
-            get = fps.get
-            for module_id, call, t0, dur, lay, fp_pre, fp_post, n_pre in con.execute(
-                    "SELECT module_id, call, t0, dur, layout_id, fp_pre, fp_post, n_pre FROM spans "
-                    "WHERE rowid BETWEEN ? AND ? AND step=?", (rng[0], rng[1], step)):
-                ck = (module_id, call, lay, n_pre)
-                ent = slots_of.get(ck)
-                if ent is None:
-                    ent = slots_of[ck] = self._slots(module_id, call, lay, n_pre, wanted)
-                if pi == 0:
-                    ends.append(t0 + dur)
-                for key, shape, dtype, i, pre in ent:
-                    base = fp_pre if pre else fp_post
-                    per = out.get(key)
-                    if per is None:
-                        per = out[key] = [None] * nproc
-                    per[pi] = (shape, dtype, get(base + i) if base >= 0 else None)
-                    if pi == 0:
-                        order[key] = t0 if pre else t0 + dur
-            if pi == 0:
-                ends.sort()
-                order = {k: (t, bisect.bisect_right(ends, t)) for k, t in order.items()}
-        return out, order
+                flat = struct.unpack(f"<{2 * n}f", data[:n * size])
+                pairs_ = zip(flat[0::2], flat[1::2])
+                if indices is None:
+                    if first + n > top:
+                        vals[top:] = [None] * (first + n - top + 1)
+                        top = len(vals) - 1
+                    vals[first:first + n] = pairs_
+                else:
+                    for i, v in zip(struct.unpack(f"<{n}I", indices[:4 * n]), pairs_):
+                        if i < top:
+                            vals[i] = v
+            vals[-1] = None
+            plans.append(plan)
+            cols.append(list(map(vals.__getitem__, refs)))
+        return StepData(self, step, plans, cols)
 
-    def _slots(self, module_id, call, lay, n_pre, wanted) -> tuple:
-        """(key, shape, dtype, index into the span's inputs or outputs, is an input) of a span's
-        slots that ``wanted`` keeps."""
-        module = self.modules[module_id]
+
+_STRUCTURE_SQL = ("SELECT COUNT(*), SUM(((rowid - ?) % 65536 * 65537 + module_id % 65536) * 8191 "
+                  "+ call % 4096 * 31 + n_pre % 31), SUM(((rowid - ?) % 65536 + 1) * (layout_id % 1048576)), "
+                  "SUM(call * 1000003 + layout_id) FROM spans WHERE rowid BETWEEN ? AND ? AND step=?")
+
+
+class Plan:
+    """The points of a step of one structure (the same module calls and tensor layouts, as
+    every decode step of a batch size has): their keys, shapes, order, and per span which of
+    its slots are read. Built once per structure; a step of that structure only reads values."""
+
+    def __init__(self, side, rows, wanted):
+        keys, meta, spec, times = [], [], [], []
+        ends = sorted(r[6] + r[7] for r in rows)
+        for module_id, call, lay, n_pre, _fp_pre, _fp_post, t0, dur in rows:
+            module = side.modules[module_id]
+            pre, post = [], []
+            for i, (slot, shape, dtype) in enumerate(side.layouts.get(lay, ())):
+                key = (module, call, slot)
+                if wanted is not None and not wanted(key):
+                    continue
+                (pre if i < n_pre else post).append(i if i < n_pre else i - n_pre)
+                keys.append(key)
+                meta.append((shape, dtype))
+                t = t0 if i < n_pre else t0 + dur
+                times.append((t, bisect.bisect_right(ends, t)))
+            spec.append((pre, post))
+        self.keys, self.meta, self.spec, self.times = tuple(keys), meta, spec, times
+        # per slot: (2 * span + 0 for an input, + 1 for an output, offset in its span's fingerprints)
+        self.src = [(2 * j + side_, o) for j, (pre, post) in enumerate(spec)
+                    for side_, offs in ((0, pre), (1, post)) for o in offs]
+        self.index = {k: i for i, k in enumerate(keys)}
+        self.refs: dict = {}  # the spans' fingerprint bases -> resolve(...)
+        self.fast: dict = {}  # per side: key -> (kind, whole numel) for the fast path
+
+
+    def resolve(self, bases) -> list:
+        """Each slot's fingerprint index (-1: none) from its span's (input, output) bases, and
+        the largest index."""
+        flat = list(chain.from_iterable(bases))
+        refs = [flat[j] + o if flat[j] >= 0 else -1 for j, o in self.src]
+        return refs, max(refs, default=0)
+
+
+class StepData:
+    """One step of one side: its plans and values per process."""
+
+    def __init__(self, side, step, plans, cols):
+        self.side, self.step, self.plans, self.cols = side, step, plans, cols
+        first = plans[0]
+        combo = tuple(map(id, plans))
+        aligned = side._aligned.get(combo)
+        if aligned is None:
+            aligned = side._aligned[combo] = all(p is first or p.keys == first.keys for p in plans)
+        self.aligned = aligned
+        self.plan = first
+        if not self.aligned:  # processes of another structure: by key, slowly
+            self.by_key = [dict(zip(p.keys, c)) for p, c in zip(plans, cols)]
+            self.keys = list(dict.fromkeys(k for p in plans for k in p.keys))
+        else:
+            self.keys = first.keys
+
+    def per(self, key) -> list:
+        """[(shape, dtype, fp) or None] per process of ``key``."""
         out = []
-        for i, (slot, shape, dtype) in enumerate(self.layouts.get(lay, ())):
-            key = (module, call, slot)
-            if wanted is None or wanted(key):
-                out.append((key, shape, dtype, i if i < n_pre else i - n_pre, i < n_pre))
-        return tuple(out)
+        for pi, (plan, col) in enumerate(zip(self.plans, self.cols)):
+            i = plan.index.get(key)
+            out.append(None if i is None else (plan.meta[i][0], plan.meta[i][1], col[i]))
+        return out
 
-
-def step_kind(attrs: dict):
-    """What a step is, for pairing across runs: a server's forward mode and token count (and
-    batch size), or None for a program that records neither (paired in order)."""
-    mode = attrs.get("forward_mode")
-    if mode is None and attrs.get("tokens") is None:
+    def order(self, key):
+        for plan in self.plans:
+            i = plan.index.get(key)
+            if i is not None:
+                return plan.times[i]
         return None
-    return (mode, attrs.get("tokens"), attrs.get("batch_size"))
+
+
+KIND_ATTRS = ("forward_mode", "tokens", "batch_size", "seq_lens_sum")
+
+
+def step_kind(attrs: dict, fields=KIND_ATTRS):
+    """What a step is, for pairing across runs: a server's forward mode, token count, batch
+    size and total sequence length (so the k-th decode step of a request pairs with the k-th),
+    or None for a program that records none of them (paired in order)."""
+    kind = tuple(attrs.get(f) for f in fields)
+    return None if all(v is None for v in kind) else kind
 
 
 def parse_steps(specs) -> list:
@@ -176,11 +253,21 @@ def pair_steps(a: Side, b: Side, explicit: list) -> tuple:
             if sb not in have_b:
                 raise BadInput(f"step {sb} is not a complete step of trace B (it has {_step_list(have_b)})")
         return list(explicit), [], []
+    # Only what both traces recorded (a trace of an older tracer lacks some fields).
+    fields = tuple(f for f in KIND_ATTRS if any(f in a.attrs[s] for s, _ in a.steps)
+                   and any(f in b.attrs[s] for s, _ in b.steps))
+    ka = [(s, step_kind(a.attrs[s], fields)) for s, _ in a.steps]
+    kb = [(s, step_kind(b.attrs[s], fields)) for s, _ in b.steps]
+    rids_a = {r for s, _ in ka for r in a.attrs[s].get("rids") or ()}
+    if rids_a & {r for s, _ in kb for r in b.attrs[s].get("rids") or ()}:
+        # the client named its requests: the same request ids are the same work
+        ka = [(s, (k, tuple(a.attrs[s].get("rids") or ()))) for s, k in ka]
+        kb = [(s, (k, tuple(b.attrs[s].get("rids") or ()))) for s, k in kb]
     queues: dict = {}
-    for step, kind in b.steps:
+    for step, kind in kb:
         queues.setdefault(kind, []).append(step)
     pairs, left_a = [], []
-    for step, kind in a.steps:
+    for step, kind in ka:
         q = queues.get(kind)
         if q:
             pairs.append((step, q.pop(0)))
@@ -347,23 +434,46 @@ def compare(con_a, con_b, pattern: str | None = None, steps=None) -> dict:
 
     results: dict = {}  # key -> dict
     first = None
+    matched: dict = {}  # (plan A, plan B) -> the points of both, with what the fast path needs
+    sel = wanted if pattern else None
     for pair_i, (sa, sb) in enumerate(pairs):
-        obs_a, order_a = a.read_step(sa, wanted if pattern else None)
-        obs_b, order_b = b.read_step(sb, wanted if pattern else None)
-        for key in obs_a.keys() | obs_b.keys():
+        da, db = a.read_step(sa, sel), b.read_step(sb, sel)
+        fast = da.aligned and db.aligned
+        plan_key = (id(da.plan), id(db.plan)) if fast else None
+        m = matched.get(plan_key) if fast else None
+        if m is None:
+            m = _match(a, b, da, db, tol) if fast else None
+            if fast:
+                matched[plan_key] = m
+        if m is not None:
+            common, only_a, only_b = m
+        else:
+            ka, kb = set(da.keys), set(db.keys)
+            common = [(k, None, None, SLOW, SLOW, 0, 0.0) for k in da.keys if k in kb]
+            only_a = [k for k in da.keys if k not in kb]
+            only_b = [k for k in db.keys if k not in ka]
+        for key in only_a:
+            _result(results, key, da, db)["in_a"] = True
+        for key in only_b:
+            _result(results, key, da, db)["in_b"] = True
+        cols_a, cols_b = da.cols, db.cols
+        for key, ia, ib, cat_a, cat_b, numel, t in common:
             r = results.get(key)
-            if r is None:
-                r = results[key] = dict(key=key, status=None, rel_error=None, tol=None, steps=0,
-                                        reason=None, order=order_a.get(key) or order_b.get(key) or (1 << 62, 0),
-                                        in_a=False, in_b=False)
-            pa, pb = obs_a.get(key), obs_b.get(key)
-            r["in_a"] |= pa is not None
-            r["in_b"] |= pb is not None
-            if pa is None or pb is None:
-                continue
-            plc_a = (a.points.get(key) or (None, "unknown"))[1]
-            plc_b = (b.points.get(key) or (None, "unknown"))[1]
-            wa, wb = unshard(pa, plc_a, a.size), unshard(pb, plc_b, b.size)
+            if r is None or not r["in_b"] or not r["in_a"]:
+                r = _result(results, key, da, db)
+                r["in_a"] = r["in_b"] = True
+            if cat_a is not SLOW and cat_b is not SLOW:
+                wa, wb = _fast_whole(cols_a, ia, cat_a), _fast_whole(cols_b, ib, cat_b)
+                if wa is not None and wb is not None:
+                    err = _fast_err(wa, wb, numel)
+                    if err <= t:
+                        r["steps"] += 1
+                        if r["rel_error"] is None or err > r["rel_error"]:
+                            r["rel_error"], r["tol"] = err, t
+                        continue
+            # the slow path: anything not plainly the same, with the details of why
+            wa = unshard(da.per(key), a.placement(key), a.size)
+            wb = unshard(db.per(key), b.placement(key), b.size)
             if wa is None or wb is None:
                 r["reason"] = r["reason"] or ("a rank's tensor or fingerprint is missing in "
                                               + ("A" if wa is None else "B"))
@@ -372,12 +482,11 @@ def compare(con_a, con_b, pattern: str | None = None, steps=None) -> dict:
             if err is None:
                 r["reason"] = r["reason"] or why
                 continue
-            ops = (order_a.get(key) or order_b.get(key) or (0, 1))[1]
+            ops = (da.order(key) or db.order(key) or (0, 1))[1]
             t = tol.of(wa.dtype, wb.dtype, max(wa.numel, wb.numel), ops)
             r["steps"] += 1
             if r["rel_error"] is None or err > r["rel_error"]:
-                r["rel_error"], r["tol"], r["measured"] = err, t, what
-                r["worst"] = (sa, sb, wa, wb)
+                r["rel_error"], r["tol"] = err, t
             if err > t and r["status"] != DIFFERS:
                 r["status"] = DIFFERS
                 r["first_bad"] = (sa, sb, err, t, what, wa, wb)
@@ -417,6 +526,100 @@ def compare(con_a, con_b, pattern: str | None = None, steps=None) -> dict:
     return dict(first_divergence=first_div, points=points, tolerance=tol.describe(),
                 steps=[list(p) for p in pairs], unpaired=dict(a=left_a, b=left_b),
                 groups=dict(a=dict(ranks=a.ranks, size=a.size), b=dict(ranks=b.ranks, size=b.size)))
+
+
+SLOW = "slow"
+_REP, _SHARD, _PARTIAL = "rep", "shard", "partial"
+
+
+def _result(results, key, da, db) -> dict:
+    r = results.get(key)
+    if r is None:
+        r = results[key] = dict(status=None, rel_error=None, tol=None, steps=0, reason=None, in_a=False,
+                                in_b=False, order=da.order(key) or db.order(key) or (1 << 62, 0))
+    return r
+
+
+def _fast_kind(side, plan, i):
+    """How the fast path unshards a point of this side (None: the slow path), and the whole
+    tensor's numel."""
+    shape, _dtype = plan.meta[i]
+    numel = math.prod(shape) if shape else 1
+    placement = side.placement(plan.keys[i])
+    n = len(side.procs)
+    if side.size == 1 or n == 1 or placement == "replicate":
+        return _REP, numel
+    if placement.startswith("shard("):
+        return _SHARD, numel * n  # every process of one plan: equal shapes, even shards
+    if placement == "partial":
+        return _PARTIAL, numel
+    return SLOW, numel
+
+
+def _match(a, b, da, db, tol) -> tuple:
+    """The points of two step structures: (common, only in A, only in B), each common point
+    with its positions, fast-path kinds, numel and tolerance."""
+    pa, pb = da.plan, db.plan
+    common, only_a = [], []
+    for ia, key in enumerate(pa.keys):
+        ib = pb.index.get(key)
+        if ib is None:
+            only_a.append(key)
+            continue
+        cat_a, n_a = _fast_kind(a, pa, ia)
+        cat_b, n_b = _fast_kind(b, pb, ib)
+        if n_a != n_b:
+            cat_a = cat_b = SLOW
+        ops = pa.times[ia][1]
+        t = tol.of(pa.meta[ia][1], pb.meta[ib][1], max(n_a, n_b), ops)
+        common.append((key, ia, ib, cat_a, cat_b, n_a, t))
+    only_b = [k for k in pb.keys if k not in pa.index]
+    return common, only_a, only_b
+
+
+def _fast_whole(cols, i, kind):
+    """(sum, sum of squares or NaN, bound of a partial's sum of squares or None)."""
+    if kind is _REP:
+        for c in cols:
+            v = c[i]
+            if v is not None:
+                return v[0], v[1], None
+        return None
+    s = q = 0.0
+    if kind is _SHARD:
+        for c in cols:
+            v = c[i]
+            if v is None:
+                return None
+            s += v[0]
+            q += v[1]
+        return s, q, None
+    for c in cols:
+        v = c[i]
+        if v is None or v[1] != v[1]:
+            return None
+        s += v[0]
+        q += math.sqrt(v[1]) if v[1] > 0.0 else 0.0
+    return s, math.nan, q * q
+
+
+def _fast_err(wa, wb, numel) -> float:
+    """``rel_errors`` on plain tuples (the same arithmetic)."""
+    sa, qa, ba = wa
+    sb, qb, bb = wb
+    ok_a, ok_b = qa == qa, qb == qb
+    if not ok_a and not ok_b and ba is None and bb is None:
+        return 0.0 if sa == sb else 1.0
+    if ok_a or ok_b:
+        top = math.sqrt(max(max(qa, 0.0) if ok_a else 0.0, max(qb, 0.0) if ok_b else 0.0))
+    else:
+        top = math.sqrt(max(ba, bb))
+    if top <= 0.0:
+        return 0.0 if sa == sb == 0.0 else 1.0
+    sum_err = abs(sa - sb) / (math.sqrt(numel) * top)
+    if ok_a and ok_b:
+        return max(abs(math.sqrt(max(qa, 0.0)) - math.sqrt(max(qb, 0.0))) / top, sum_err)
+    return sum_err
 
 
 def _evidence(a: Side, b: Side, key, wa: Whole, wb: Whole, results: dict) -> list:

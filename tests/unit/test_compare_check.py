@@ -220,3 +220,18 @@ def test_check_reports_collective_issues(tmp_path):
     found = check(sqlite3.connect(mg.store_path(str(d))))
     assert [f["kind"] for f in found] == ["collective-skipped"]
     assert found[0]["point"] == "row" and found[0]["collective"]["op"] == "all_reduce"
+
+
+def test_decode_steps_pair_by_sequence_length_and_request_ids(tmp_path):
+    def dec(n, rid=None):
+        a = {"forward_mode": "decode", "tokens": 1, "batch_size": 1, "seq_lens_sum": n}
+        return dict(a, rids=[rid]) if rid else a
+
+    a = run(tmp_path, "a", 1, steps=(dec(6), dec(7)))
+    b = run(tmp_path, "b", 2, steps=(dec(6), dec(20), dec(7)))  # another request's step between
+    assert cmp(a, b)["steps"] == [[0, 0], [1, 2]]
+    # Request ids the client set: the same ids pair, whatever the lengths say.
+    a = run(tmp_path, "c", 1, steps=(dec(6, "x"), dec(6, "y")))
+    b = run(tmp_path, "d", 2, steps=(dec(6, "y"), dec(6, "x")))
+    res = cmp(a, b)
+    assert res["steps"] == [[0, 1], [1, 0]]
