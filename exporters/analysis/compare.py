@@ -29,6 +29,7 @@ import fnmatch
 import json
 import math
 
+from tensor_trace.errors import NoAnswer
 from tensor_trace.exporters.analysis.compare_steps import Side, pair_steps, parse_steps
 from tensor_trace.exporters.analysis.tolerance import eps
 
@@ -179,6 +180,9 @@ def compare(con_a, con_b, pattern: str | None = None, steps=None) -> dict:
     explicit = parse_steps(steps)
     pairs, left_a, left_b = pair_steps(a, b, explicit)
     tol = Tolerance(a.size, b.size, any(sa != sb for sa, sb in explicit))
+    if not pairs:
+        raise NoAnswer(f"no step of A pairs with a step of B (A has {len(a.steps)} complete step(s), B "
+                       f"{len(b.steps)}, of other kinds); pair them with --steps A:B")
 
     def wanted(key) -> bool:
         if pattern is None:
@@ -269,6 +273,8 @@ def compare(con_a, con_b, pattern: str | None = None, steps=None) -> dict:
             row["reason"] = r["reason"] or "no step of both runs holds it"
         points.append(row)
         r["row"] = row
+    if pattern and not points:
+        raise NoAnswer(f"no point matches {pattern!r} in either trace")
     first_div = None
     if first is not None:
         key = first[1]

@@ -36,7 +36,9 @@ def seeded_model(tmp_path_factory):
 
 
 def _serve(tp, model, log, prefix=()):
-    srv = server.SGLangServer(tp, model_path=model, load_format="safetensors", log_path=log, prefix=list(prefix))
+    # A generous start-up deadline: on a shared 2-core host a server can take minutes to come up.
+    srv = server.SGLangServer(tp, model_path=model, load_format="safetensors", log_path=log, prefix=list(prefix),
+                              startup_timeout=600)
     with srv:
         tokens = server.output_ids(srv.generate(server.DEFAULT_INPUT_IDS, max_new_tokens=8))
     assert not srv.killed, srv.log_tail()

@@ -235,3 +235,15 @@ def test_decode_steps_pair_by_sequence_length_and_request_ids(tmp_path):
     b = run(tmp_path, "d", 2, steps=(dec(6, "y"), dec(6, "x")))
     res = cmp(a, b)
     assert res["steps"] == [[0, 1], [1, 0]]
+
+
+def test_no_matching_point_or_step_pair_is_no_answer(tmp_path):
+    a = run(tmp_path, "a", 1)
+    r = CliRunner().invoke(main, ["compare", str(a), str(a), "nothing*"])
+    assert r.exit_code == 1 and "no point matches" in r.output
+    b = run(tmp_path, "b", 2, steps=({"forward_mode": "decode", "tokens": 1},))
+    c = run(tmp_path, "c", 2, steps=({"forward_mode": "extend", "tokens": 4},))
+    r = CliRunner().invoke(main, ["compare", str(b), str(c)])
+    assert r.exit_code == 1 and "--steps" in r.output
+    r = CliRunner().invoke(main, ["compare", str(b), str(c), "--steps", "0:0"])
+    assert r.exit_code == 0, r.output
