@@ -9,6 +9,8 @@ import pytest
 from tt_helpers import SMALL_MODEL, TENSOR_TRACE, TORCHRUN, TP_LLAMA, record_distributed, run_cmd
 
 STEPS = ["--steps", "2"]
+# Five recorded runs in one module fixture: more than the default per-test limit on a busy host.
+pytestmark = pytest.mark.timeout(1500)
 
 
 def _record(out, tp, *extra):
