@@ -47,7 +47,9 @@ class Net(nn.Module):
 
     def forward(self, x):
         pending = [self.issue(x) for _ in range(2)]
-        return [self.use(y) for y in pending], self.issue(x)  # the last: only the tracer waits it
+        # The last is never waited by the program: the tracer must not wait it either
+        # (tracer/kinds.py), so it closes unwaited, without output values.
+        return [self.use(y) for y in pending], self.issue(x)
 
 
 def traced(out, fn, steps=2):
@@ -74,17 +76,22 @@ def main(out):
     cs = step.collectives
     check(f"3 all_reduces issued by 'issue' ({[spans[c.parent].path for c in cs]})",
           len(cs) == 3 and all(spans[c.parent].path == "issue" for c in cs))
-    check("none unwaited", all(not c.flags & 16 for c in cs))
+    check(f"the two waited are waited, the last unwaited ({[bool(c.flags & 16) for c in cs]})",
+          [bool(c.flags & 16) for c in cs] == [False, False, True])
     want = (x * 2).sum().item()
     outs = [c.tensors[-1].fp for c in cs]
-    check(f"output fingerprints are the values ({outs}, want sum {want:.4f})",
-          all(o is not None and abs(o[0] - want) <= 1e-3 * max(1.0, abs(want)) for o in outs))
+    check(f"waited outputs' fingerprints are the values, the unwaited one has none ({outs}, want sum {want:.4f})",
+          all(o is not None and abs(o[0] - want) <= 1e-3 * max(1.0, abs(want)) for o in outs[:2]) and outs[2] is None)
     issue_outs = [s.tensors[-1].fp for s in step.spans if s.path == "issue"]
-    check(f"module outputs (AsyncCollectiveTensors, deferred) fingerprinted ({issue_outs})",
-          all(o is not None and abs(o[0] - want) <= 1e-3 * max(1.0, abs(want)) for o in issue_outs))
+    # Whether one AsyncCollectiveTensor was waited is known only as "c10d's registry of unwaited
+    # results is empty" (tracer/kinds.py waited()); with the third still unwaited at the step's
+    # end no module output can be proven waited, so none is read: no values, never wrong ones.
+    check(f"module outputs (AsyncCollectiveTensors) not read while a result is unwaited ({issue_outs})",
+          issue_outs == [None, None, None])
     check(f"tracer errors: {rt.errors[:3]}", not rt.errors)
     if DEV == "cuda":
-        check(f"device times recorded: {[c.device_ns for c in cs]}", all(c.device_ns is not None for c in cs))
+        check(f"device times of the waited collectives recorded: {[c.device_ns for c in cs]}",
+              all(c.device_ns is not None for c in cs[:2]))
 
     from torch.distributed.device_mesh import init_device_mesh
 

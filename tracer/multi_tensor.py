@@ -429,6 +429,11 @@ def warm_up(device) -> bool:
     warm[device] = False
     if _kernel() is None:
         return False
+    # The self-check below reads its results back: one synchronisation per device per process,
+    # ours. A program that runs under torch.cuda.set_sync_debug_mode("error") (to prove its own
+    # steps never synchronise) would otherwise fail the check and lose the kernel for good.
+    debug_mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
     try:
         for dtype in DTYPES:
             flat = torch.arange(1, 5, dtype=dtype, device=device)
@@ -451,5 +456,7 @@ def warm_up(device) -> bool:
         sys.stderr.write(f"tensor-trace: multi-tensor fingerprint kernel unavailable ({exc!r:.200}); "
                          "fingerprints are computed by stacking instead\n")
         return False
+    finally:
+        torch.cuda.set_sync_debug_mode(debug_mode)
     warm[device] = True
     return True
