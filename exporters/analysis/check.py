@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 
 from tensor_trace.exporters.analysis.evidence import key_item
-from tensor_trace.exporters.analysis.step_view import REDUCE_SCATTER, coll_desc, coll_json
+from tensor_trace.exporters.analysis.step_view import REDUCE_SCATTER, StepView, coll_desc, coll_json
 from tensor_trace.exporters.analysis.tolerance import all_equal, linked
 from tensor_trace.exporters.analysis.verdicts import StoreContext, sample_steps, tp_groups_with_size
 
@@ -84,8 +84,6 @@ def _collective_findings(con, points) -> list:
             continue
         tp_ranks = declared.get(procs[0])
         for step in sample_steps(con, procs):
-            from tensor_trace.exporters.analysis.step_view import StepView
-
             view = StepView(con, step, procs, ctx.layouts, ctx.modules, ctx.rank_of)
             p0 = procs[0]
 
