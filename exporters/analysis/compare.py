@@ -19,7 +19,9 @@ tolerance on them): the norm's, ``|‖a‖ - ‖b‖| / max(‖a‖, ‖b‖)``,
 ``|Σa - Σb| / (√n · max(‖a‖, ‖b‖))`` (√n·‖x‖ bounds Σ|x|). The runs may differ per element by
 rounding at each op before the point, accumulating like a random walk, and by fp32 accumulation
 in another order: ``tol = eps(dtype) * sqrt(ops before the point) * order + 2**-24 * sqrt(n)``,
-with eps from ``tolerance.py`` (bfloat16 2**-7, float16 2**-10, float32 2**-20) and ``order`` 2
+with eps from ``tolerance.py`` (bfloat16 2**-7, float16 2**-10, float32 2**-20) of the coarsest
+floating-point dtype of the step up to the point (float32 logits of a bfloat16 model carry
+bfloat16 rounding), and ``order`` 2
 where the runs reduce in another order (other TP sizes), else 1.
 """
 
@@ -36,6 +38,7 @@ from tensor_trace.exporters.analysis.tolerance import eps
 SAME, DIFFERS, NOT_COMPARABLE, ONLY_A, ONLY_B = "same", "differs", "not comparable", "only in A", "only in B"
 _FLOAT = ("float", "bfloat", "complex")
 TOL_FORMULA = "eps(dtype) * sqrt(ops before the point) * order + 2**-24 * sqrt(numel)"
+TOL_DTYPE = "the coarsest floating-point dtype of the step up to the point (in either run)"
 
 
 class Whole:
@@ -99,14 +102,17 @@ class Tolerance:
         self.why = (f"TP {size_a} against TP {size_b}: another reduction order" if size_a != size_b else
                     "other steps: another execution" if steps_differ else f"same TP size ({size_a})")
 
-    def of(self, dtype_a, dtype_b, numel: int, ops: int) -> float:
+    def of(self, dtype_a, dtype_b, numel: int, ops: int, computed_in=()) -> float:
+        """``computed_in``: the coarsest dtypes of the steps up to the point (values are as
+        coarse as what they were computed from)."""
         if not any(str(d).startswith(_FLOAT) for d in (dtype_a, dtype_b)):
             return 0.0  # ids, positions, masks: equal or not
-        e = max(eps(dtype_a), eps(dtype_b))
+        e = max([eps(d) for d in (dtype_a, dtype_b) if str(d).startswith(_FLOAT)]
+                + [eps(d) for d in computed_in])
         return e * math.sqrt(max(ops, 1)) * self.order + 2.0 ** -24 * math.sqrt(max(numel, 1))
 
     def describe(self) -> dict:
-        return dict(formula=TOL_FORMULA, order=self.order, reason=self.why, integers="exact",
+        return dict(formula=TOL_FORMULA, dtype=TOL_DTYPE, order=self.order, reason=self.why, integers="exact",
                     eps={"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10, "float32": 2.0 ** -20},
                     measures="relative error of the norm |‖a‖-‖b‖|/max, and of the sum |Σa-Σb|/(√n·max‖·‖): "
                              "each at most the largest elementwise relative error")
@@ -242,7 +248,7 @@ def compare(con_a, con_b, pattern: str | None = None, steps=None) -> dict:
                 r["reason"] = r["reason"] or why
                 continue
             ops = (da.order(key) or db.order(key) or (0, 1))[1]
-            t = tol.of(wa.dtype, wb.dtype, max(wa.numel, wb.numel), ops)
+            t = tol.of(wa.dtype, wb.dtype, max(wa.numel, wb.numel), ops, _computed_in(key, da.plan, db.plan))
             r["steps"] += 1
             if r["rel_error"] is None or err > r["rel_error"]:
                 r["rel_error"], r["tol"] = err, t
@@ -317,6 +323,16 @@ def _fast_kind(side, plan, i):
     return SLOW, numel
 
 
+def _computed_in(key, pa, pb) -> set:
+    """The coarsest floating-point dtypes of both steps up to the point."""
+    out = set()
+    for plan in (pa, pb):
+        i = plan.index.get(key)
+        if i is not None and plan.coarsest[i] is not None:
+            out.add(plan.coarsest[i])
+    return out
+
+
 def _match(a, b, da, db, tol) -> tuple:
     """The points of two step structures: (common, only in A, only in B), each common point
     with its positions, fast-path kinds, numel and tolerance."""
@@ -332,7 +348,7 @@ def _match(a, b, da, db, tol) -> tuple:
         if n_a != n_b:
             cat_a = cat_b = SLOW
         ops = pa.times[ia][1]
-        t = tol.of(pa.meta[ia][1], pb.meta[ib][1], max(n_a, n_b), ops)
+        t = tol.of(pa.meta[ia][1], pb.meta[ib][1], max(n_a, n_b), ops, _computed_in(key, pa, pb))
         common.append((key, ia, ib, cat_a, cat_b, n_a, t))
     only_b = [k for k in pb.keys if k not in pa.index]
     return common, only_a, only_b

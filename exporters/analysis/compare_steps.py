@@ -16,6 +16,7 @@ from itertools import chain
 
 from tensor_trace import schema
 from tensor_trace.errors import BadInput
+from tensor_trace.exporters.analysis.tolerance import eps
 from tensor_trace.exporters.analysis.verdicts import tp_groups_with_size
 
 
@@ -142,6 +143,16 @@ class Plan:
                 times.append((t, bisect.bisect_right(ends, t)))
             spec.append((pre, post))
         self.keys, self.meta, self.spec, self.times = tuple(keys), meta, spec, times
+        # The coarsest floating-point dtype of the step up to each point: values computed from
+        # bfloat16 tensors carry bfloat16 rounding whatever their own dtype (the float32
+        # logits of a bf16 matmul, and the step's outputs that carry them).
+        self.coarsest = [None] * len(keys)
+        worst, worst_eps = None, 0.0
+        for i in sorted(range(len(keys)), key=lambda i: times[i]):
+            dtype = meta[i][1]
+            if str(dtype).startswith(("float", "bfloat")) and eps(dtype) > worst_eps:
+                worst, worst_eps = dtype, eps(dtype)
+            self.coarsest[i] = worst
         # per slot: (2 * span + 0 for an input, + 1 for an output, offset in its span's fingerprints)
         self.src = [(2 * j + side_, o) for j, (pre, post) in enumerate(spec)
                     for side_, offs in ((0, pre), (1, post)) for o in offs]
