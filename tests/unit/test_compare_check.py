@@ -247,3 +247,22 @@ def test_no_matching_point_or_step_pair_is_no_answer(tmp_path):
     assert r.exit_code == 1 and "--steps" in r.output
     r = CliRunner().invoke(main, ["compare", str(b), str(c), "--steps", "0:0"])
     assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("upstream,status", [("bfloat16", "same"), ("float32", "differs")])
+def test_tolerance_follows_the_coarsest_dtype_upstream(tmp_path, upstream, status):
+    """float32 logits computed from bfloat16 hidden states differ by bfloat16 rounding between
+    runs; from float32 ones, the same difference is a divergence."""
+    rng = gen(4)
+    x = pos(rng, 4, 8)
+    w = rng.normal(size=(6, 8)).astype(np.float32)
+    for name, scale in (("a", 1.0), ("b", 1.0 + 2e-3)):
+        tr = SyntheticTrace(1)
+        with tr.step():
+            with tr.call("hidden", same(x, [0])) as c:
+                c.returns(same(x, [0], dtype=upstream))
+            with tr.call("logits", same(x, [0], dtype=upstream)) as c:
+                c.returns(same((x @ w.T) * scale, [0]))
+        tr.merge(tmp_path / name)
+    res = cmp(tmp_path / "a", tmp_path / "b")
+    assert by_point(res)["logits:output"]["status"] == status, res["points"]
