@@ -40,6 +40,9 @@ class TinyLlamaConfig:
     seed: int = 0
     aux_layer_ids: tuple = (0, 2, 4)
     deferred_reduction: bool = False
+    # Planted bugs (off by default), for `tensor-trace compare` and `check` to find:
+    bug_double_reduce: int = -1        # this layer's o_proj all_reduces its output twice
+    bug_aux_before_reduce: bool = False  # aux hidden states captured before the MLP's all_reduce
     rope_theta: float = 10000.0
     eps: float = 1e-6
     device: str = "cpu"
@@ -194,10 +197,12 @@ class RowParallelLinear(_TPModule):
     """Input dim sharded (input_is_parallel=True).  Each rank produces a partial sum; with
     reduce_results=True it is all_reduced in place here, else the caller must reduce it."""
 
-    def __init__(self, input_size, output_size, tp_rank, tp_size, group, reduce_results=True):
+    def __init__(self, input_size, output_size, tp_rank, tp_size, group, reduce_results=True,
+                 reductions=1):
         super().__init__(tp_rank, tp_size, group)
         self.input_size, self.output_size = input_size, output_size
         self.reduce_results = reduce_results
+        self.reductions = reductions   # 2 only for the planted double-reduction bug
         self.weight = nn.Parameter(torch.empty(output_size, input_size // tp_size))
 
     def init_from(self, gen: torch.Generator) -> None:
@@ -210,7 +215,8 @@ class RowParallelLinear(_TPModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight)   # no bias: a bias would be added once, after the reduction
         if self.reduce_results:
-            tp_all_reduce(out, self.tp_size, self.group)
+            for _ in range(self.reductions):
+                tp_all_reduce(out, self.tp_size, self.group)
         return out
 
 
@@ -253,7 +259,7 @@ class CoreAttention(nn.Module):
 class LlamaAttention(nn.Module):
     """qkv_proj (column parallel) -> attn (local heads) -> o_proj (row parallel)."""
 
-    def __init__(self, cfg: TinyLlamaConfig, tp_rank, tp_size, group):
+    def __init__(self, cfg: TinyLlamaConfig, tp_rank, tp_size, group, layer_id: int = 0):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads,
                                           tp_rank, tp_size, group)
@@ -261,7 +267,8 @@ class LlamaAttention(nn.Module):
         self.split = [nh * cfg.head_dim, nkv * cfg.head_dim, nkv * cfg.head_dim]
         self.attn = CoreAttention(nh, nkv, cfg.head_dim, cfg.rope_theta)
         self.o_proj = RowParallelLinear(cfg.heads * cfg.head_dim, cfg.hidden, tp_rank, tp_size,
-                                        group, reduce_results=not cfg.deferred_reduction)
+                                        group, reduce_results=not cfg.deferred_reduction,
+                                        reductions=2 if layer_id == cfg.bug_double_reduce else 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
@@ -279,13 +286,15 @@ class SiluAndMul(nn.Module):
 class LlamaMLP(nn.Module):
     """gate_up_proj (merged column parallel) -> act_fn -> down_proj (row parallel)."""
 
-    def __init__(self, cfg: TinyLlamaConfig, tp_rank, tp_size, group):
+    def __init__(self, cfg: TinyLlamaConfig, tp_rank, tp_size, group, reduce_results=None):
         super().__init__()
+        if reduce_results is None:
+            reduce_results = not cfg.deferred_reduction
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden, [cfg.ffn, cfg.ffn],
                                                        tp_rank, tp_size, group)
         self.act_fn = SiluAndMul()
         self.down_proj = RowParallelLinear(cfg.ffn, cfg.hidden, tp_rank, tp_size, group,
-                                           reduce_results=not cfg.deferred_reduction)
+                                           reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -294,16 +303,24 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block.  With deferred_reduction, o_proj/down_proj return partial sums and the
     reduction happens here at the layer boundary (as SGLang's layer communicator does), so hooks
-    on self_attn / mlp / o_proj / down_proj see unreduced per-rank partials."""
+    on self_attn / mlp / o_proj / down_proj see unreduced per-rank partials.
+
+    Planted bug ``bug_aux_before_reduce`` (an aux layer only): the MLP's reduction moves here
+    and the residual stream is captured for the draft (``self.aux``) before it, as a fused
+    all-reduce + residual-add kernel does when the capture is not moved with it: each rank's
+    capture holds its partial sum."""
 
     def __init__(self, cfg: TinyLlamaConfig, layer_id: int, tp_rank, tp_size, group):
         super().__init__()
         self.layer_id, self.deferred = layer_id, cfg.deferred_reduction
+        self.aux_before_reduce = cfg.bug_aux_before_reduce and layer_id in cfg.aux_layer_ids
         self.tp_size, self.group = tp_size, group
+        self.aux = None
         self.input_layernorm = RMSNorm(cfg.hidden, cfg.eps)
-        self.self_attn = LlamaAttention(cfg, tp_rank, tp_size, group)
+        self.self_attn = LlamaAttention(cfg, tp_rank, tp_size, group, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.eps)
-        self.mlp = LlamaMLP(cfg, tp_rank, tp_size, group)
+        self.mlp = LlamaMLP(cfg, tp_rank, tp_size, group,
+                            reduce_results=not (cfg.deferred_reduction or self.aux_before_reduce))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(x))
@@ -311,7 +328,9 @@ class LlamaDecoderLayer(nn.Module):
             tp_all_reduce(h, self.tp_size, self.group)
         x = x + h
         h = self.mlp(self.post_attention_layernorm(x))
-        if self.deferred:
+        if self.aux_before_reduce:
+            self.aux = x + h   # the bug: h is this rank's partial sum until the all_reduce below
+        if self.deferred or self.aux_before_reduce:
             tp_all_reduce(h, self.tp_size, self.group)
         return x + h
 
@@ -334,7 +353,7 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h)
             if i in self.aux_layer_ids:
-                captured[i] = h
+                captured[i] = h if layer.aux is None else layer.aux
         return self.norm(h), [captured[i] for i in self.aux_layer_ids]
 
 
@@ -512,6 +531,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--deferred-reduction", action="store_true",
                    help="o_proj/down_proj return partial sums; the decoder layer all_reduces them")
+    p.add_argument("--bug-double-reduce", type=int, default=-1, metavar="LAYER",
+                   help="planted bug: this layer's o_proj all_reduces its output twice (tp times the "
+                        "values from there on)")
+    p.add_argument("--bug-aux-before-reduce", action="store_true",
+                   help="planted bug: the aux hidden states of the EAGLE-3 layers are captured "
+                        "before their MLP's all_reduce (partial sums reach the draft)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="capture one step into a CUDA graph and replay it (needs --device cuda)")
     p.add_argument("--forbid-sync-from", type=int, default=None, metavar="STEP",

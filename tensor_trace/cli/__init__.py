@@ -29,13 +29,15 @@ def main():
 
 
 def _register():
-    from tensor_trace.cli import contract, export, merge, query, record
+    from tensor_trace.cli import check, compare, contract, export, merge, query, record
 
     main.add_command(record.record)
     main.add_command(merge.merge)
     main.add_command(query.query)
     main.add_command(export.export)
     main.add_command(contract.contract)
+    main.add_command(compare.compare)
+    main.add_command(check.check)
 
 
 _register()

@@ -37,7 +37,9 @@ def seeded_model(tmp_path_factory):
 
 
 def _serve(tp, model, log, prefix=()):
-    srv = server.SGLangServer(tp, model_path=model, load_format="safetensors", log_path=log, prefix=list(prefix))
+    # A generous start-up deadline: on a shared 2-core host a server can take minutes to come up.
+    srv = server.SGLangServer(tp, model_path=model, load_format="safetensors", log_path=log, prefix=list(prefix),
+                              startup_timeout=600)
     with srv:  # stopped (SIGINT) as soon as the response is in
         tokens = server.output_ids(srv.generate(server.DEFAULT_INPUT_IDS, max_new_tokens=MAX_NEW_TOKENS))
     assert not srv.killed, srv.log_tail()
@@ -151,12 +153,45 @@ def test_collectives_per_decode_step(traced):
     assert all(r["group"] == "tp" for r in rows)
 
 
-def test_tp1_gives_the_same_tokens_and_everything_replicate(seeded_model, tmp_path):
-    out = tmp_path / "trace"
-    tokens, _ = _serve(1, seeded_model, tmp_path / "tp1.log", [TT, "record", "-o", str(out), "--"])
-    assert tokens == server.SEEDED_REFERENCE_TOKENS
-    pts = q("placement", "*:*", "--trace", out)
+@pytest.fixture(scope="module")
+def traced_tp1(seeded_model, tmp_path_factory):
+    """TP=1 traced, the same seeded model: the reference `compare` holds TP=2 against."""
+    d = tmp_path_factory.mktemp("sglang-tp1")
+    out = d / "trace"
+    tokens, _ = _serve(1, seeded_model, d / "tp1.log", [TT, "record", "-o", str(out), "--"])
+    return dict(out=str(out), tokens=tokens)
+
+
+def test_tp1_gives_the_same_tokens_and_everything_replicate(traced_tp1):
+    assert traced_tp1["tokens"] == server.SEEDED_REFERENCE_TOKENS
+    pts = q("placement", "*:*", "--trace", traced_tp1["out"])
     assert pts and {p["placement"] for p in pts} == {"replicate"}
+
+
+def test_compare_tp1_against_tp2_finds_no_divergence(traced, traced_tp1):
+    """The same seeded model at TP=1 and TP=2: every point unsharded by its placement (shards
+    summed, partial sums by their reduced sum) agrees within the tolerance of bfloat16 rounding
+    in another reduction order."""
+    r = CliRunner().invoke(main, ["compare", traced_tp1["out"], traced["out"], "--json"])
+    assert r.exit_code == 0, r.output[-3000:]
+    res = json.loads(r.stdout)
+    assert res["first_divergence"] is None
+    assert res["groups"]["a"]["size"] == 1 and res["groups"]["b"]["size"] == 2
+    assert "TP 1 against TP 2" in res["tolerance"]["reason"]
+    # Steps paired by forward mode and token count: the prefill and the decode steps.
+    assert len(res["steps"]) >= 2
+    by = {p["point"]: p for p in res["points"]}
+    counts = {}
+    for p in res["points"]:
+        counts[p["status"]] = counts.get(p["status"], 0) + 1
+    assert counts.get("same", 0) >= 50, counts
+    # Compared across placements: a shard against the whole, a partial sum by its reduced sum.
+    qkv = by["model.layers.0.self_attn.qkv_proj:output.0"]
+    assert qkv["status"] == "same" and qkv["placement_b"].startswith("shard("), qkv
+    o = by["model.layers.0.self_attn.o_proj:output.0"]
+    assert o["status"] == "same" and o["placement_b"] == "partial", o
+    # Whatever was not compared says why.
+    assert all(p.get("reason") for p in res["points"] if p["status"] == "not comparable")
 
 
 def test_eagle3_aux_hidden_states_are_named_capture_points(seeded_model, tmp_path):

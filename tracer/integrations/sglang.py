@@ -270,6 +270,9 @@ def _register_context(model_runner_module) -> None:
         structures.add_context_type(cls)
 
 
+_MAX_RIDS = 64  # request ids kept per step (a step's attrs stay small at any batch size)
+
+
 def _step_attrs(forward_batch) -> dict:
     attrs = {}
     try:
@@ -286,6 +289,14 @@ def _step_attrs(forward_batch) -> dict:
         dp_tokens = getattr(forward_batch, "global_num_tokens_cpu", None)
         if isinstance(dp_tokens, (list, tuple)) and len(dp_tokens) > 1:
             attrs["dp_tokens"] = [int(n) for n in dp_tokens]
+        # For pairing steps across runs (tensor-trace compare): host-side values SGLang already
+        # holds, read once per step, never per module call.
+        seq_lens_sum = getattr(forward_batch, "seq_lens_sum", None)
+        if isinstance(seq_lens_sum, int):
+            attrs["seq_lens_sum"] = seq_lens_sum
+        rids = getattr(forward_batch, "rids", None)
+        if isinstance(rids, list) and rids:
+            attrs["rids"] = [str(r) for r in rids[:_MAX_RIDS]]
     except Exception:
         pass
     return attrs
