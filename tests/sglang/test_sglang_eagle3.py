@@ -156,3 +156,17 @@ def test_contract_check_names_the_embedding_and_the_missing_layer(wired, miswire
     assert kinds["capture_missing"]["point"] == "model.layers.3.input_layernorm:output.1"
     assert "after model.layers.2" in kinds["capture_missing"]["message"]
     assert "model.embed_tokens" in bad.output and "after model.layers.2" in bad.output
+
+
+def test_aux_captures_are_whole_residual_streams(wired):
+    # What the draft is fed: the residual stream entering layers 1, 2, 3 (aux ids 0, 1, 2), a
+    # reduced layer output plus the residual added locally: whole values that are not a
+    # reduction's output (design.md: no-reduction), of the target's hidden width.
+    _, pts = q("query", "placement", "capture:*", "--trace", wired["out"])
+    by_point = {p["point"]: p for p in pts}
+    assert sorted(by_point) == [f"capture:eagle3.aux.{k}" for k in range(3)]
+    for k in range(3):
+        p = by_point[f"capture:eagle3.aux.{k}"]
+        assert p["capture"]["layer"] == f"model.layers.{k + 1}" and p["capture"]["eagle3_layer_id"] == k, p
+        assert (p["placement"], p["reduction"]) == ("replicate", "no-reduction"), p
+        assert list(p["shapes"].values())[0][-1] == 64

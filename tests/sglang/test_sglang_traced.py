@@ -194,26 +194,6 @@ def test_compare_tp1_against_tp2_finds_no_divergence(traced, traced_tp1):
     assert all(p.get("reason") for p in res["points"] if p["status"] == "not comparable")
 
 
-def test_eagle3_aux_hidden_states_are_named_capture_points(seeded_model, tmp_path):
-    out = tmp_path / "trace"
-    srv = server.SGLangServer(2, model_path=seeded_model, load_format="safetensors",
-                              extra_args=server.EAGLE3_AUX_ARGS, log_path=tmp_path / "aux.log",
-                              prefix=[TT, "record", "-o", str(out), "--"])
-    with srv:
-        result = srv.generate(server.DEFAULT_INPUT_IDS, max_new_tokens=4, return_hidden_states=True)
-    assert result and not srv.killed, srv.log_tail()
-    (p,) = q("placement", "capture:*", "--trace", out)
-    # --return-aux-hidden-state-layer-ids 0: SGLang captures the residual stream entering layer 1.
-    assert p["point"] == "capture:eagle3.aux.0"
-    assert p["capture"]["layer"] == "model.layers.1" and p["capture"]["eagle3_layer_id"] == 0
-    # The residual stream is layer 0's reduced output plus the residual, added locally: whole
-    # values that are not a reduction's output (design.md: no-reduction).
-    assert (p["placement"], p["reduction"]) == ("replicate", "no-reduction"), p
-    assert list(p["shapes"].values())[0][-1] == 64
-    shapes = q("shapes", "capture:eagle3.aux.0", "--trace", out)
-    assert shapes[0]["capture"]["what"].startswith("residual stream entering model.layers.1")
-
-
 @pytest.fixture(scope="module")
 def traced_dummy(tmp_path_factory):
     """TP=2 with `--load-format dummy`, the usual quick way to run SGLang: every rank's shards
