@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from tensor_trace.exporters.analysis import declared
 from tensor_trace.exporters.analysis.evidence import Verdict, item
-from tensor_trace.exporters.analysis.step_view import REDUCING, coll_desc, coll_json
+from tensor_trace.exporters.analysis.step_view import coll_desc, coll_json, next_sum_reduction
 from tensor_trace.exporters.analysis.tolerance import Observed, fp_equal
 
 
@@ -67,13 +67,6 @@ def _weights_item(module, params) -> dict:
     names = ", ".join(f"{n} {list(s)}" for n, s in params)
     return item("weights", f"{module}.{{{names}}}: equal shapes, different values across ranks: each rank "
                            f"holds its own part", param=f"{module}.{params[0][0]}")
-
-
-def _next_sum_reduction(j, pt):
-    for c in j.v.after(pt.t_point, REDUCING):
-        if c.sums and all(c.ins.get(p) and c.ins[p][0].numel == pt.tref.numel for p in pt.procs):
-            return c
-    return None
 
 
 def expert_parallel_local(j, pt):
@@ -138,7 +131,7 @@ def declared_partial(j, pt):
     params = split_params(j, pt.module, pt.procs)
     if not params:
         return None
-    c = _next_sum_reduction(j, pt)
+    c = next_sum_reduction(j.v, pt)
     extra = [item("semantics", f"{sem['says']} says partial, and the values differ across ranks"),
              _weights_item(pt.module, params)]
     if c is not None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from tensor_trace.exporters.analysis import dataflow, declared, experts
 from tensor_trace.exporters.analysis.evidence import Verdict, item
 from tensor_trace.exporters.analysis.step_view import (GATHER, REDUCE_SCATTER, REDUCING, coll_desc,
-                                                       coll_json)
+                                                       coll_json, next_sum_reduction)
 from tensor_trace.exporters.analysis.tolerance import (Observed, all_equal, close, disjoint_sum,
                                                        fp_equal, linked)
 
@@ -313,13 +313,6 @@ def scatter_output(j, pt):
     return None
 
 
-def _next_sum_reduction(j, pt):
-    for c in j.v.after(pt.t_point, REDUCING):
-        if c.sums and all(c.ins.get(p) and c.ins[p][0].numel == pt.tref.numel for p in pt.procs):
-            return c
-    return None
-
-
 def equal_values(j, pt):
     """Values equal on every rank: replicate, unless a declaration says the layer is sharded."""
     if not pt.equal:
@@ -336,7 +329,7 @@ def equal_values(j, pt):
         pt.items.append(item("semantics", f"{sem['says']} says {sem['placement']}: the verdict follows the layer"))
         if sem["placement"] == "shard":
             return _decide(pt, f"shard({pt.ndim - 1})", "no-reduction", "layer-semantics", None, note)
-        c = _next_sum_reduction(j, pt)
+        c = next_sum_reduction(j.v, pt)
         extra = [_coll_item(c, f"the next sum-reduction of its size is {coll_desc(c)}")] if c else []
         return _decide(pt, "partial", "pre-reduction" if c else "unknown", "layer-semantics",
                        coll_json(c, pt.procs[0]) if c else None, note, *extra)
@@ -383,7 +376,7 @@ def declared_dtensor(j, pt):
         return None
     pt.items.append(item("declared", f"the DTensor declares {says}, and the values differ across ranks"))
     if says == "partial":
-        c = _next_sum_reduction(j, pt)
+        c = next_sum_reduction(j.v, pt)
         return _decide(pt, "partial", "pre-reduction" if c else "unknown", "declared-dtensor",
                        coll_json(c, pt.procs[0]) if c else None)
     return _decide(pt, says, "no-reduction", "declared-dtensor")
@@ -406,7 +399,7 @@ def lineage_ops(j, pt):
     if hit is None:
         return None
     placement, ops = hit
-    c = _next_sum_reduction(j, pt) if placement == "partial" else None
+    c = next_sum_reduction(j.v, pt) if placement == "partial" else None
     reduction = "pre-reduction" if c else ("unknown" if placement == "partial" else "no-reduction")
     return _decide(pt, placement, reduction, "lineage-ops", coll_json(c, pt.procs[0]) if c else None,
                    item("dataflow", f"built by recorded ops: {ops}"))
@@ -474,7 +467,7 @@ def _from_weight(j, pt, split):
         return _decide(pt, f"shard({last})", "no-reduction", "sharded-weight", None,
                        item("weights", text, param=f"{pt.module}.{name}"),
                        item("dataflow", f"{in_text}, the weight is split along its output dimension: a shard"))
-    c = _next_sum_reduction(j, pt)
+    c = next_sum_reduction(j.v, pt)
     return _decide(pt, "partial", "pre-reduction" if c else "unknown", "sharded-weight",
                    coll_json(c, pt.procs[0]) if c else None,
                    item("weights", text, param=f"{pt.module}.{name}"),

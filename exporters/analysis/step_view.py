@@ -193,3 +193,12 @@ def coll_json(c: Collective, proc) -> dict:
     return dict(op=c.op, reduce_op=c.reduce_op, group=c.group_name, group_ranks=c.group_ranks, seq=c.seq,
                 shape=list(t.shape) if t else None, dtype=t.dtype if t else None, bytes=c.bytes,
                 module=c.module)
+
+
+def next_sum_reduction(view, pt):
+    """The first sum-reducing collective after point ``pt`` whose input on each of the point's
+    ranks has the point's size: the reduction a partial sum would be owed to."""
+    for c in view.after(pt.t_point, REDUCING):
+        if c.sums and all(c.ins.get(p) and c.ins[p][0].numel == pt.tref.numel for p in pt.procs):
+            return c
+    return None

@@ -15,9 +15,7 @@ draws wide enough that greedy decoding meets no near-ties), the EAGLE-3 stand-in
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -27,10 +25,7 @@ from click.testing import CliRunner
 from tensor_trace.cli import main
 from tensor_trace.exporters.reader import load_rank_file, rank_files
 
-_spec = importlib.util.spec_from_file_location("tt_sglang_server", Path(__file__).with_name("server.py"))
-server = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = server
-_spec.loader.exec_module(server)
+import tt_sglang_server as server  # noqa: E402  (loaded by conftest.py)
 
 _ready, _why = server.venv_ready()
 # The first test starts all three servers (about 40 s each on an idle 2-core machine, over ten

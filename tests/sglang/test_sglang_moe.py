@@ -12,10 +12,8 @@ Set ``TT_MOE_KEEP=DIR`` to keep the traces and logs in DIR (they are in pytest's
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -25,12 +23,7 @@ from click.testing import CliRunner
 from tensor_trace.cli import main
 from tensor_trace.exporters.reader import load_rank_file, rank_files
 
-_spec = importlib.util.spec_from_file_location("tt_sglang_server", Path(__file__).with_name("server.py"))
-server = sys.modules.get(_spec.name)
-if server is None:
-    server = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = server
-    _spec.loader.exec_module(server)
+import tt_sglang_server as server  # noqa: E402  (loaded by conftest.py)
 
 _ready, _why = server.venv_ready()
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800), pytest.mark.skipif(not _ready, reason=f"no SGLang venv: {_why}")]

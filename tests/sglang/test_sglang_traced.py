@@ -7,10 +7,7 @@ same model and must give the same tokens, traced or not.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -18,10 +15,7 @@ from click.testing import CliRunner
 from tensor_trace.cli import main
 from tensor_trace.exporters.reader import load_rank_file, rank_files
 
-_spec = importlib.util.spec_from_file_location("tt_sglang_server", Path(__file__).with_name("server.py"))
-server = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = server
-_spec.loader.exec_module(server)
+import tt_sglang_server as server  # noqa: E402  (loaded by conftest.py)
 
 _ready, _why = server.venv_ready()
 pytestmark = [pytest.mark.sglang, pytest.mark.skipif(not _ready, reason=f"no SGLang venv: {_why}")]
