@@ -422,12 +422,13 @@ class CudaGraphStep:
     capture), return that eager result, then capture one step.  Later calls copy the new ids
     into the static input buffer and replay."""
 
-    def __init__(self, model: nn.Module):
-        self.model, self.graph = model, None
+    def __init__(self, model: nn.Module, stale_input: bool = False):
+        self.model, self.graph, self.stale_input = model, None, stale_input
 
     def __call__(self, input_ids: torch.Tensor):
         if self.graph is not None:
-            self.static_ids.copy_(input_ids)
+            if not self.stale_input:  # the planted bug: every replay reuses the captured ids
+                self.static_ids.copy_(input_ids)
             self.graph.replay()
             return self.static_out
         self.static_ids = input_ids.clone()
@@ -462,7 +463,7 @@ def run(args) -> list:
         group = dist.group.WORLD
     try:
         model = build_model(args, rank, world, group, device=device)
-        step_fn = CudaGraphStep(model) if args.cuda_graph else model
+        step_fn = CudaGraphStep(model, args.bug_stale_graph_input) if args.cuda_graph else model
         records = []
         with torch.inference_mode():
             for step in range(args.steps):
@@ -539,6 +540,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "before their MLP's all_reduce (partial sums reach the draft)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="capture one step into a CUDA graph and replay it (needs --device cuda)")
+    p.add_argument("--bug-stale-graph-input", action="store_true",
+                   help="planted bug (with --cuda-graph): replays do not refresh the graph's static "
+                        "input buffer, so every replay recomputes the captured step's inputs")
     p.add_argument("--forbid-sync-from", type=int, default=None, metavar="STEP",
                    help="from this step on, run each forward under torch.cuda.set_sync_debug_mode"
                         "('error'): a synchronising call inside the step (the model's or a "
