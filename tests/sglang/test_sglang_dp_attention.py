@@ -92,16 +92,18 @@ def test_groups_recorded_on_each_rank(traced):
 
 def test_tokens_split_unevenly_and_one_dp_rank_empty(traced):
     """The steps record each DP rank's tokens. SGLang's warm-up runs the same prompt on both DP
-    ranks ([n, n]); the requests are dispatched round robin, so each DP rank in turn runs a
-    forward pass while the other is idle ([n, 0] and [0, m]: uneven, one rank empty)."""
+    ranks ([n, n]); the requests are dispatched round robin, so a DP rank runs a forward pass
+    while the other is idle ([n, 0] or [0, m]: one rank empty), and requests that meet in one
+    forward split unevenly ([1, 5]). Which rank is idle when depends on the timing of the
+    requests (and of the launcher's /health polls), so only that some rank is."""
     splits = set()
     for t in _ranks(traced):
         for s in t.steps.values():
             if s.attrs.get("dp_tokens"):
                 splits.add(tuple(s.attrs["dp_tokens"]))
                 assert s.attrs["tokens"] == s.attrs["dp_tokens"][t.identity["groups"]["attn_dp"]["rank"]]
-    assert any(split[0] == 0 < split[1] for split in splits), splits
-    assert any(split[1] == 0 < split[0] for split in splits), splits
+    assert any(min(split) == 0 < max(split) for split in splits), splits  # one DP rank empty
+    assert any(min(split) > 0 for split in splits), splits  # and steps both DP ranks ran
 
 
 def test_dp_local_points_are_a_data_split_never_unknown(traced):

@@ -126,8 +126,11 @@ def test_a_build_begun_by_a_process_that_exits_at_once_finishes_for_the_next(tmp
     env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", env["TORCH_EXTENSIONS_DIR"])
     folder = native.build_directory()
-    short = ("import os, time\nfrom tensor_trace.tracer import native\nnative.ensure()\n"
-             "time.sleep(3)\nos._exit(0)\n")  # gone long before a compile could end
+    # A traced process has imported torch before its first step starts the build (the build
+    # thread needs torch to find its folder, and a cold import can take longer than the 3 s):
+    # gone long before a compile could end.
+    short = ("import os, time\nimport torch\nfrom tensor_trace.tracer import native\nnative.ensure()\n"
+             "time.sleep(3)\nos._exit(0)\n")
     t0 = time.monotonic()
     subprocess.run([sys.executable, "-c", short], env=env, timeout=120, check=True)
     assert time.monotonic() - t0 < 60 and not native._built(folder)
