@@ -188,17 +188,7 @@ def test_writes_at_places_not_read_keep_their_time_order(tmp_path):
 def test_a_draft_step_consuming_the_target_steps_packed_captures(tmp_path):
     # SGLang runs the target and the draft as separate forwards (separate traced steps): the
     # draft's input is the target step's output, by identity.
-    target, draft = Packer(OUT_OF_ORDER), Draft()
-    torch.manual_seed(0)
-    tracer.start(out_dir=str(tmp_path))
-    try:
-        with torch.inference_mode():
-            for _ in range(2):
-                _, packed = target(torch.randn(3, H))
-                draft(packed)
-    finally:
-        tracer.stop()
-    con = open_store(str(tmp_path))
+    con = _traced_target_and_draft(tmp_path, Packer(OUT_OF_ORDER))
     res = lin.lineage(con, "Draft.fc:input.0")
     assert res["op"] == "slices(dim=1)" and res["inside"] == [":output.1"]
     assert [s["point"] for s in res["sources"]] == [p.replace("packer.", "") for p in LAYERS]
@@ -395,7 +385,12 @@ class CapturingTarget(nn.Module):
 
 
 def _two_step_trace(tmp_path, entering, packer=False):
-    target, draft = CapturingTarget(entering, packer), Draft()
+    return _traced_target_and_draft(tmp_path, CapturingTarget(entering, packer))
+
+
+def _traced_target_and_draft(tmp_path, target):
+    """Two traced steps of ``target`` then the draft on its packed output; the merged store."""
+    draft = Draft()
     torch.manual_seed(0)
     tracer.start(out_dir=str(tmp_path))
     try:
