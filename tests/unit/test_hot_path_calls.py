@@ -1,0 +1,106 @@
+"""A ceiling on the Python calls the tracer adds to a traced one-tensor module call.
+
+Deterministic stand-in for a timing goal: ``sys.setprofile`` counts the Python functions that
+run ('call' events; C functions are counted apart, 'c_call') during steady-state steps of two
+models that differ only in how many one-tensor leaf modules they call. The difference, divided
+by the difference in calls, is the cost of one more module call; the same figure without the
+tracer is torch's own, and what is left is the tracer's. A change to the hot path may lower it,
+never raise it unseen (bench/call_patterns.py has the time it costs).
+"""
+
+import gc
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tensor_trace import tracer
+
+# Python calls the tracer adds per traced one-tensor module call (measured on the code of
+# 2026-12-02: torch 2.13 CPU, Python keys, immediate CPU fingerprints). Lower them when a
+# refactor lowers the count; never raise them.
+CEILING = {
+    ("call", False): 6,
+    ("call", True): 9,
+    ("hooks", False): 8,
+    ("hooks", True): 11,
+}
+
+
+class Leaf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.out = torch.ones(2, 4)
+
+    def forward(self, x):
+        return self.out  # a fresh tensor each call would be the same; this one does no work
+
+
+class Chain(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.leaves = nn.ModuleList([Leaf() for _ in range(n)])
+
+    def forward(self, x):
+        for leaf in self.leaves:
+            x = leaf(x)
+        return x
+
+
+def _count_calls(fn):
+    counts = {"call": 0, "c_call": 0}
+
+    def profile(frame, event, arg):
+        if event in counts:
+            counts[event] += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return counts
+
+
+def _calls_per_step(model, x, steps=7):
+    """The fewest calls of a step, over ``steps`` steps: what varies between steps (the writer
+    thread's idle-flush event, a garbage collection) only ever adds calls."""
+    for _ in range(3):  # warm: names, layouts, the writer's tables
+        model(x)
+    gc.disable()
+    try:
+        per_step = [_count_calls(lambda: model(x)) for _ in range(steps)]
+    finally:
+        gc.enable()
+    return {k: min(c[k] for c in per_step) for k in per_step[0]}
+
+
+def _per_module_call(run, small=8, large=40):
+    """Python ('call') and C ('c_call') calls of one more module call in a step."""
+    x = torch.ones(2, 4)
+    a = run(Chain(small), x)
+    b = run(Chain(large), x)
+    return {k: (b[k] - a[k]) / (large - small) for k in a}
+
+
+@pytest.mark.parametrize("intercept,fingerprint", sorted(CEILING))
+def test_python_calls_per_traced_module_call(tmp_path, monkeypatch, intercept, fingerprint):
+    monkeypatch.setenv("TENSOR_TRACE_NATIVE", "0")  # Python layout keys: the same on any host
+    with torch.inference_mode():
+        plain = _per_module_call(_calls_per_step)
+
+        def traced(model, x):
+            tracer.start(out_dir=str(tmp_path), lineage=False, intercept=intercept,
+                         fingerprint=fingerprint, fingerprint_mode="immediate")
+            try:
+                return _calls_per_step(model, x)
+            finally:
+                tracer.stop()
+
+        with_tracer = _per_module_call(traced)
+    added = with_tracer["call"] - plain["call"]
+    assert added == int(added), (with_tracer, plain)  # the same calls for every module call
+    print(f"{intercept} fingerprint={fingerprint}: +{added:g} Python calls, "
+          f"+{with_tracer['c_call'] - plain['c_call']:g} C calls per module call")
+    assert added <= CEILING[(intercept, fingerprint)]
