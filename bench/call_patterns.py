@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from tensor_trace import tracer
-from tensor_trace.tracer import structures
+from tensor_trace.tracer import tensor_slots
 
 H, L, B = 64, 32, 8
 
@@ -325,15 +325,15 @@ def main() -> None:
             rng.shuffle(order)
             for m, v in order:
                 if m == "sglang-unregistered":
-                    saved = set(structures._CONTEXT)
-                    structures._CONTEXT.clear()
+                    saved = set(tensor_slots.CONTEXT_TYPES)
+                    tensor_slots.CONTEXT_TYPES.clear()
                 else:
-                    structures._CONTEXT.add(ForwardBatch)
+                    tensor_slots.CONTEXT_TYPES.add(ForwardBatch)
                 try:
                     res[(m, v)].append(block(models[m], args.steps, v))
                 finally:
                     if m == "sglang-unregistered":
-                        structures._CONTEXT.update(saved)
+                        tensor_slots.CONTEXT_TYPES.update(saved)
     print(f"# call_patterns {time.strftime('%Y-%m-%d %H:%M')} torch={torch.__version__} rounds={args.rounds} "
           f"steps={args.steps} (CPU, one thread)")
     print(f"{'model':<22}{'calls':>6}  {'plain ms':>9}  {'nofp ms':>8} {'+us/call':>9}  {'fp ms':>8} {'+us/call':>9}")

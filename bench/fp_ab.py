@@ -154,7 +154,7 @@ def main() -> None:
                     help="TENSOR_TRACE_NATIVE=0: no native variants (the default, where CUDA is "
                          "available, builds tracer/native.py and adds the -py variants)")
     args = ap.parse_args()
-    from tensor_trace.tracer import core, native
+    from tensor_trace.tracer import native, spans
 
     if args.python_only:
         os.environ["TENSOR_TRACE_NATIVE"] = "0"
@@ -207,9 +207,9 @@ def main() -> None:
                     tr.fps = fps[v]
                 # the spans' layout key: native pair_key, or the Python tuple (-py, fp-old)
                 if "-py" in v or v == "fp-old":
-                    core.use_native_keys(None)
+                    spans.use_native_keys(None)
                 else:
-                    core.use_native_keys(native.pair_key(), native.call_key())
+                    spans.use_native_keys(native.pair_key(), native.call_key())
                 t0 = time.perf_counter_ns()
                 model(ids)
                 sync()
@@ -227,7 +227,7 @@ def main() -> None:
                     report[f"check_b{batch}"] = dict(ok=ok, line=line, details=details)
                 times = shuffled_rounds(run, variants, args.rounds, seed=batch)
             torch.nn.Module.__call__ = traced_call
-            core.use_native_keys(native.pair_key(), native.call_key())
+            spans.use_native_keys(native.pair_key(), native.call_key())
             for f in fps.values():
                 f.collect(wait=True)
             tr.fps = fps["fp"]

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import call_patterns as cp  # noqa: E402
 
 from tensor_trace import tracer  # noqa: E402
-from tensor_trace.tracer import structures  # noqa: E402
+from tensor_trace.tracer import tensor_slots  # noqa: E402
 from tensor_trace.tracer.config import TraceConfig  # noqa: E402
 from tensor_trace.tracer.writer import RankWriter  # noqa: E402
 
@@ -73,7 +73,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    structures._CONTEXT.add(cp.ForwardBatch)
+    tensor_slots.CONTEXT_TYPES.add(cp.ForwardBatch)
     model = cp.SGLangCalls().eval()
     ids, pos, fb = torch.randint(0, 100, (cp.B,)), torch.arange(cp.B), cp.forward_batch()
 

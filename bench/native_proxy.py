@@ -21,7 +21,7 @@ import torch
 import call_patterns as cp  # bench/ is this script's folder, first on sys.path
 from _paired import paired_median, shuffled_rounds
 from tensor_trace import tracer
-from tensor_trace.tracer import core, multi_tensor, native
+from tensor_trace.tracer import multi_tensor, native, spans
 from tensor_trace.tracer.fingerprint import StepFingerprints
 
 
@@ -50,7 +50,7 @@ def main() -> None:
         tr.fingerprint = v.startswith("fp")
         if tr.fingerprint:
             tr.fps = fps[v]
-        core.use_native_keys(*((None, None) if v.endswith("-py") else keys))
+        spans.use_native_keys(*((None, None) if v.endswith("-py") else keys))
         t0 = time.perf_counter_ns()
         llama(ids.view(cp.B, 1))
         return time.perf_counter_ns() - t0

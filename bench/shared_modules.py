@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import call_patterns as cp  # noqa: E402
 
 from tensor_trace import tracer  # noqa: E402
-from tensor_trace.tracer import structures  # noqa: E402
+from tensor_trace.tracer import tensor_slots  # noqa: E402
 
 
 def block(step, steps: int) -> float:
@@ -47,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    structures._CONTEXT.add(cp.ForwardBatch)
+    tensor_slots.CONTEXT_TYPES.add(cp.ForwardBatch)
     own, shared = cp.SGLangCalls().eval(), cp.SGLangCalls().eval()
     rotary = shared.model.layers[0].self_attn.rotary_emb
     for layer in shared.model.layers:

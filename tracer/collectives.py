@@ -224,7 +224,7 @@ class CollectiveInterceptor:
                 if tracer.enabled:
                     tracer.update_identity()
             except Exception as exc:
-                tracer._on_error("identity", exc)
+                tracer.on_error("identity", exc)
             return result
 
         wrapper.__tensor_trace_original__ = orig
@@ -242,7 +242,7 @@ class CollectiveInterceptor:
             token = None
             try:
                 bound = bind_args(names, args, kwargs)
-                group = interceptor._group_seq(bound.get("group"))
+                group = interceptor.group_seq(bound.get("group"))
                 if tracer.tracing_step:
                     is_async = bool(bound.get("async_op")) or name in _ALWAYS_ASYNC
                     token = interceptor.begin(name, bound.get("op") if has_op else None, group,
@@ -251,7 +251,7 @@ class CollectiveInterceptor:
                                               tensors_of(bound.get(out_arg)) if out_arg else None)
                     token.append(bound.get(out_arg) if out_arg else None)
             except Exception as exc:
-                tracer._on_error(f"collective {name}", exc)
+                tracer.on_error(f"collective {name}", exc)
                 token = None
             result = interceptor.call(token, orig, args, kwargs)
             if token is None:
@@ -265,7 +265,7 @@ class CollectiveInterceptor:
         return wrapper
 
     # ------------------------------------------------------------------ groups
-    def _group_seq(self, group) -> tuple:
+    def group_seq(self, group) -> tuple:
         """(per-process group id, this call's sequence number) for a process group or its name
         (None = the default group); advances the group's sequence."""
         import torch.distributed as dist
@@ -421,7 +421,7 @@ class CollectiveInterceptor:
                       nbytes)
             writer.add(record + (attrs,) if attrs else record)
         except Exception as exc:
-            tracer._on_error(f"collective {token[0]}", exc)
+            tracer.on_error(f"collective {token[0]}", exc)
         finally:
             tracer.busy = was
 

@@ -47,11 +47,19 @@ class TraceConfig:
     idle_flush_s: float = 0.05
     max_errors: int = 20  # after this many hook errors tracing turns itself off in the process
     max_spans_per_step: int = 1_000_000
+    # Host knobs: environment variables read by each traced process itself, not options of
+    # `record` (they travel as themselves, not in ENV_CONFIG). tracer/native.py's C++ keys and
+    # table: "1" on, "0" off, "auto" where CUDA is available.
+    native: str = dataclasses.field(default_factory=lambda: native_from_env())
+    # tracer/multi_tensor.py's Triton kernel: "1" on, "0" off, "interpret" (tests, TRITON_INTERPRET).
+    multi_tensor: str = dataclasses.field(default_factory=lambda: multi_tensor_from_env())
+    # Device memory deferred fingerprints may hold before reducing mid-step (tracer/fingerprint.py).
+    fp_hold_mib: int = dataclasses.field(default_factory=lambda: fp_hold_mib_from_env())
 
     def to_env(self) -> dict[str, str]:
         payload = dataclasses.asdict(self)
-        payload.pop("out_dir")
-        payload.pop("run_id")
+        for name in ("out_dir", "run_id", *HOST_KNOBS):
+            payload.pop(name)
         return {
             schema.ENV_DIR: os.path.abspath(self.out_dir),
             schema.ENV_RUN_ID: self.run_id,
@@ -86,6 +94,27 @@ class TraceConfig:
             return not any(p.match(path) for p in exc)
 
         return selected
+
+
+HOST_KNOBS = ("native", "multi_tensor", "fp_hold_mib")  # TraceConfig fields read from the environment
+
+
+def native_from_env(environ=os.environ) -> str:
+    """``TENSOR_TRACE_NATIVE``: "1", "0" or "auto" (unset)."""
+    return environ.get("TENSOR_TRACE_NATIVE", "auto") or "auto"
+
+
+def multi_tensor_from_env(environ=os.environ) -> str:
+    """``TENSOR_TRACE_MULTI_TENSOR``: "1" (unset), "0" or "interpret"."""
+    return environ.get("TENSOR_TRACE_MULTI_TENSOR", "1")
+
+
+def fp_hold_mib_from_env(environ=os.environ) -> int:
+    """``TENSOR_TRACE_FP_HOLD_MIB``: at least 1; 512 when unset or unreadable."""
+    try:
+        return max(1, int(environ.get("TENSOR_TRACE_FP_HOLD_MIB", "512")))
+    except ValueError:
+        return 512
 
 
 def parse_steps(text: str | None) -> tuple[int, int | None]:

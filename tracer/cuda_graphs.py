@@ -143,7 +143,7 @@ class GraphTracker:
                             pass
                     tracker.graphs[graph] = tracker.pending
             except Exception as exc:
-                tracker.tracer._on_error("graph capture end", exc)
+                tracker.tracer.on_error("graph capture end", exc)
             tracker.pending = []
             tracker.capturing = None
             tracker.end_arena()
@@ -164,7 +164,7 @@ class GraphTracker:
                 try:
                     fps.before_replay()
                 except Exception as exc:
-                    tracer._on_error("graph replay", exc)
+                    tracer.on_error("graph replay", exc)
             if captured is None or not tracer.enabled:
                 tracker.count_untraced()
                 return orig(graph, *args, **kwargs)
@@ -191,7 +191,7 @@ class GraphTracker:
             if multi_tensor.warm_up(device):
                 multi_tensor.begin_capture(device)  # the capture's kernel tables live there
         except Exception as exc:
-            tracer._on_error("fingerprint kernel warm-up", exc)
+            tracer.on_error("fingerprint kernel warm-up", exc)
 
     def end_arena(self) -> None:
         mt = sys.modules.get("tensor_trace.tracer.multi_tensor")

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import array
 import ctypes
-import os
 import struct
 import sys
 import weakref
@@ -44,7 +43,7 @@ import weakref
 import torch
 
 from tensor_trace import schema
-from tensor_trace.tracer import kinds, multi_tensor, native
+from tensor_trace.tracer import config, kinds, multi_tensor, native
 
 _F32 = torch.float32
 _sum = torch.sum
@@ -68,15 +67,9 @@ DEFER_MAX_NUMEL = 1 << 24
 # Held deferred tensors past this are reduced mid-step: the device memory fingerprints may hold
 # beyond what the program holds is at most this plus one tensor of DEFER_MAX_NUMEL elements.
 # A Llama-8B-shaped decode step at batch 64 holds about 300 MiB (one flush at 512, two at 256).
-# TENSOR_TRACE_FP_HOLD_MIB sets it (a server with little free memory: lower, at some host time).
-def _hold_bytes() -> int:
-    try:
-        return max(1, int(os.environ.get("TENSOR_TRACE_FP_HOLD_MIB", "512"))) << 20
-    except ValueError:
-        return 512 << 20
-
-
-DEFER_BYTES = _hold_bytes()
+# TENSOR_TRACE_FP_HOLD_MIB sets it (TraceConfig.fp_hold_mib; a server with little free memory:
+# lower, at some host time).
+DEFER_BYTES = config.fp_hold_mib_from_env() << 20
 # While a CUDA graph is captured, held tensors cannot give their memory back to the graph's pool
 # until their bucket is reduced: a smaller bucket bounds that extra pool memory, but each bucket
 # adds its own launches to every replay. Measured on the H200 (Llama-8B-shaped decode, batch 64,
@@ -161,12 +154,14 @@ class ReplayPlan:
 class StepFingerprints:
     """Fingerprints of one process's current step, indexed in recording order."""
 
-    def __init__(self, defer_cuda: bool = True, defer_cpu: bool = False):
+    def __init__(self, defer_cuda: bool = True, defer_cpu: bool = False,
+                 hold_bytes: int = DEFER_BYTES, native_mode: str | None = None):
         self.defer_cuda = defer_cuda
         self.defer_cpu = defer_cpu  # for tests: the deferred path without a GPU
         self.stale = 0  # deferred tensors updated in place before they could be reduced
         self._pending: list = []  # (step, blocks, dups) waiting for their copies to finish
-        self.defer_bytes = DEFER_BYTES
+        self.hold_bytes = hold_bytes  # TraceConfig.fp_hold_mib
+        self.defer_bytes = hold_bytes
         self.capturing = False  # between begin_capture and finish_capture
         self._fills: list = []
         # The C++ table of tracer/native.py (by default where CUDA is), once built and the
@@ -176,7 +171,7 @@ class StepFingerprints:
         self._nt_slot = -1
         self._hold = None
         self._nt_bytes = 0
-        self._native_wanted = native.enabled() and (defer_cuda or defer_cpu)
+        self._native_wanted = native.enabled(native_mode) and (defer_cuda or defer_cpu)
         self.reset()
 
     def reset(self) -> None:
@@ -204,9 +199,9 @@ class StepFingerprints:
         self._blocks: list = []
         self._dups: list = []  # (index, index it repeats)
         self._seen: dict = {}
-        self._last = None  # the tensor add_one added last, and its index (see add_one)
-        self._last_idx = -1
-        self._last_version = True  # True: deferred; else its version then (None: inference)
+        self.last = None  # the tensor add_one added last, and its index (see add_one)
+        self.last_idx = -1
+        self.last_version = True  # True: deferred; else its version then (None: inference)
         # (tensor, index) of the deferred outputs ``add`` held last: a call's inputs are often
         # the previous call's outputs (rotary's q and k, then attention's), a repeat then
         self._last_out: list = []
@@ -252,18 +247,18 @@ class StepFingerprints:
         the first sighting stale at the flush, and with it this repeat); an immediate one is
         repeated only while the version counter has not moved (once, for an inference tensor,
         which has none), as the ``_seen`` cache of ``_add`` does."""
-        if t is self._last:
-            version = self._last_version
+        if t is self.last:
+            version = self.last_version
             if version is True:  # deferred: the same value at the flush, so the same index
-                return self._last_idx
+                return self.last_idx
             # an immediate value: only while the tensor is unchanged
             if version is None:  # an inference tensor (no version counter): reuse once
-                self._last = None
+                self.last = None
                 self._seen.pop(id(t), None)
             elif version != t._version:
                 version = False
             if version is not False:
-                return self._last_idx
+                return self.last_idx
         nt = self._nt
         if nt is not None and not self.capturing:
             # (first: the table takes tensors of its own device only, one where tensors are
@@ -272,7 +267,7 @@ class StepFingerprints:
             held = self._hold(self._nt_slot, t, idx)
             if held >= 0:  # in the C++ table (tracer/native.py)
                 self.count = idx + 1
-                self._last, self._last_idx, self._last_version = t, idx, True
+                self.last, self.last_idx, self.last_version = t, idx, True
                 self._nt_bytes = held
                 if held > self.defer_bytes:
                     self._flush_mid_step()
@@ -298,7 +293,7 @@ class StepFingerprints:
                     self._def_i.append(idx)
                     self._def_v.append(version)
                     self._def_ts.append(t)
-                    self._last, self._last_idx, self._last_version = t, idx, True
+                    self.last, self.last_idx, self.last_version = t, idx, True
                     self._def_bytes += n * size
                     if self._def_bytes > self.defer_bytes:
                         self._flush_mid_step()
@@ -320,8 +315,8 @@ class StepFingerprints:
                 return idx
             pair = _host_pair(t) if t.dtype in _HOST_DTYPES else None  # requires_grad: None
             if pair is None:
-                self._reduce_now(idx, t)
-            else:  # _reduce_now's host case, inline
+                self.reduce_now(idx, t)
+            else:  # reduce_now's host case, inline
                 host_idx = self._host_idx
                 self._host_pos[idx] = len(host_idx)
                 host_idx.append(idx)
@@ -332,7 +327,7 @@ class StepFingerprints:
                 except TypeError:
                     pass
             if store:
-                self._last, self._last_idx, self._last_version = t, idx, version
+                self.last, self.last_idx, self.last_version = t, idx, version
             return idx
         if t.requires_grad and _grad_enabled():
             return self.add((t,), store)
@@ -340,8 +335,8 @@ class StepFingerprints:
         idx = self._add((t,), store)
         if len(self._imm_idx) + len(self._host_idx) > n_imm and store and not t.is_cuda:
             # (a large CUDA tensor, reduced at once, is not held for this: it may be big)
-            self._last, self._last_idx = t, idx
-            self._last_version = None if t.is_inference() else t._version
+            self.last, self.last_idx = t, idx
+            self.last_version = None if t.is_inference() else t._version
         return idx
 
     def _add(self, tensors, store: bool, immediate: bool = False) -> int:
@@ -355,7 +350,7 @@ class StepFingerprints:
         nt = None if immediate or self.capturing else self._nt
         if nt is not None:
             hold, slot = self._hold, self._nt_slot
-            last = self._last if self._last_version is True else None
+            last = self.last if self.last_version is True else None
             last_out = self._last_out
         for t in tensors:
             if type(t) is not _Tensor:  # a subclass: its kind's values (tracer/kinds.py)
@@ -364,7 +359,7 @@ class StepFingerprints:
                 continue
             if nt is not None:
                 if not store:  # _recent, inline: an output held just before is a repeat
-                    src = self._last_idx if t is last else -1
+                    src = self.last_idx if t is last else -1
                     if src < 0:
                         for u, i in last_out:
                             if u is t:
@@ -428,8 +423,8 @@ class StepFingerprints:
             pair = (_host_pair(t) if t.is_cpu and t.dtype in _HOST_DTYPES and not t.requires_grad
                     else None)
             if pair is None:
-                self._reduce_now(idx, t)
-            else:  # _reduce_now's host case, inline (a CPU step's multi-tensor calls)
+                self.reduce_now(idx, t)
+            else:  # reduce_now's host case, inline (a CPU step's multi-tensor calls)
                 host_idx = self._host_idx
                 self._host_pos[idx] = len(host_idx)
                 host_idx.append(idx)
@@ -445,8 +440,8 @@ class StepFingerprints:
             # the next call's inputs are looked up among these; its one-tensor input through
             # add_one's identity test with the last of them
             self._last_out = held
-            self._last, self._last_idx = held[-1]
-            self._last_version = True
+            self.last, self.last_idx = held[-1]
+            self.last_version = True
         if self._def_bytes > self.defer_bytes or self._nt_bytes > self.defer_bytes:
             self._flush_deferred()
         return base
@@ -472,8 +467,8 @@ class StepFingerprints:
     def _recent(self, t) -> int:
         """The index of ``t`` if it is a deferred tensor held just before (the tensor added
         last, or one of the outputs ``add`` held last), else -1."""
-        if t is self._last and self._last_version is True:
-            return self._last_idx
+        if t is self.last and self.last_version is True:
+            return self.last_idx
         for u, i in self._last_out:
             if u is t:
                 return i
@@ -514,7 +509,7 @@ class StepFingerprints:
         vals = self._host_vals
         vals += vals[2 * p:2 * p + 2]
 
-    def _reduce_now(self, idx: int, t, plain: bool = False) -> None:
+    def reduce_now(self, idx: int, t, plain: bool = False) -> None:
         """Fingerprint ``t`` now as value ``idx``: on the host when it is a CPU tensor numpy
         can read (floats at once), else two reductions on its device; a tensor of another kind
         (complex, quantized, sparse, nested, meta) by its kind's values. ``plain``: ``t`` is
@@ -545,7 +540,7 @@ class StepFingerprints:
         try:
             kind, data = kinds.source(t)
             if kind == kinds.FULL:
-                self._reduce_now(idx, data, True)
+                self.reduce_now(idx, data, True)
             elif kind == kinds.SUM:
                 self._imm_idx.append(idx)
                 self._imm_vals.append((_sum(data, dtype=_F32), None))
@@ -573,7 +568,7 @@ class StepFingerprints:
                 self.stale += 1
                 continue
             if kind == kinds.FULL:
-                self._reduce_now(idx, data, True)
+                self.reduce_now(idx, data, True)
             else:
                 self._imm_idx.append(idx)
                 self._imm_vals.append((_sum(data, dtype=_F32), None))
@@ -587,9 +582,9 @@ class StepFingerprints:
                     if stale:
                         self.stale += 1
                     else:
-                        self._reduce_now(index, t)
-                if t is self._last:
-                    self._last = None
+                        self.reduce_now(index, t)
+                if t is self.last:
+                    self.last = None
             self._last_out = []
         ts = self._def_ts
         if not ts:
@@ -604,8 +599,8 @@ class StepFingerprints:
             self._def_indexed = len(ts)
         self._last_out = []  # (a collective: rare) their next sightings are new values too
         for t in tensors:
-            if t is self._last:  # its next sighting is not a repeat: the value changes here
-                self._last = None
+            if t is self.last:  # its next sighting is not a repeat: the value changes here
+                self.last = None
             for j in pos.pop(id(t), ()):
                 held = ts[j]
                 if held is None:
@@ -615,7 +610,7 @@ class StepFingerprints:
                 if version is not None and held._version != version:
                     self.stale += 1  # already updated in place since that sighting
                 else:
-                    self._reduce_now(self._def_i[j], held)
+                    self.reduce_now(self._def_i[j], held)
 
     def forget(self, tensors) -> None:
         """Drop cached values of tensors that were just updated in place (e.g. by a collective)."""
@@ -623,8 +618,8 @@ class StepFingerprints:
         self._last_out = []
         for t in tensors:
             seen.pop(id(t), None)
-            if t is self._last:
-                self._last = None
+            if t is self.last:
+                self.last = None
 
     def _flush_deferred(self) -> None:
         # One pass over the held tensors: stale ones (updated in place since they were seen) are
@@ -647,8 +642,8 @@ class StepFingerprints:
         self._cap_pos = {}
         self._def_indexed = 0
         self._def_bytes = 0
-        if self._last_version is True:
-            self._last = None
+        if self.last_version is True:
+            self.last = None
         self._last_out = []
         capturing = self.capturing
         tables: dict = {}  # eager: (dtype, device index) -> (indices, flat table, device)
@@ -786,7 +781,7 @@ class StepFingerprints:
                                             self._fills)
         finally:
             self.reset()
-            self.defer_bytes = DEFER_BYTES
+            self.defer_bytes = self.hold_bytes
             self.capturing = False
             self._fills = []
             if grad:
@@ -849,6 +844,12 @@ class StepFingerprints:
         if out or self._dups:
             self._pending.append((step, out, self._dups))
         self.reset()
+
+    def adopt_pending(self, other: "StepFingerprints") -> None:
+        """Take ``other``'s finished steps (module parameters' fingerprints): they are written
+        with this instance's next ones."""
+        self._pending.extend(other._pending)
+        other._pending = []
 
     def collect(self, wait: bool = False) -> list:
         """Return FINGERPRINTS records whose copies have completed (all of them if ``wait``)."""

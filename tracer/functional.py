@@ -233,7 +233,7 @@ class FunctionalCollectives:
             token = attrs = None
             try:
                 bound = bind_args(names, args, kwargs)
-                group = ic._group_seq(bound.get("group_name"))
+                group = ic.group_seq(bound.get("group_name"))
                 if tracer.tracing_step:
                     x = bound.get(in_arg)
                     if sync:
@@ -243,7 +243,7 @@ class FunctionalCollectives:
                                 attrs[key] = int(_dim(bound[key], x))
                     token = ic.begin(name, bound.get("reduce_op"), group, tensors_of(x), not sync)
             except Exception as exc:
-                tracer._on_error(f"collective {name}", exc)
+                tracer.on_error(f"collective {name}", exc)
                 token = None
             result = ic.call(token, orig, args, kwargs)
             if token is not None:
@@ -255,7 +255,7 @@ class FunctionalCollectives:
                     else:
                         fc.issued(token, outputs, fc.attrs, False)
                 except Exception as exc:
-                    tracer._on_error(f"collective {name}", exc)
+                    tracer.on_error(f"collective {name}", exc)
             return result
 
         return OpPacketWrapper(orig, wrapper)
@@ -272,7 +272,7 @@ class FunctionalCollectives:
                     for token in awaiting.pop(_storage_key(tensor), ()):
                         fc.waited(token)
                 except Exception as exc:
-                    tracer._on_error("collective wait_tensor", exc)
+                    tracer.on_error("collective wait_tensor", exc)
             return result
 
         return OpPacketWrapper(orig, wrapper)
@@ -375,7 +375,7 @@ class FunctionalCollectives:
                     token[T_FP_OUT] = -1
         except Exception as exc:
             token[T_FP_OUT] = -1
-            tracer._on_error(f"collective {token[0]}", exc)
+            tracer.on_error(f"collective {token[0]}", exc)
         finally:
             tracer.busy = was
         self.ready.append(token)
@@ -401,7 +401,7 @@ def _fingerprint_at(fps, base, tensors) -> None:
         torch._C._set_grad_enabled(False)
     try:
         for i, t in enumerate(tensors):
-            fps._reduce_now(base + i, t)
+            fps.reduce_now(base + i, t)
     finally:
         if grad:
             torch._C._set_grad_enabled(True)

@@ -119,7 +119,7 @@ class LineageMode(TorchFunctionMode):
             try:
                 rec.node(hit[0], hit[1], args, kwargs, out)
             except Exception as exc:
-                tracer._on_error("lineage", exc)
+                tracer.on_error("lineage", exc)
             finally:
                 tracer.busy = False
         return out
@@ -209,7 +209,7 @@ class LineageRecorder:
             tracer.fps.materialize((t,))
             tracer.fps.forget((t,))
         except Exception as exc:
-            tracer._on_error("lineage: before an in-place update", exc)
+            tracer.on_error("lineage: before an in-place update", exc)
         finally:
             tracer.busy = False
 

@@ -44,6 +44,8 @@ import sys
 
 import torch
 
+from tensor_trace.tracer.config import multi_tensor_from_env
+
 # Measured on the H200 (392 MiB of bf16 activations in 385 tensors; torch.sum over the same bytes
 # 107 us): CHUNK 32768 / BLOCK 2048 / 4 warps 271 us, 16384/2048/4 314 us, 32768/4096/8 193 us,
 # 65536/4096/8 166 us, 131072/8192/16 229 us. Alignment hints on the addresses changed nothing.
@@ -55,7 +57,7 @@ _state: dict = {}  # "kernel": the jitted function or None; "warm": devices warm
 
 
 def _mode() -> str:
-    return os.environ.get("TENSOR_TRACE_MULTI_TENSOR", "1")
+    return multi_tensor_from_env()  # TraceConfig.multi_tensor
 
 
 def _kernel():

@@ -369,11 +369,14 @@ _lock = threading.Lock()
 _done = threading.Event()  # set when a build or load has finished, either way
 
 
-def enabled() -> bool:
-    """Whether this process uses the extension: ``TENSOR_TRACE_NATIVE=1`` yes, ``0`` no; unset
-    (or ``auto``), yes where CUDA is available: a GPU step's host time is what it cuts, and a
-    CPU-only machine is spared a compiler run."""
-    mode = os.environ.get("TENSOR_TRACE_NATIVE", "auto")
+def enabled(mode: str | None = None) -> bool:
+    """Whether this process uses the extension (``TraceConfig.native``, by default
+    ``TENSOR_TRACE_NATIVE``): ``1`` yes, ``0`` no; ``auto``, yes where CUDA is available: a
+    GPU step's host time is what it cuts, and a CPU-only machine is spared a compiler run."""
+    if mode is None:
+        from tensor_trace.tracer.config import native_from_env
+
+        mode = native_from_env()
     if mode == "1":
         return True
     if mode != "auto" and mode != "":

@@ -46,19 +46,17 @@ class RankWriter:
         self.bytes_written = 0
         self.chunks_written = 0
         self.write_errors = 0
-        self._buf: list = []
+        # Records queued for the next chunk. The hooks append to it themselves (``add``
+        # inlined, a Python call less per span: tracer/spans.py); ``flush`` swaps in a new list.
+        self.pending: list = []
         self._lock = threading.Lock()  # one chunk written at a time, in order
         self._packer = msgpack.Packer(use_bin_type=True)
         self._strings: dict[str, int] = {}
         self._metas: dict[tuple, int] = {}
-        self._layouts: dict[tuple, int] = {}
-        # The hooks' common layout, one tensor in and one out, keyed flat by (shape, dtype,
-        # device) of each: building that key costs half of building the nested one.
-        self._layouts1: dict[tuple, int] = {}
-        self._layouts_n: dict[tuple, int] = {}  # all-tensor calls, keyed flat (Tracer._record_tensors)
-        self._layouts_c: dict[int, tuple] = {}  # the same by tracer/native.py's call_key: (layout, n_pre)
+        self.layout_ids: dict[tuple, int] = {}  # read by tracer/spans.py before asking layout()
         self._modules: dict[str, int] = {}
         self.generation = object()  # replaced whenever interned ids are forgotten
+        self.on_forget: list = []  # called when interned ids are forgotten (caches of ids)
         self._closed = False
         self.listeners: list = []  # called with each flushed batch of records (live export)
         self._stop = threading.Event()
@@ -68,7 +66,7 @@ class RankWriter:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
         os.write(self._fd, schema.FILE_PREFIX)
         self.bytes_written += len(schema.FILE_PREFIX)
-        self._buf.append((schema.HEADER, header))
+        self.pending.append((schema.HEADER, header))
         self.flush()
         self._start_thread()
 
@@ -79,7 +77,7 @@ class RankWriter:
             self._check_intern_bound()
             sid = len(self._strings)
             self._strings[text] = sid
-            self._buf.append((schema.STRING, sid, text))
+            self.pending.append((schema.STRING, sid, text))
         return sid
 
     def module(self, path: str, class_name: str) -> int:
@@ -88,7 +86,7 @@ class RankWriter:
         if sid is None:
             sid = self.string(path)
             self._modules[path] = sid
-            self._buf.append((schema.MODULE, sid, self.string(class_name)))
+            self.pending.append((schema.MODULE, sid, self.string(class_name)))
         return sid
 
     def meta(self, shape, dtype, device, kind=None) -> int:
@@ -106,36 +104,35 @@ class RankWriter:
             if kind is None:
                 kind = kinds.implied(shape, dt, dev)
             rec = (schema.META, mid, list(shape), self.string(dt), self.string(dev))
-            self._buf.append(rec if kind is None else rec + (kinds.as_dict(kind),))
+            self.pending.append(rec if kind is None else rec + (kinds.as_dict(kind),))
         return mid
 
     def layout(self, slots: tuple) -> int:
         """Intern a span's tensor layout: a tuple of (slot name, shape, dtype, device[, kind])
         (``kinds.slot``)."""
-        lid = self._layouts.get(slots)
+        lid = self.layout_ids.get(slots)
         if lid is None:
             self._check_intern_bound()
-            lid = len(self._layouts)
-            self._layouts[slots] = lid
+            lid = len(self.layout_ids)
+            self.layout_ids[slots] = lid
             entries = [[self.string(e[0]), self.meta(*e[1:])] for e in slots]
-            self._buf.append((schema.LAYOUT, lid, entries))
+            self.pending.append((schema.LAYOUT, lid, entries))
         return lid
 
     def _check_intern_bound(self) -> None:
-        if len(self._strings) + len(self._metas) + len(self._layouts) >= self.max_interned:
+        if len(self._strings) + len(self._metas) + len(self.layout_ids) >= self.max_interned:
             self._strings.clear()
             self._metas.clear()
-            self._layouts.clear()
-            self._layouts1.clear()
-            self._layouts_n.clear()
-            self._layouts_c.clear()
+            self.layout_ids.clear()
             self._modules.clear()
             self.generation = object()
+            for forget in self.on_forget:
+                forget()
 
     # -- records ------------------------------------------------------------------------------
     def add(self, record: tuple) -> None:
         """Queue one record (a tuple whose first item is its type)."""
-        buf = self._buf
+        buf = self.pending
         buf.append(record)
         if len(buf) >= self.max_buffered:
             self.flush()
@@ -143,9 +140,9 @@ class RankWriter:
     def flush(self) -> None:
         """Write every queued record as one chunk. Safe from any thread; never raises."""
         with self._lock:
-            if self._closed or not self._buf:
+            if self._closed or not self.pending:
                 return
-            buf, self._buf = self._buf, []
+            buf, self.pending = self.pending, []
             try:
                 # Chunks of bounded size: damage to one costs at most CHUNK_RECORDS records.
                 data = b"".join(schema.chunk(self._packer.pack(buf[i:i + CHUNK_RECORDS]))
@@ -194,11 +191,11 @@ class RankWriter:
         while not stop.is_set():
             if wake.wait(max(0.0, due - clock())) and not stop.is_set():
                 wake.clear()
-                buf = self._buf
+                buf = self.pending
                 n = len(buf)
                 if stop.wait(self.idle_flush_s):
                     return
-                idle = self._buf is buf and len(buf) == n
+                idle = self.pending is buf and len(buf) == n
                 if not idle and clock() < due:
                     continue  # records keep coming: the periodic flush takes them
                 if idle:
@@ -217,7 +214,7 @@ class RankWriter:
     def abandon_after_fork(self) -> None:
         """In a forked child: the parent's file and thread are not ours; drop them unwritten."""
         self._lock = threading.Lock()
-        self._buf = []
+        self.pending = []
         self._closed = True
         try:
             os.close(self._fd)

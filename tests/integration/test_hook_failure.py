@@ -18,13 +18,13 @@ BROKEN = """
     # Break the tracer from inside: flattening a module's output now raises. (The bootstrap
     # started tracing right after `import torch`; untraced, these functions are never called.)
     # The modules below return tuples, so every one of their calls needs the flattening.
-    import tensor_trace.tracer.core as core
-    import tensor_trace.tracer.structures as structures
+    import tensor_trace.tracer.spans as spans
+    import tensor_trace.tracer.tensor_slots as tensor_slots
 
     def broken_flatten_output(result, out):
         raise RuntimeError("flatten exploded")
 
-    core._flatten_output = structures.flatten_output = broken_flatten_output
+    spans.flatten_output = tensor_slots.flatten_output = broken_flatten_output
 
     class Pair(torch.nn.Module):
         def __init__(self):

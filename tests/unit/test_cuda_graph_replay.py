@@ -20,7 +20,7 @@ from tensor_trace import schema, tracer
 from tensor_trace.exporters import query as q
 from tensor_trace.exporters.merge import merge_ranks, open_store
 from tensor_trace.exporters.reader import iter_records, load_rank_file, rank_files
-from tensor_trace.tracer import core
+from tensor_trace.tracer import steps
 
 
 class FakeGraph:
@@ -70,7 +70,7 @@ class Net(nn.Module):
 @pytest.fixture
 def graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(core, "_is_capturing", lambda: FakeGraph.active is not None)
+    monkeypatch.setattr(steps, "is_capturing", lambda: FakeGraph.active is not None)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     yield
     dist.destroy_process_group()
@@ -237,7 +237,7 @@ class _StubTracer:
     def __init__(self):
         self.stats, self.errors, self.replays = {}, [], 0
 
-    def _on_error(self, where, exc):
+    def on_error(self, where, exc):
         self.errors.append((where, exc))
 
     def run_replay(self, captured, fn, *args, **kwargs):

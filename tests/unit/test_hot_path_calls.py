@@ -91,10 +91,13 @@ def test_python_calls_per_traced_module_call(tmp_path, monkeypatch, intercept, f
         plain = _per_module_call(_calls_per_step)
 
         def traced(model, x):
-            tracer.start(out_dir=str(tmp_path), lineage=False, intercept=intercept,
-                         fingerprint=fingerprint, fingerprint_mode="immediate")
+            tr = tracer.start(out_dir=str(tmp_path), lineage=False, intercept=intercept,
+                              fingerprint=fingerprint, fingerprint_mode="immediate")
             try:
-                return _calls_per_step(model, x)
+                counts = _calls_per_step(model, x)
+                # what was counted is tracing: every call a span, no error
+                assert tr.errors == 0 and tr.stats["spans"] == tr.stats["steps"] * (len(model.leaves) + 1)
+                return counts
             finally:
                 tracer.stop()
 

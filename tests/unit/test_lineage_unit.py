@@ -189,10 +189,10 @@ def test_quiet_interception_only_in_steps_that_record_lineage(tmp_path, intercep
 
         def forward(self, x):
             tr = tracer.current()
-            quiet.append(tr.quiet_hooks and tr.pre_fn == tr._global_pre_quiet)
+            quiet.append(tr.quiet_hooks and tr.pre_fn is tr.hook_fns[True][0])
             if intercept == "hooks":
                 fns = list(nn_module._global_forward_pre_hooks.values())
-                assert fns == [tr._global_pre_quiet if tr.quiet_hooks else tr._global_pre]
+                assert fns == [tr.hook_fns[tr.quiet_hooks][0]]
             return self.a(x)
 
     m = Probe()

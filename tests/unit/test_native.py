@@ -44,7 +44,7 @@ def test_native_table_equals_the_python_path():
     assert keys["same"] and keys["order"] and keys["distinct"] == 8
     assert keys["unread"] == [-1, -1, -1]  # nested, not a tensor, one argument
     calls = report["call_key"]
-    # 7 calls, 5 layouts: plain values and a context leave no slot (as in core's Python key), so
+    # 7 calls, 5 layouts: plain values and a context leave no slot (as in spans' Python key), so
     # (x, 3, None, ...) -> y and (x, ctx) -> y are one; a tuple result and a list are one
     assert calls["same"] and calls["distinct"] == 5 and calls["tuple_is_list"]
     assert calls["unread"] == [-1] * 5  # an object, a list in a keyword, a dict, a subclass
@@ -57,7 +57,7 @@ def test_not_built_or_used_without_cuda_unless_asked(monkeypatch, tmp_path):
     import torch
 
     from tensor_trace import tracer
-    from tensor_trace.tracer import core, native
+    from tensor_trace.tracer import native, spans
     from tensor_trace.tracer.fingerprint import StepFingerprints
 
     monkeypatch.setitem(native._state, "cuda", False)  # as on a machine without CUDA
@@ -68,7 +68,7 @@ def test_not_built_or_used_without_cuda_unless_asked(monkeypatch, tmp_path):
     tr = tracer.start(out_dir=str(tmp_path), fingerprint=False, lineage=False)
     try:
         torch.nn.Linear(2, 2)(torch.randn(1, 2))
-        assert not tr.native_pending and core._pair_key is core._py_pair_key
+        assert not tr.native_pending and spans.uses_python_keys()
     finally:
         tracer.stop()
     assert not native.enabled() and native.table_class() is None and not native._state["started"]

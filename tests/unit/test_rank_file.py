@@ -98,7 +98,7 @@ def test_writer_buffer_is_bounded(tmp_path):
     peak = 0
     for i in range(5000):
         w.add((schema.ERROR, i, "x", "y", i))
-        peak = max(peak, len(w._buf))
+        peak = max(peak, len(w.pending))
     w.close()
     assert peak <= 100
     report = ReadReport(str(tmp_path / "b.ttr"))
@@ -110,7 +110,7 @@ def test_intern_tables_are_bounded(tmp_path):
     w = RankWriter(str(tmp_path / "i.ttr"), dict(run_id="r"), flush_interval_s=3600, max_interned=1000)
     for i in range(20000):
         w.meta((i,), "float32", "cpu")
-        assert len(w._strings) + len(w._metas) + len(w._layouts) <= 1000
+        assert len(w._strings) + len(w._metas) + len(w.layout_ids) <= 1000
     w.close()
     # Re-emitted definitions still resolve: the last META of id 0 is the newest shape.
     metas = {}

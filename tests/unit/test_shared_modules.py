@@ -112,11 +112,11 @@ def test_a_shared_holder_names_its_children_by_its_own_call_site(tmp_path):
 def test_only_shared_modules_are_named_per_call(tmp_path, monkeypatch):
     # The hot path looks a module's entry up by id; only a shared module's entry never matches,
     # so only its calls take the slow path that finds the call site.
-    from tensor_trace.tracer import core
+    from tensor_trace.tracer import intercept, naming
 
     slow = []
-    real = core.Tracer._entry_slow
-    monkeypatch.setattr(core.Tracer, "_entry_slow", lambda self, m: slow.append(m) or real(self, m))
+    real = naming.entry_slow
+    monkeypatch.setattr(intercept.naming, "entry_slow", lambda t, m: slow.append(m) or real(t, m))
     net = Net()
     _trace(tmp_path, net, steps=3)
     rotary = net.layers[0].rotary_emb

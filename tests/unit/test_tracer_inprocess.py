@@ -113,12 +113,12 @@ def test_stop_leaves_no_hooks_and_no_patches(tmp_path, intercept):
 
 @pytest.mark.parametrize("intercept", ["call", "hooks"])
 def test_failing_hook_body_does_not_break_the_model(tmp_path, monkeypatch, capsys, intercept):
-    from tensor_trace.tracer import core
+    from tensor_trace.tracer import spans
 
     def boom(*a, **k):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(core, "_flatten_output", boom)
+    monkeypatch.setattr(spans, "flatten_output", boom)
     net, plain, traced = _run(tmp_path, steps=12, intercept=intercept)
     for a, b in zip(plain, traced):
         assert torch.equal(a, b)
@@ -173,6 +173,8 @@ def test_failure_inside_the_call_wrappers_inline_path_is_contained(tmp_path, mon
     assert "tracing is now off" in err
     rt = load_rank_file(rank_files(str(tmp_path))[0])
     assert len(rt.errors) >= 20 and "injected" in rt.errors[0]["message"]
+    # no step's lineage mode outlives it, also where recording the step's end failed
+    assert not torch.overrides._get_current_function_mode_stack()
 
 
 @pytest.mark.parametrize("intercept,n", [("call", 1), ("hooks", 2)])
@@ -433,11 +435,11 @@ class _SglLike(nn.Module):
 
 def _sgl_like_with_context(monkeypatch):
     """The SGLang-like model and its arguments, with its batch type registered as a context."""
-    from tensor_trace.tracer import core, structures
+    from tensor_trace.tracer import intercept, spans, tensor_slots
 
     batch_cls = _batch_type()
-    monkeypatch.setattr(structures, "_CONTEXT", {batch_cls})
-    monkeypatch.setattr(core, "_CONTEXT", structures._CONTEXT)
+    for module in (tensor_slots, spans, intercept):
+        monkeypatch.setattr(module, "CONTEXT_TYPES", {batch_cls})
     torch.manual_seed(0)
     args = (torch.arange(4), torch.randn(4, 8), batch_cls(torch.arange(4), torch.full((4,), 7), 1))
     return _SglLike(), args
@@ -446,20 +448,20 @@ def _sgl_like_with_context(monkeypatch):
 @pytest.mark.parametrize("fingerprint", [False, True])
 def test_framework_call_patterns_recorded_inline_as_the_general_path_does(tmp_path, monkeypatch, fingerprint):
     # (output, None) results, (x, residual) pairs, plain values and a batch context among the
-    # arguments, keyword arguments: recorded without walking structures (_record_tensors), the
+    # arguments, keyword arguments: recorded without walking structures (record_tensors), the
     # same as the general path records them; the batch context only in the step root's span.
-    from tensor_trace.tracer import core
+    from tensor_trace.tracer import intercept
 
     net, args = _sgl_like_with_context(monkeypatch)
     tables = {}
     inline_calls = []
-    real = core.Tracer._record_tensors
+    real = intercept.record_tensors
     for how in ("inline", "general"):
         with monkeypatch.context() as m:
             if how == "general":
-                m.setattr(core.Tracer, "_record_tensors", lambda self, *a: False)
+                m.setattr(intercept, "record_tensors", lambda self, *a: False)
             else:
-                m.setattr(core.Tracer, "_record_tensors",
+                m.setattr(intercept, "record_tensors",
                           lambda self, *a: inline_calls.append(1) or real(self, *a))
             # (lineage off: steps that record lineage take the general path anyway)
             tracer.start(out_dir=str(tmp_path / how), fingerprint=fingerprint, lineage=False)
@@ -479,14 +481,14 @@ def test_framework_call_patterns_recorded_inline_as_the_general_path_does(tmp_pa
 @pytest.mark.parametrize("fingerprint", [False, True])
 def test_framework_call_patterns_the_same_through_the_call_wrapper_and_the_hooks(tmp_path, monkeypatch,
                                                                                  fingerprint):
-    # The call wrapper records calls of tensors and plain values itself (_record_tensors, with
-    # _global_post's checks known true); the hooks go through _global_post: same rank file.
-    from tensor_trace.tracer import core
+    # The call wrapper records calls of tensors and plain values itself (record_tensors, with
+    # global_post's checks known true); the hooks go through global_post: same rank file.
+    from tensor_trace.tracer import intercept
 
     net, args = _sgl_like_with_context(monkeypatch)
     calls = []
-    real = core.Tracer._record_tensors
-    monkeypatch.setattr(core.Tracer, "_record_tensors",
+    real = intercept.record_tensors
+    monkeypatch.setattr(intercept, "record_tensors",
                         lambda self, *a: calls.append(1) or real(self, *a))
     tables = {}
     for intercept in ("call", "hooks"):

@@ -113,7 +113,7 @@ def _aux_capture(orig):
                 k = len(self) if isinstance(self, list) else getattr(self, "_idx", 0)
                 tr.record_capture(f"eagle3.aux.{k}", hidden, _capture_info(tr))
             except Exception as exc:
-                tr._on_error("eagle3 aux capture", exc)
+                tr.on_error("eagle3 aux capture", exc)
         return orig(self, hidden, *args, **kwargs)
 
     return capture
@@ -167,7 +167,7 @@ def _wrap_group_method(method, orig, in_args, out_args, reduce_op):
                 inputs = [t for a in in_args for t in tensors_of(bound.get(a))]
                 token = ic.begin(method, reduce_op, group_seq, inputs, False)
         except Exception as exc:
-            tr._on_error(f"GroupCoordinator.{method}", exc)
+            tr.on_error(f"GroupCoordinator.{method}", exc)
             token = None
         result = ic.call(token, orig, (self, *args), kwargs)
         if token is not None:
@@ -218,7 +218,7 @@ def _record_tp_identity(tr) -> None:
         tr.update_identity(tp_rank=g.rank_in_group, tp_size=g.world_size, tp_ranks=list(g.ranks),
                            tp_group="tp", **extra)
     except Exception as exc:
-        tr._on_error("sglang tp identity", exc)
+        tr.on_error("sglang tp identity", exc)
 
 
 # SGLang's GroupCoordinators (runtime_context.ParallelContext attributes), by the name the trace uses
@@ -262,12 +262,12 @@ def _register_context(model_runner_module) -> None:
     root's inputs, not again in every layer and attention module it is passed to."""
     import sys
 
-    from tensor_trace.tracer import structures
+    from tensor_trace.tracer import tensor_slots
 
     info = sys.modules.get("sglang.srt.model_executor.forward_batch_info")
     cls = getattr(info, "ForwardBatch", None) or getattr(model_runner_module, "ForwardBatch", None)
     if isinstance(cls, type):
-        structures.add_context_type(cls)
+        tensor_slots.add_context_type(cls)
 
 
 _MAX_RIDS = 64  # request ids kept per step (a step's attrs stay small at any batch size)

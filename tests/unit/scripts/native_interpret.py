@@ -131,7 +131,7 @@ report["call_key"] = {
     "same": calls["plain_args"] == calls["plain_args_again"] >= 0,
     "distinct": len({calls[k] for k in ("plain_args", "context", "kw", "kw_other_name", "tuple_bias",
                                         "list_out", "no_result")}),
-    "tuple_is_list": calls["tuple_bias"] == calls["list_out"],  # as core's Python key has it
+    "tuple_is_list": calls["tuple_bias"] == calls["list_out"],  # as spans' Python key has it
     "unread": calls["unread"],
 }
 
@@ -142,9 +142,9 @@ import tempfile
 
 from tensor_trace import tracer
 from tensor_trace.exporters.reader import load_rank_file, rank_files
-from tensor_trace.tracer import core, structures
+from tensor_trace.tracer import spans, tensor_slots
 
-structures.add_context_type(Ctx)
+tensor_slots.add_context_type(Ctx)
 
 
 class Lin(torch.nn.Module):
@@ -194,13 +194,13 @@ for use in (True, False):
     tr = tracer.start(out_dir=out, fingerprint=True, lineage=False)
     if not use:  # the Python keys throughout
         tr.native_pending = False
-        core.use_native_keys(None)
+        spans.use_native_keys(None)
     torch.manual_seed(1)
     for batch in (2, 3, 2):
         model(torch.randn(batch, 8))
     if use:  # taken at the first step, as TENSOR_TRACE_NATIVE=1 asks
-        report["native_key_taken"] = core._pair_key is pk and core._call_key is ck
-        report["call_layouts"] = len(tr.writer._layouts_c)
+        report["native_key_taken"] = spans.pair_key is pk and spans.call_key is ck
+        report["call_layouts"] = len(tr.layouts.by_call_key)
     tracer.stop()
     trace = load_rank_file(rank_files(out)[0])
     layouts[use] = [(s.step, s.path, s.call, [(t.slot, t.shape, t.dtype, t.fp) for t in s.tensors])

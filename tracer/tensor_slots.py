@@ -41,7 +41,7 @@ def _field_names(cls) -> tuple:
     return names
 
 
-_CONTEXT: set = set()  # types of a framework's per-batch context (SGLang's ForwardBatch)
+CONTEXT_TYPES: set = set()  # types of a framework's per-batch context (SGLang's ForwardBatch)
 
 
 def add_context_type(cls) -> None:
@@ -52,7 +52,7 @@ def add_context_type(cls) -> None:
     every decoder layer, attention block and attention kernel module: walked in each, it made
     every such call cost tens of microseconds more and repeated the same dozen tensors in a
     hundred spans per step."""
-    _CONTEXT.add(cls)
+    CONTEXT_TYPES.add(cls)
 
 
 def flatten(obj, prefix: str, out: list, depth: int = 0, context: bool = False) -> None:
@@ -78,7 +78,7 @@ def flatten(obj, prefix: str, out: list, depth: int = 0, context: bool = False) 
                 flatten(item, f"{prefix}.{key}", out, depth + 1, context)
         return
     cls = type(obj)
-    if cls is type or (not context and cls in _CONTEXT):
+    if cls is type or (not context and cls in CONTEXT_TYPES):
         return
     names = _field_names(cls)
     depth += 1

@@ -1,0 +1,122 @@
+"""Replay steps: a CUDA-graph replay of traced captures, recorded as a step (or part of one).
+
+tracer/cuda_graphs.py finds captures and replays; this module is what the tracer writes for
+them: a captured step's fingerprint kernels handed to its graph, and for each replay the
+REPLAY records that point at the captured steps' spans, with fresh fingerprints. Every
+function takes the tracer first.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tensor_trace import schema
+from tensor_trace.tracer import steps
+
+_now = time.monotonic_ns
+_get_ident = threading.get_ident
+
+
+def end_captured_step(t, step: int) -> None:
+    """The step that just ended was captured into a CUDA graph: its fingerprint kernels go into
+    the graph, and the graph remembers the step for its replays."""
+    from tensor_trace.tracer.cuda_graphs import CapturedStep
+
+    fps = t.fps.finish_capture()  # also ends begin_capture's settings
+    if not t.fp_now:
+        fps = None
+    if t.graphs is not None and t.graphs.capturing is not None:
+        path, cls, attrs = t.step_info
+        t.graphs.add_captured(CapturedStep(step, (path, cls), attrs, t.span_count, t.coll_count, fps))
+
+
+def run_replay(t, captured: list, fn, *args, **kwargs):
+    """Run ``fn`` (the real ``CUDAGraph.replay``) as a traced replay of ``captured`` steps:
+    a step of its own, or part of the step a framework has open."""
+    if t.busy or (t.in_step and (not t.tracing_step or _get_ident() != t.step_thread)):
+        return fn(*args, **kwargs)
+    own = not t.in_step
+    started = None
+    t.busy = True
+    try:
+        if own and not _begin_replay_step(t, captured[0]):
+            own = None
+        else:
+            static = next((c.fps.static for c in captured
+                           if c.fps is not None and c.fps.static is not None), None)
+            if static is not None and static.is_cuda:
+                started = t.device_times.start(static.device)
+    except Exception as exc:
+        t.on_error("graph replay", exc)
+        own = None if not t.in_step else own
+    finally:
+        t.busy = False
+    if own is None:
+        return fn(*args, **kwargs)
+    t0 = _now()
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException:
+        if own:
+            _end_replay_step(t)
+        raise
+    t1 = _now()
+    t.busy = True
+    try:
+        _record_replays(t, captured, started, t0, t1)
+    except Exception as exc:
+        t.on_error("graph replay", exc)
+    finally:
+        t.busy = False
+    if own:
+        _end_replay_step(t)
+    return result
+
+
+def _record_replays(t, captured, started, t0, t1) -> None:
+    step = t.step
+    if started is not None:
+        t.device_times.end(step, -1, started)
+    writer = t.writer
+    for c in captured:
+        span_base, coll_base = t.span_count, t.coll_count
+        t.span_count += c.n_spans
+        t.coll_count += c.n_colls
+        fp_base = -1
+        if c.fps is not None and t.fp_now:
+            fp_base = t.fps.reserve(c.fps.count)
+            t.fps.add_replay(step, fp_base, c.fps)
+        writer.add((schema.REPLAY, step, c.step, span_base, coll_base, fp_base,
+                    t0 - t.step_t0_raw, t1 - t0))
+    t.stats["graph_replays"] = t.stats.get("graph_replays", 0) + 1
+
+
+def _begin_replay_step(t, c) -> bool:
+    t.step += 1
+    if not t.config.in_window(t.step):
+        t.stats["steps_skipped"] += 1
+        return False
+    t.ensure_writer()
+    t.in_step = t.tracing_step = True
+    t.capturing = False
+    steps.open_traced_step(t, t.fingerprint)
+    t.span_flags = 0
+    t.step_root = t.step_frame = None
+    path, cls = c.root
+    attrs = {k: v for k, v in (c.attrs or {}).items() if k != "captured"}
+    attrs["replay_of"] = c.step
+    t.step_info = (path, cls, attrs)
+    t.writer.add((schema.STEP_BEGIN, t.step, t.writer.module(path, cls), t.step_t0, attrs))
+    return True
+
+
+def _end_replay_step(t) -> None:
+    t.busy = True
+    try:
+        steps.end_step(t)
+    except Exception as exc:
+        t.on_error("graph replay", exc)
+        t.in_step = t.tracing_step = False
+    finally:
+        t.busy = False

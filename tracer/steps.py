@@ -1,0 +1,281 @@
+"""The step state machine: when a step begins and ends, and what is written then.
+
+A *root* is a module called while no traced call is open; one call of a root is one step.
+Roots get their own forward pre/post hooks (two Python calls per step); global interception
+(tracer/intercept.py) is installed only while a step inside the ``--steps`` window runs. A
+framework integration may delimit steps itself (``begin_external_step``). CUDA-graph replays
+are steps of their own (tracer/graph_replay.py).
+
+Every function takes the tracer first.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import time
+
+import torch
+
+from tensor_trace import schema
+from tensor_trace.tracer import intercept, naming, native, spans
+
+_get_ident = threading.get_ident
+_now = time.monotonic_ns
+
+LINEAGE_FIRST = 2  # traced steps of each kind that always record lineage
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+
+def adopt_root(t, module, hooks: bool = True) -> None:
+    """Give a newly seen outermost module its own step hooks and name its submodules."""
+    t.roots[module] = [
+        module.register_forward_pre_hook(functools.partial(root_pre, t), with_kwargs=True),
+        module.register_forward_hook(functools.partial(root_post, t), with_kwargs=True,
+                                     always_call=True),
+    ] if hooks else []
+    naming.name_root(t, module)
+    naming.record_module_attrs(t, module)
+    if t.fingerprint and not is_capturing():
+        naming.record_parameters(t, module)
+
+
+def discover_root(t, module, args) -> None:
+    """A module called while no step runs: the root of a new step."""
+    t.busy = True
+    try:
+        adopt_root(t, module)
+        begin_step(t, module, args)
+    except Exception as exc:
+        t.on_error("root discovery", exc)
+    finally:
+        t.busy = False
+
+
+def root_pre(t, module, args, kwargs):
+    if t.in_step or t.busy or not t.enabled:
+        return None
+    try:
+        begin_step(t, module, args)
+    except Exception as exc:
+        t.on_error("step begin", exc)
+    return None
+
+
+def root_post(t, module, args, *rest):
+    if not t.in_step or t.busy:
+        return None
+    stack = t.stack
+    if t.tracing_step:
+        if len(stack) != 1 or stack[0][spans.F_MODULE] is not module:
+            return None
+    elif t.step_root is not module:
+        return None
+    t.busy = True  # the tracer's own tensor ops below are nobody's lineage
+    try:
+        end_step(t, error=len(rest) == 1 and sys.exc_info()[0] is not None, result=rest[-1],
+                 kwargs=rest[0] if len(rest) == 2 else None)
+    except Exception as exc:
+        t.on_error("step end", exc)
+        t.stack.clear()
+        t.in_step = False
+    finally:
+        t.busy = False
+        t.tracing_step = False
+    return None
+
+
+def _lineage_due(t, path: str, attrs) -> bool:
+    """Whether this step records lineage (``TraceConfig.lineage_every``)."""
+    every = t.config.lineage_every
+    if every <= 1:
+        return True
+    kind = (path, attrs.get("forward_mode"), attrs.get("draft")) if attrs else (path,)
+    n = t.lineage_steps.get(kind, 0)
+    t.lineage_steps[kind] = n + 1
+    return n < LINEAGE_FIRST or n % every == 0
+
+
+def open_traced_step(t, fingerprint: bool) -> int:
+    """Reset the per-step state of a traced step on this thread; returns its start on the raw
+    clock (span times are offsets from it)."""
+    t.stats["steps"] += 1
+    t.step_thread = _get_ident()
+    t.span_count = t.coll_count = 0
+    t.calls = {}
+    t0 = _now()
+    t.step_t0_raw = t0
+    t.step_t0 = t.absolute(t0)
+    t.fp_now = fingerprint
+    return t0
+
+
+def begin_step(t, root, args) -> None:
+    t.step += 1
+    t.in_step = True
+    t.step_root = root
+    t.step_frame = None if t.external_steps else _root_call_frame()
+    if not t.config.in_window(t.step):
+        t.tracing_step = False
+        t.stats["steps_skipped"] += 1
+        if t.global_handles:
+            intercept.remove_global_hooks(t)
+        return
+    if not t.global_handles:
+        intercept.install_global_hooks(t)
+    t.ensure_writer()
+    if t.native_pending:
+        _poll_native(t)
+    t.tracing_step = True
+    t.capturing = is_capturing()
+    # Under a capture, fingerprint kernels become part of the graph (tracer/cuda_graphs.py);
+    # only a capture begun through CUDAGraph.capture_begin can hand its buffer to replays.
+    graph_fp = t.capturing and t.graphs is not None and t.graphs.capturing is not None
+    t0 = open_traced_step(t, t.fingerprint and (not t.capturing or graph_fp))
+    if graph_fp and t.fp_now:
+        t.fps.begin_capture()
+    t.span_flags = schema.FLAG_CAPTURED if t.capturing else 0
+    entry = t.names.get(root)
+    if entry is None:
+        t.names[root] = entry = naming.module_entry(t, "", root)
+    path_id = t.writer.module(entry[0], entry[1])
+    attrs = t.step_attrs or {}
+    if t.capturing:
+        attrs = dict(attrs, captured=True)
+    if not t.identity.get("device"):
+        dev = _first_device(args)
+        if dev is not None:
+            t.update_identity(device=dev)
+    t.writer.add((schema.STEP_BEGIN, t.step, path_id, t.step_t0, attrs))
+    t.step_info = (entry[0], entry[1], attrs)
+    spans.push_root(t, root, args, entry, t0)
+    if t.lineage is not None and _lineage_due(t, entry[0], attrs):
+        t.lineage.begin_step()
+        intercept.set_quiet_hooks(t, True)
+
+
+def _poll_native(t) -> None:
+    """Start tracer/native.py's build at the first traced step (processes that never trace a
+    step do not build), and take its pair_key once it is ready; the Python key until then or
+    if it is unavailable."""
+    if not native.enabled(t.config.native):
+        t.native_pending = False
+        return
+    native.ensure()
+    fn = native.pair_key()
+    if fn is not None:
+        spans.use_native_keys(fn, native.call_key())
+        t.native_pending = False
+    elif native.error() is not None:
+        t.native_pending = False
+
+
+def begin_external_step(t, root, args, attrs=None) -> bool:
+    """See ``Tracer.begin_external_step``."""
+    if t.in_step or t.busy or not t.enabled:
+        return False
+    t.busy = True
+    try:
+        t.external_steps = True
+        if root not in t.roots:
+            adopt_root(t, root, hooks=False)
+        t.step_attrs = attrs or None
+        begin_step(t, root, args)
+        return True
+    except Exception as exc:
+        t.on_error("step begin", exc)
+        return False
+    finally:
+        t.step_attrs = None
+        t.busy = False
+
+
+def end_external_step(t, root, result, error: bool = False) -> None:
+    if not t.in_step or t.step_root is not root:
+        return
+    t.busy = True
+    try:
+        end_step(t, error=error, result=result)
+    except Exception as exc:
+        t.on_error("step end", exc)
+        t.stack.clear()
+        t.in_step = t.tracing_step = False
+    finally:
+        t.busy = False
+
+
+def step_is_stale(t) -> bool:
+    """True when the frame that called the current step's root is no longer running."""
+    frame = t.step_frame
+    if frame is None:
+        return False
+    cur = sys._getframe(1)
+    while cur is not None:
+        if cur is frame:
+            return False
+        cur = cur.f_back
+    return True
+
+
+def end_step(t, error: bool = False, result=None, kwargs=None) -> None:
+    step = t.step
+    try:
+        if t.tracing_step:
+            spans.close_open_calls(t, kwargs, result, error)
+    finally:
+        if t.lineage is not None:  # after the root's record (its outputs may be nodes)
+            # also when recording it failed: a lineage mode left on would stay on the
+            # program's torch function stack for good, under the next step's
+            t.lineage.end_step()
+            intercept.set_quiet_hooks(t, False)
+    if t.tracing_step:
+        if t.collectives is not None:
+            t.collectives.end_step()
+        t.writer.add((schema.STEP_END, step, t.now(), t.span_count, t.coll_count))
+        if t.capturing:
+            from tensor_trace.tracer import graph_replay
+
+            graph_replay.end_captured_step(t, step)
+        elif t.fp_now:
+            t.fps.finish_step(step)
+            for rec in t.fps.collect():
+                t.writer.add(rec)
+        else:
+            t.fps.reset()
+        if not t.capturing:  # no event may be queried while a stream is being captured
+            for rec in t.device_times.collect():
+                t.writer.add(rec)
+        t.stats["spans"] += t.span_count
+        t.stats["collectives"] += t.coll_count
+        t.writer.flush_when_idle()  # on disk soon if no step follows (never written here)
+    t.stack.clear()
+    t.step_root = None  # never keep the model alive past its step
+    t.step_frame = None
+    t.in_step = False
+    t.tracing_step = False
+    t.capturing = False
+    if not t.config.in_window(step + 1) and t.global_handles:
+        intercept.remove_global_hooks(t)
+
+
+def _root_call_frame():
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code is not _CALL_IMPL:
+        frame = frame.f_back
+    return frame
+
+
+def is_capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph."""
+    try:
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    except Exception:
+        return False
+
+
+def _first_device(args):
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return str(a.device)
+    return None
