@@ -138,4 +138,3 @@ ENV_DIR = "TENSOR_TRACE_DIR"
 ENV_RUN_ID = "TENSOR_TRACE_RUN_ID"
 ENV_CONFIG = "TENSOR_TRACE_CONFIG"  # JSON: modules, exclude, steps, fingerprint, otlp_endpoint, ...
 ENV_BOOTSTRAP = "TENSOR_TRACE_BOOTSTRAP"  # the bootstrap folder, so it can find the next sitecustomize
-ENV_CLOCK_OFFSET = "TENSOR_TRACE_CLOCK_OFFSET_NS"  # test hook: shift this process's monotonic clock

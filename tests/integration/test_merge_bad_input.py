@@ -124,7 +124,9 @@ def test_random_corruption_never_crashes(good, tmp_path):
 
 def test_clock_offset_is_estimated_from_collectives(tmp_path):
     shift = 5_000_000_000
-    d = record(tmp_path / "t", env={"TENSOR_TRACE_CLOCK_OFFSET_NS": f"1:{shift}"})
+    # rank 1 runs with its clock 5 s ahead (a test shim, tests/integration/clock_shift)
+    shim = os.path.join(os.path.dirname(os.path.abspath(__file__)), "clock_shift")
+    d = record(tmp_path / "t", env={"TEST_CLOCK_SHIFT_NS": f"1:{shift}", "PYTHONPATH": os.pathsep.join(filter(None, [shim, os.environ.get("PYTHONPATH")]))})
     r = invoke("merge", d)
     assert r.exit_code == 0 and "offset" in r.output
     rows = json.loads(invoke("query", "sql", "SELECT rank, clock_offset_ns, clock_residual_ns, clock_matches "
