@@ -13,7 +13,7 @@ def summarize(trace_dir: str) -> dict:
     """Counts over every rank file of a trace folder."""
     files = rank_files(trace_dir)
     out = dict(dir=os.path.abspath(trace_dir), processes=0, ranks=[], spans=0, collectives=0,
-               steps=0, bytes=0, errors=0, graph_replays=0, graph_replays_untraced=0, live_sent=0, live_dropped=0, live=False,
+               steps=0, bytes=0, errors=0, write_errors=0, graph_replays=0, graph_replays_untraced=0, live_sent=0, live_dropped=0, live=False,
                problems=[], per_rank=[])
     for path in files:
         try:
@@ -32,6 +32,7 @@ def summarize(trace_dir: str) -> dict:
         out["errors"] += len(rt.errors)
         end_stats = (rt.end or {}).get("stats") or {}
         out["graph_replays"] += end_stats.get("graph_replays", 0)
+        out["write_errors"] += end_stats.get("write_errors", 0)
         out["graph_replays_untraced"] += end_stats.get("graph_replays_untraced", 0)
         if "live_otlp_sent" in end_stats:
             out["live"] = True
@@ -68,6 +69,9 @@ def format_summary(s: dict) -> str:
     if s["graph_replays_untraced"]:
         lines.append(f"  {s['graph_replays_untraced']} replay(s) of CUDA graphs captured without tracing: "
                      f"counted only (keep the capture inside the traced steps)")
+    if s["write_errors"]:
+        lines.append(f"  warning: {s['write_errors']} write(s) of the trace failed (disk full?): "
+                     f"the records they held are missing")
     for p in s["problems"][:5]:
         lines.append(f"  warning: {p}")
     lines.append(f"  files: {s['dir']}")

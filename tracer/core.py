@@ -181,7 +181,7 @@ class Tracer:
         self.writer = RankWriter(path, header, flush_interval_s=cfg.flush_interval_s,
                                  idle_flush_s=cfg.idle_flush_s)
         self.layouts = spans.SpanLayouts()
-        self.writer.on_forget.append(self.layouts.clear)
+        self.writer.on_forget.append(self._forget_file_ids)
         self.live = None
         if cfg.otlp_endpoint:
             from tensor_trace.tracer.live_otlp import LiveOTLP
@@ -192,6 +192,12 @@ class Tracer:
         if self.identity:
             self.writer.add((schema.IDENTITY, dict(self.identity)))
         self.update_identity()
+
+    def _forget_file_ids(self) -> None:
+        """The writer forgot its ids (or lost the chunk that defined them): what refers to
+        them is defined again on next use."""
+        self.layouts.clear()
+        self.written_groups = set()
 
     def absolute(self, raw_ns: int) -> int:
         """A time of this process's monotonic clock as written in the trace. The same here;

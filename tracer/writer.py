@@ -21,6 +21,7 @@ most ``max_interned`` entries; past that they are cleared and entries are re-emi
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -121,13 +122,16 @@ class RankWriter:
 
     def _check_intern_bound(self) -> None:
         if len(self._strings) + len(self._metas) + len(self.layout_ids) >= self.max_interned:
-            self._strings.clear()
-            self._metas.clear()
-            self.layout_ids.clear()
-            self._modules.clear()
-            self.generation = object()
-            for forget in self.on_forget:
-                forget()
+            self._forget_ids()
+
+    def _forget_ids(self) -> None:
+        self._strings.clear()
+        self._metas.clear()
+        self.layout_ids.clear()
+        self._modules.clear()
+        self.generation = object()
+        for forget in self.on_forget:
+            forget()
 
     # -- records ------------------------------------------------------------------------------
     def add(self, record: tuple) -> None:
@@ -143,20 +147,45 @@ class RankWriter:
             if self._closed or not self.pending:
                 return
             buf, self.pending = self.pending, []
+            start = self.bytes_written
             try:
                 # Chunks of bounded size: damage to one costs at most CHUNK_RECORDS records.
                 data = b"".join(schema.chunk(self._packer.pack(buf[i:i + CHUNK_RECORDS]))
                                 for i in range(0, len(buf), CHUNK_RECORDS))
-                os.write(self._fd, data)
-                self.bytes_written += len(data)
+                self._write_all(data)
                 self.chunks_written += (len(buf) + CHUNK_RECORDS - 1) // CHUNK_RECORDS
-            except Exception:  # a full disk must not take the traced program down
-                self.write_errors += 1
+            except Exception as exc:  # a full disk must not take the traced program down
+                self._write_failed(exc, start)
             for listener in self.listeners:
                 try:
                     listener(buf)
                 except Exception:
                     pass
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:  # a short write (the disk filled up) is followed by the error it ran into
+            n = os.write(self._fd, view)
+            self.bytes_written += n
+            view = view[n:]
+
+    def _write_failed(self, exc: Exception, start: int) -> None:
+        """These records are lost; the file keeps no torn chunk (the next write may succeed,
+        once there is room), the definitions they carried are written again on next use, and
+        the process is told once."""
+        self.write_errors += 1
+        self._forget_ids()
+        try:
+            os.ftruncate(self._fd, start)
+            self.bytes_written = start
+        except OSError:
+            pass
+        if self.write_errors == 1:
+            try:
+                sys.stderr.write(f"tensor-trace: cannot write {self.path} ({exc}): trace records "
+                                 "are lost until it can (the program goes on)\n")
+            except Exception:
+                pass
 
     def flush_when_idle(self) -> None:
         """Ask the background thread to flush once no record has been added for
