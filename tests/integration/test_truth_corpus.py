@@ -124,7 +124,7 @@ def _probe(case) -> dict:
     return shapes[0]
 
 
-def _fmt(t: truth.T) -> str:
+def _fmt(t: truth.PlannedTensor) -> str:
     return f"{t.placement}/{t.reduction} {list(t.shape)} {t.dtype}"
 
 

@@ -9,7 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 MODULES = ["tensor_trace.schema", "tensor_trace.cli", "tensor_trace.cli.record", "tensor_trace.cli.query",
            "tensor_trace.cli.merge", "tensor_trace.tracer.core", "tensor_trace.tracer.collectives",
-           "tensor_trace.tracer.launch", "tensor_trace.tracer.auto", "tensor_trace.exporters.merge",
+           "tensor_trace.tracer.launch", "tensor_trace.tracer.env_start", "tensor_trace.exporters.merge",
            "tensor_trace.exporters.analysis", "tensor_trace.exporters.analysis.lineage", "tensor_trace.exporters.query", "tensor_trace.exporters.summary"]
 
 

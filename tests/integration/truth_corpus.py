@@ -18,9 +18,9 @@ No point here is ``partial``: the plans reduce inside the module call that makes
 so no partial sum crosses a module boundary.
 
 A walk per program (``titan_truth``, ``hf_llama_truth``) follows the model's forward as its source
-is written and threads a ``T`` through each module, applying the module's style. Where a point's
-existence depends on library internals that a plan does not fix (HF's attention mask: 4.57
-passes a bool mask, 5.18 None), the point is ``optional``: compared only when the untraced run
+is written and threads a ``PlannedTensor`` through each module, applying the module's style. Where
+a point's existence depends on library internals that a plan does not fix (HF's attention mask:
+4.57 passes a bool mask, 5.18 None), the point is ``optional``: compared only when the untraced run
 saw it. No point is left out: test_truth_corpus.py fails on a point the untraced run has and the
 truth does not state.
 """
@@ -43,7 +43,7 @@ def shard_dim(placement: str):
 
 
 @dataclass(frozen=True)
-class T:
+class PlannedTensor:
     """A tensor as the plan fixes it, on each rank: placement, reduction, local shape, dtype,
     and for a post-reduction tensor the family of the sum-reduction that produced it."""
 
@@ -54,10 +54,10 @@ class T:
     collective: str | None = None
     optional: bool = False
 
-    def local_op(self, shape=None) -> "T":
+    def local_op(self, shape=None) -> "PlannedTensor":
         """Computed locally from this tensor (a norm, an activation, a product with a tensor of
         the same placement): same placement, no reduction."""
-        return T(self.placement, NO, tuple(shape or self.shape), self.dtype)
+        return PlannedTensor(self.placement, NO, tuple(shape or self.shape), self.dtype)
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ class Walk:
     points: dict = field(default_factory=dict)
     collectives: dict = field(default_factory=dict)  # (module, family) -> count per step
 
-    def put(self, name: str, t: T) -> T:
+    def put(self, name: str, t: PlannedTensor) -> PlannedTensor:
         self.points.setdefault(name, t)
         return t
 
@@ -149,7 +149,7 @@ class Walk:
         d = shard_dim(placement)
         return placement if d is None or d >= 0 else shard(d + ndim)
 
-    def gather(self, module: str, t: T) -> T:
+    def gather(self, module: str, t: PlannedTensor) -> PlannedTensor:
         """All-gather ``t`` along its shard dim (a redistribution Shard(D) -> Replicate)."""
         d = shard_dim(t.placement)
         if d is None:
@@ -157,9 +157,9 @@ class Walk:
         shape = list(t.shape)
         shape[d] *= self.tp
         self._issue(module, "all_gather")
-        return T(REP, NO, tuple(shape), t.dtype)
+        return PlannedTensor(REP, NO, tuple(shape), t.dtype)
 
-    def _finish_colwise(self, path: str, local: T, style: Style) -> T:
+    def _finish_colwise(self, path: str, local: PlannedTensor, style: Style) -> PlannedTensor:
         out = self._norm_dim(style.output, len(local.shape))
         if out == local.placement:
             return local
@@ -167,18 +167,18 @@ class Walk:
             return self.gather(path, local)
         raise ValueError(f"{path}: no truth for a colwise output {style.output}")
 
-    def _finish_rowwise(self, path: str, full_shape: tuple, style: Style) -> T:
+    def _finish_rowwise(self, path: str, full_shape: tuple, style: Style) -> PlannedTensor:
         out = self._norm_dim(style.output, len(full_shape))
         if out == REP:
             self._issue(path, "all_reduce")
-            return T(REP, POST, tuple(full_shape), collective="all_reduce")
+            return PlannedTensor(REP, POST, tuple(full_shape), collective="all_reduce")
         d = shard_dim(out)
         shape = list(full_shape)
         shape[d] //= self.tp
         self._issue(path, "reduce_scatter")
-        return T(out, POST, tuple(shape), collective="reduce_scatter")
+        return PlannedTensor(out, POST, tuple(shape), collective="reduce_scatter")
 
-    def linear(self, path: str, x: T, out_features: int) -> T:
+    def linear(self, path: str, x: PlannedTensor, out_features: int) -> PlannedTensor:
         """An nn.Linear (bias or not) at ``path``: its input and output points."""
         self.put(f"{path}:input.0", x)
         style = self.styles.get(path)
@@ -188,28 +188,28 @@ class Walk:
             return self.put(f"{path}:output", x.local_op(x.shape[:-1] + (out_features,)))
         if style.kind == "colwise":
             xin = self.gather(path, x)
-            local = T(shard(last), NO, xin.shape[:-1] + (out_features // self.tp,))
+            local = PlannedTensor(shard(last), NO, xin.shape[:-1] + (out_features // self.tp,))
             return self.put(f"{path}:output", self._finish_colwise(path, local, style))
         if style.kind == "rowwise":
             assert shard_dim(x.placement) == last, f"{path}: rowwise input must be a last-dim shard"
             return self.put(f"{path}:output", self._finish_rowwise(path, x.shape[:-1] + (out_features,), style))
         raise ValueError(f"{path}: no truth for {style.kind} on a linear")
 
-    def embedding(self, path: str, ids: T, dim: int) -> T:
+    def embedding(self, path: str, ids: PlannedTensor, dim: int) -> PlannedTensor:
         """An nn.Embedding at ``path`` (ids replicated): its input and output points."""
         self.put(f"{path}:input.0", ids)
         style = self.styles.get(path)
         full = ids.shape + (dim,)
         if style is None:
-            return self.put(f"{path}:output", T(REP, NO, full))
+            return self.put(f"{path}:output", PlannedTensor(REP, NO, full))
         if style.kind == "colwise":  # embedding dim sharded: each rank looks up its columns
-            local = T(shard(len(full) - 1), NO, ids.shape + (dim // self.tp,))
+            local = PlannedTensor(shard(len(full) - 1), NO, ids.shape + (dim // self.tp,))
             return self.put(f"{path}:output", self._finish_colwise(path, local, style))
         if style.kind == "rowwise":  # vocab sharded: masked lookups are partial sums
             return self.put(f"{path}:output", self._finish_rowwise(path, full, style))
         raise ValueError(f"{path}: no truth for {style.kind} on an embedding")
 
-    def norm(self, path: str, x: T) -> T:
+    def norm(self, path: str, x: PlannedTensor) -> PlannedTensor:
         """A norm over the last dim at ``path`` (RMSNorm): same placement, no reduction."""
         self.put(f"{path}:input.0", x)
         style = self.styles.get(path)
@@ -234,7 +234,7 @@ class Walk:
         return inner
 
 
-def add(a: T, b: T) -> T:
+def add(a: PlannedTensor, b: PlannedTensor) -> PlannedTensor:
     """``a + b`` (a residual add): computed locally, so no-reduction, whatever a and b were."""
     assert a.placement == b.placement and a.shape == b.shape, (a, b)
     return a.local_op()
@@ -248,9 +248,9 @@ def titan_truth(plan: str, tp: int, *, plan_styles, sizes: dict) -> Walk:
     w = Walk({p: from_torch_style(s) for p, s in plan_styles(plan, sizes["layers"]).items()}, tp)
     b, s, d = sizes["batch"], sizes["seq"], sizes["dim"]
     hd = d // sizes["heads"]
-    tokens = w.put(":input.0", T(REP, NO, (b, s), "int64"))
+    tokens = w.put(":input.0", PlannedTensor(REP, NO, (b, s), "int64"))
     h = w.embedding("tok_embeddings", tokens, d)
-    freqs = T(REP, NO, (s, hd // 2), "complex64")  # a buffer, identical on every rank
+    freqs = PlannedTensor(REP, NO, (s, hd // 2), "complex64")  # a buffer, identical on every rank
     for i in range(sizes["layers"]):
         p = f"layers.{i}"
         x, _ = w.enter(p, [h, freqs])
@@ -287,25 +287,25 @@ def hf_llama_truth(plan: dict, tp: int, *, sizes: dict, batch: int, seq: int, ve
     w = Walk(hf_plan_styles(plan, paths), tp)
     d, heads, kv = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
     hd = d // heads
-    ids = T(REP, NO, (batch, seq), "int64")
+    ids = PlannedTensor(REP, NO, (batch, seq), "int64")
     w.put(":input.input_ids", ids)
     w.put("model:input.input_ids", ids)
     h = w.embedding("model.embed_tokens", ids, d)
-    position_ids = T(REP, NO, (1, seq), "int64")
+    position_ids = PlannedTensor(REP, NO, (1, seq), "int64")
     if major >= 5:
         w.enter("model.rotary_emb", [h])
         w.put("model.rotary_emb:input.position_ids", position_ids)
     else:
         w.enter("model.rotary_emb", [h, position_ids])
-    cos = w.put("model.rotary_emb:output.0", T(REP, NO, (1, seq, hd)))
-    sin = w.put("model.rotary_emb:output.1", T(REP, NO, (1, seq, hd)))
+    cos = w.put("model.rotary_emb:output.0", PlannedTensor(REP, NO, (1, seq, hd)))
+    sin = w.put("model.rotary_emb:output.1", PlannedTensor(REP, NO, (1, seq, hd)))
     # The causal mask: built the same on every rank; whether it is materialised (or left to the
     # attention kernel's is_causal) is transformers' choice, not the plan's.
-    mask = T(REP, NO, (batch, 1, seq, seq), "bool", optional=True)
+    mask = PlannedTensor(REP, NO, (batch, 1, seq, seq), "bool", optional=True)
     extras = {"attention_mask": mask, "position_ids": position_ids,
               "position_embeddings.0": cos, "position_embeddings.1": sin}
     if major < 5:
-        extras["cache_position"] = T(REP, NO, (seq,), "int64")
+        extras["cache_position"] = PlannedTensor(REP, NO, (seq,), "int64")
     for i in range(layers):
         p = f"model.layers.{i}"
         (x,) = w.enter(p, [h])

@@ -1,7 +1,7 @@
 """A stopped tracer holds no tensor, Work or process group.
 
 The Tracer object itself outlives ``stop``: the atexit, multiprocessing and SIGTERM handlers that
-tracer/auto.py registers keep it until the interpreter finalizes. Anything it still held then
+tracer/env_start.py registers keep it until the interpreter finalizes. Anything it still held then
 would be released during finalization, and a collective's tensor or Work whose last reference
 goes away there can be destroyed on a gloo worker thread, which must take the GIL to drop the
 tensor's Python object: during finalization that thread is made to exit and the process aborts

@@ -74,9 +74,9 @@ def _on_framework_import(module):
 
 def _tensor_trace_start():
     try:
-        from tensor_trace.tracer import auto
+        from tensor_trace.tracer import env_start
 
-        auto.start_from_env()
+        env_start.start_from_env()
     except Exception as exc:  # never take the host program down
         try:
             _sys.stderr.write(f"tensor-trace: tracing not started in pid {_os.getpid()}: {exc}\n")
