@@ -209,10 +209,6 @@ class CollectiveInterceptor:
         if _ACTIVE is self.tracer:
             _ACTIVE = None
 
-    def patched_names(self) -> list:
-        """Names that currently point at a wrapper (a stopped tracer leaves none)."""
-        return [attr for _, attr, _ in self.rebound]
-
     # ------------------------------------------------------------------ wrappers
     def _identity_wrapper(self, orig):
         tracer = self.tracer

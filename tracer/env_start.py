@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import os
 import signal
-import sys
 import threading
 
 
@@ -119,10 +118,3 @@ def _default_action_and_kill() -> None:
         except Exception:
             pass
     os.kill(os.getpid(), signal.SIGTERM)
-
-
-def report_failure(exc: BaseException) -> None:
-    try:
-        sys.stderr.write(f"tensor-trace: tracing not started in pid {os.getpid()}: {exc}\n")
-    except Exception:
-        pass

@@ -220,12 +220,6 @@ class LineageRecorder:
         except TypeError:
             pass
 
-    def ref_of(self, t):
-        hit = self.producers.get(id(t))
-        if hit is not None and hit[0]() is t:
-            return hit[1]
-        return None
-
     def link_span(self, step, span, slots) -> None:
         """A module call's slots ([(name, tensor)], inputs then outputs): an input or output that
         is a node's result links its slot to the node; outputs, and inputs not seen before,
@@ -332,7 +326,6 @@ class LineageRecorder:
             return  # built from nothing recorded: not worth a record (rotary tables, norms...)
         tracer = self.tracer
         step = tracer.step
-        writer = tracer.writer
         attrs = None
         if kind == "many":
             dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)

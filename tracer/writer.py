@@ -249,7 +249,3 @@ class RankWriter:
             os.close(self._fd)
         except OSError:
             pass
-
-
-def now_ns() -> int:
-    return time.monotonic_ns()
