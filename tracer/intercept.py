@@ -270,6 +270,7 @@ class CallWrapper:
                 if handle.active and t.enabled:
                     pre_outside(t, module, args)  # finds the first root; a root's hooks begin steps
                 return inner(module, *args, **kwargs)
+            frame = None
             if (len(args) == 1 and not kwargs and type(args[0]) is tensor_type and not t.quiet_hooks
                     and module is not t.step_root):
                 # The common call, one tensor in (norms, projections, activations, most blocks):
@@ -299,41 +300,35 @@ class CallWrapper:
                         t0 = now()
                         frame = [module, index, parent, path_id, call, t0, args, fp_pre, True]
                         stack.append(frame)
-                    else:
-                        frame = None
                 except Exception as exc:
                     t.on_error("forward pre-hook", exc)
                     return inner(module, *args)  # this call untraced; its children still are
-                if frame is not None:
+            if frame is not None:
+                try:
+                    result = inner(module, a)
+                except BaseException:
+                    t.post_fn(module, args, None)  # the error path, as always_call hooks get it
+                    raise
+                if type(result) is tensor_type and stack and stack[-1] is frame and not t.quiet_hooks:
                     try:
-                        result = inner(module, a)
-                    except BaseException:
-                        t.post_fn(module, args, None)  # the error path, as always_call hooks get it
-                        raise
-                    if stack and stack[-1] is frame and not t.quiet_hooks:
-                        try:
-                            if type(result) is tensor_type:
-                                t1 = now()
-                                stack.pop()
-                                span_one_tensor(t, index, parent, path_id, call, t0, t1, a,
-                                                result, fp_pre, fp_now)
-                                return result
-                            # (output, bias) and the like: global_post's own next step, direct
-                            if record_tensors(t, frame, args, kwargs, result):
-                                return result
-                        except Exception as exc:
-                            t.on_error("forward hook", exc)
-                            return result
-                    t.post_fn(module, args, kwargs, result)
+                        t1 = now()
+                        stack.pop()
+                        span_one_tensor(t, index, parent, path_id, call, t0, t1, a, result,
+                                        fp_pre, fp_now)
+                    except Exception as exc:
+                        t.on_error("forward hook", exc)
                     return result
-            t.pre_fn(module, args)
-            try:
-                result = inner(module, *args, **kwargs)
-            except BaseException:
-                t.post_fn(module, args, None)  # the error path, as always_call hooks get it
-                raise
-            # A call of tensors and plain values whose frame global_pre left on top: recorded
-            # here as global_post would (its own checks already known true), else through it.
+                # (output, bias) and the like: on to global_post's own next step, below
+            else:
+                t.pre_fn(module, args)
+                try:
+                    result = inner(module, *args, **kwargs)
+                except BaseException:
+                    t.post_fn(module, args, None)  # the error path, as always_call hooks get it
+                    raise
+            # A call of tensors and plain values whose frame is on top (left by global_pre, or
+            # above): recorded here as global_post would (its own checks already known true),
+            # else through it.
             stack = t.stack
             if len(stack) > 1 and not t.quiet_hooks:
                 frame = stack[-1]
