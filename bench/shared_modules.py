@@ -1,4 +1,4 @@
-"""What naming a shared module by its call site costs per call (tracer/core.py ``_call_site``).
+"""What naming a shared module by its call site costs per call (tracer/naming.py ``call_site``).
 
     python bench/shared_modules.py [--rounds 11] [--steps 30]
 

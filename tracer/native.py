@@ -103,7 +103,7 @@ PyObject* pair_key(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyLong_FromLongLong(id);
 }
 
-// What core.Tracer._record_tensors skips: None, int, float, str (bool is an int) and the
+// What spans.record_tensors skips: None, int, float, str (bool is an int) and the
 // registered batch-context types. 1 plain, 0 not, -1 error (raised).
 int plain(PyObject* o, PyObject* context) {
   if (o == Py_None || PyLong_Check(o) || PyFloat_Check(o) || PyUnicode_Check(o)) return 1;
@@ -126,7 +126,7 @@ int put_argument(int64_t tag, PyObject* x, PyObject* context) {
 }
 
 // call_key(args, kwargs, result, context): an int (>= 0) standing for the layout that
-// core.Tracer._record_tensors would build for this call, or -1 where it would not record it
+// spans.record_tensors would build for this call, or -1 where it would not record it
 // (another kind of argument or result) or a tensor is not read here: the caller's Python then
 // decides. Under the GIL.
 PyObject* call_key(PyObject*, PyObject* const* a, Py_ssize_t nargs) {

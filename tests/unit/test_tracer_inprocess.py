@@ -483,12 +483,12 @@ def test_framework_call_patterns_the_same_through_the_call_wrapper_and_the_hooks
                                                                                  fingerprint):
     # The call wrapper records calls of tensors and plain values itself (record_tensors, with
     # global_post's checks known true); the hooks go through global_post: same rank file.
-    from tensor_trace.tracer import intercept
+    from tensor_trace.tracer import intercept as interception
 
     net, args = _sgl_like_with_context(monkeypatch)
     calls = []
-    real = intercept.record_tensors
-    monkeypatch.setattr(intercept, "record_tensors",
+    real = interception.record_tensors
+    monkeypatch.setattr(interception, "record_tensors",
                         lambda self, *a: calls.append(1) or real(self, *a))
     tables = {}
     for intercept in ("call", "hooks"):
