@@ -97,6 +97,8 @@ def test_rank_file_records_the_errors_and_the_stop(runs):
     assert t.end is not None and t.end["reason"] == "too many errors"
     assert t.end["stats"]["errors"] == MAX_ERRORS
     assert not t.report.problems()
-    # tracing stopped within the first steps, not after all 30
-    assert t.steps and max(t.steps) < 10, sorted(t.steps)
+    # tracing stopped within the first steps, not after all 30: the first two steps record
+    # lineage (every call takes the general path: 4 errors each), later ones fail only in the
+    # root's span (the pairs are recorded inline, without flattening): 20 errors by step 12
+    assert t.steps and max(t.steps) < STEPS // 2, sorted(t.steps)
     assert f"{MAX_ERRORS} tracer error(s)" in traced.stderr
