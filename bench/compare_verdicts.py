@@ -17,7 +17,7 @@ import json
 import sys
 
 from tensor_trace.exporters.analysis import tolerance as pl
-from tensor_trace.exporters.merge import open_store
+from tensor_trace.exporters.pipeline import open_store
 
 
 def verdicts(trace_dir: str) -> dict:

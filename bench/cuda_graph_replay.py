@@ -42,7 +42,7 @@ import time
 import torch
 
 from tensor_trace import tracer
-from tensor_trace.exporters.reader import load_rank_file, rank_files
+from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 
 import overhead as ov  # bench/ is this script's folder, first on sys.path
 

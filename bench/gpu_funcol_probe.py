@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tensor_trace import tracer
-from tensor_trace.exporters.reader import load_rank_file, rank_files
+from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "integration", "scripts"))
 import funcol_tp  # noqa: E402

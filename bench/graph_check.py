@@ -23,7 +23,7 @@ import sys
 
 from tensor_trace.exporters.analysis import tolerance as pl
 from tensor_trace.exporters import query as q
-from tensor_trace.exporters.merge import open_store
+from tensor_trace.exporters.pipeline import open_store
 
 
 def per_step(con, step) -> dict:

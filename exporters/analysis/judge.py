@@ -8,8 +8,9 @@ import bisect
 
 from tensor_trace.exporters.analysis import rules
 from tensor_trace.exporters.analysis.evidence import Verdict, item
-from tensor_trace.exporters.analysis.step_view import GATHER, REDUCING, point_name
+from tensor_trace.exporters.analysis.step_view import GATHER, REDUCING
 from tensor_trace.exporters.analysis.tolerance import Observed, fp_equal, linked, sum_tol
+from tensor_trace.format.points import point_name
 
 _LINKED_OPS = REDUCING | GATHER
 

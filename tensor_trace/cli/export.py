@@ -13,7 +13,7 @@ def export():
 @click.option("-o", "--out", default=None, help="Output file (default DIR/trace.perfetto.json.gz; .gz compresses).")
 def perfetto(trace_dir, out):
     """Chrome trace-event JSON of all ranks on one aligned timeline (Perfetto UI, chrome://tracing)."""
-    from tensor_trace.exporters.perfetto import export_perfetto
+    from tensor_trace.exporters.formats.perfetto import export_perfetto
 
     r = export_perfetto(trace_dir, out)
     click.echo(f"wrote {r['events']:,} events ({r['bytes']:,} bytes) to {r['path']}: open it in https://ui.perfetto.dev")
@@ -31,7 +31,7 @@ def otlp(endpoint, protocol, trace_dir):
     import os
 
     from tensor_trace.errors import BadInput
-    from tensor_trace.exporters.otlp import export_otlp
+    from tensor_trace.exporters.formats.otlp import export_otlp
 
     endpoint = (endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
                 or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))

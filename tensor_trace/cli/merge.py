@@ -7,7 +7,7 @@ import click
 @click.argument("trace_dir", default="tensor-trace-out", required=False)
 def merge(trace_dir):
     """Merge the rank files of DIR into one indexed store (DIR/merged.sqlite)."""
-    from tensor_trace.exporters.merge import merge_ranks, store_path
+    from tensor_trace.exporters.pipeline import merge_ranks, store_path
 
     report = merge_ranks(trace_dir)
     click.echo(f"merged {report['processes']} rank file(s), {report['points']} capture points -> "

@@ -12,7 +12,7 @@ _json = click.option("--json", "as_json", is_flag=True, help="Print JSON for scr
 
 
 def _store(trace_dir):
-    from tensor_trace.exporters.merge import open_store
+    from tensor_trace.exporters.pipeline import open_store
 
     return open_store(trace_dir)
 

@@ -9,8 +9,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 MODULES = ["tensor_trace.schema", "tensor_trace.cli", "tensor_trace.cli.record", "tensor_trace.cli.query",
            "tensor_trace.cli.merge", "tensor_trace.tracer.core", "tensor_trace.tracer.collectives",
-           "tensor_trace.tracer.launch", "tensor_trace.tracer.auto", "tensor_trace.exporters.merge",
-           "tensor_trace.exporters.analysis", "tensor_trace.exporters.analysis.lineage", "tensor_trace.exporters.query", "tensor_trace.exporters.summary"]
+           "tensor_trace.tracer.launch", "tensor_trace.tracer.auto", "tensor_trace.exporters.store.merge",
+           "tensor_trace.exporters.analysis", "tensor_trace.exporters.analysis.lineage", "tensor_trace.exporters.query", "tensor_trace.exporters.formats.summary",
+           "tensor_trace.exporters.formats.otlp", "tensor_trace.exporters.pipeline", "tensor_trace.format.points",
+           "tensor_trace.tracer.integrations", "tensor_trace.tracer.live_otlp"]
 
 
 def test_wheel_installs_and_imports(tmp_path):

@@ -14,8 +14,8 @@ import json
 import os
 
 from tensor_trace import schema
-from tensor_trace.exporters.base import ExportResult, SpanExporter
-from tensor_trace.exporters.merge import open_store
+from tensor_trace.exporters.formats.base import ExportResult, SpanExporter
+from tensor_trace.exporters.pipeline import open_store
 
 TID_STEPS, TID_MODULES, TID_COLLECTIVES = 0, 1, 2
 _dumps = json.JSONEncoder(separators=(",", ":"), default=str).encode
