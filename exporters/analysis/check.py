@@ -25,7 +25,7 @@ from tensor_trace.exporters.analysis.evidence import key_item
 from tensor_trace.exporters.analysis.step_view import REDUCE_SCATTER, StepView, coll_desc, coll_json
 from tensor_trace.exporters.analysis.tolerance import all_equal, linked
 from tensor_trace.exporters.analysis.verdicts import StoreContext, sample_steps, tp_groups_with_size
-from tensor_trace.format.points import full_name
+from tensor_trace.format.points import CAPTURE_PREFIX, full_name
 
 _FLOAT = ("float", "bfloat")
 _CONCAT_OPS = ("cat", "concat", "stack", "hstack", "vstack")
@@ -205,7 +205,7 @@ def _capture_findings(con, points) -> list:
 
     out, reported = [], set()
     for p in points.values():
-        if not p["module"].startswith("capture:"):
+        if not p["module"].startswith(CAPTURE_PREFIX):
             continue
         why = partial_inside(p["point"])
         if why is not None:

@@ -28,7 +28,7 @@ from tensor_trace.errors import NoAnswer
 from tensor_trace.exporters.store.points import capture_info, find_point
 from tensor_trace.format.fingerprints import decode_fingerprints
 from tensor_trace.format.lineage_refs import REF_NODE, REF_SLOT, REF_UNKNOWN, REF_VALUES, with_step
-from tensor_trace.format.points import CAPTURE_PREFIX, parse_point
+from tensor_trace.format.points import CAPTURE_PREFIX, is_input, is_output, parse_point
 from tensor_trace.exporters.analysis.contracts import (CONTRACT_FORMAT, compare, load_contract,  # noqa: F401
                                              make_contract)
 
@@ -144,7 +144,7 @@ class _Resolver:
         best = None
         for key, obs in view.points.items():
             t = obs.get(self.proc)
-            if t is None or t.fp is None or not key[2].startswith("output"):
+            if t is None or t.fp is None or not is_output(key[2]):
                 continue
             probe = tol.Observed(shape, t.dtype, fp)
             if t.numel == probe.numel and tol.fp_equal(t, probe):
@@ -427,7 +427,7 @@ def lineage(con, point: str) -> dict:
     if found is None:
         return out
     res, (span, slot_i), ref = found
-    if ref is None and slot.startswith("input"):
+    if ref is None and is_input(slot):
         # A module input that no watched op built is, as a rule, an earlier call's output: found
         # by its values (same fingerprint), since identity is only written where ops combine.
         hit = _same_values(res, span, slot_i, p)
@@ -516,7 +516,7 @@ def _consumers_of_laid_out(con) -> list[str]:
     out = []
     for key, obs in view.points.items():
         t = obs.get(res.proc)
-        if t is None or t.fp is None or not key[2].startswith("input"):
+        if t is None or t.fp is None or not is_input(key[2]):
             continue
         if any(t.numel == u.numel and tol.fp_equal(t, u) for u in targets):
             hit = res.points.get(key)

@@ -25,6 +25,7 @@ from tensor_trace.exporters.formats.base import ExportResult, SpanExporter
 from tensor_trace.exporters.pipeline import open_store
 from tensor_trace.format import otlp_spans
 from tensor_trace.format.otlp_spans import COLLECTIVE_SPAN, MODULE_SPAN
+from tensor_trace.format.points import OUTPUTS_SQL
 
 
 class OTLPExporter(SpanExporter):
@@ -94,7 +95,7 @@ def readable_spans(con):
 
     verdicts = {}
     for module, call, placement, reduction in con.execute(
-            "SELECT module, call, placement, reduction FROM points WHERE slot LIKE 'output%' ORDER BY sort_key"):
+            f"SELECT module, call, placement, reduction FROM points WHERE {OUTPUTS_SQL} ORDER BY sort_key"):
         verdicts.setdefault((module, call), (placement, reduction))
     flags = TraceFlags(TraceFlags.SAMPLED)
     for proc, rank, tp_rank, world, host, pid, offset, _, _ in procs:

@@ -7,7 +7,7 @@ import difflib
 import json
 
 from tensor_trace.errors import NoAnswer
-from tensor_trace.format.points import PointGlob, is_output, parse_point
+from tensor_trace.format.points import OUTPUTS_SQL, PointGlob, is_output, parse_point
 
 _POINT_COLS = ("point, module, call, slot, placement, reduction, shapes, dtype, dtypes, steps, evidence, "
                "collective, fingerprint, semantics, rule, evidence_items, grouping")
@@ -79,7 +79,7 @@ def find_point(con, point: str) -> list[dict]:
             q, args = f"SELECT {_POINT_COLS} FROM points WHERE module=? AND slot=?", [name.module, name.slot]
             order = " ORDER BY call"
         else:
-            q, args = f"SELECT {_POINT_COLS} FROM points WHERE module=? AND slot LIKE 'output%'", [name.module]
+            q, args = f"SELECT {_POINT_COLS} FROM points WHERE module=? AND {OUTPUTS_SQL}", [name.module]
             order = " ORDER BY call, sort_key"
         if name.call is not None:
             q += " AND call=?"

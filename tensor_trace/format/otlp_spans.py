@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 
 from tensor_trace import schema
+from tensor_trace.format.points import is_output
 
 MODULE_SPAN = "m"
 COLLECTIVE_SPAN = "c"
@@ -65,7 +66,7 @@ def module_span(path: str, cls: str | None, call: int, flags: int, tensors, step
     attrs = {"module.path": path, "module.class": cls or "", "module.call": call, **step_attrs}
     if flags & schema.FLAG_REPLAYED:  # a CUDA-graph replay's span: the capture's times, the replay's values
         attrs["tensor_trace.replayed"] = True
-    _tensor_attributes(attrs, [t for t in tensors if t[0].startswith("output")] or tensors)
+    _tensor_attributes(attrs, [t for t in tensors if is_output(t[0])] or tensors)
     if flags & schema.FLAG_CAPTURED:
         attrs["cuda_graph.captured"] = True
     return path or "<root>", attrs

@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 CAPTURE_PREFIX = "capture:"
 OUTPUT = "output"
+INPUT = "input"
+OUTPUTS_SQL = "slot LIKE 'output%'"  # is_output in SQL
 _CALL = re.compile(r"(.*)#(\d+)")
 
 
@@ -41,6 +43,10 @@ def module_call(module: str, call: int) -> str:
 
 def is_output(slot: str) -> bool:
     return slot.startswith(OUTPUT)
+
+
+def is_input(slot: str) -> bool:
+    return slot.startswith(INPUT)
 
 
 def parse_point(name: str) -> PointName:
