@@ -9,45 +9,25 @@ positions it relies on (tests/unit/test_format.py checks them against the writer
 
 from __future__ import annotations
 
+import collections
 from typing import NamedTuple
 
 from tensor_trace import schema
 
 
-class SpanRecord(NamedTuple):
-    kind: int
-    step: int
-    index: int
-    parent: int  # -1: none
-    path: int  # string id
-    call: int
-    t0: int  # ns from the step's start
-    dur: int
-    layout: int
-    fp_pre: int
-    fp_post: int
-    n_pre: int
-    flags: int
+# What a module call and a collective both carry after their own fields: when (t0: ns from the
+# step's start, dur), their tensors (layout id) and those tensors' fingerprints (the first n_pre
+# count from fp_pre, the others from fp_post; -1: none; format/fingerprints.py), and flags.
+_CALL_FIELDS = ("t0", "dur", "layout", "fp_pre", "fp_post", "n_pre", "flags")
 
+# A module call: parent is the enclosing call's index (-1: none), path a string id.
+SpanRecord = collections.namedtuple("SpanRecord", ("kind", "step", "index", "parent", "path", "call") + _CALL_FIELDS)
 
-class CollectiveRecord(NamedTuple):
-    kind: int
-    step: int
-    index: int
-    parent: int  # the issuing module's span index
-    op: int  # string id
-    reduce_op: int  # string id, -1: none
-    group: int
-    seq: int
-    t0: int
-    dur: int
-    layout: int
-    fp_pre: int
-    fp_post: int
-    n_pre: int
-    flags: int
-    bytes: int
-    attrs: dict | None = None
+# A collective: parent is the issuing module's span index; op and reduce_op string ids (-1: none);
+# bytes its input payload; attrs (optional) what the Python layer that issued it knew.
+CollectiveRecord = collections.namedtuple(
+    "CollectiveRecord", ("kind", "step", "index", "parent", "op", "reduce_op", "group", "seq") + _CALL_FIELDS
+    + ("bytes", "attrs"), defaults=(None,))
 
 
 class StepBegin(NamedTuple):
