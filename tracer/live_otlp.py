@@ -3,15 +3,15 @@
 The rank file stays the record of truth; this is a copy for the team's tracing backend. The
 writer hands each flushed batch of records (once a second) to ``LiveOTLP.offer``, which only
 appends to a bounded queue and, when it is full, drops the batch and counts its spans: a forward
-never waits for the network. A daemon thread resolves the records (the same intern tables the
-reader keeps) into OpenTelemetry spans and sends them with opentelemetry-sdk's OTLP exporter.
+never waits for the network. A daemon thread resolves the records (the format layer's
+``RecordResolver``, as the reader and the merge use it) into OpenTelemetry spans and sends them
+with opentelemetry-sdk's OTLP exporter.
 What was sent and dropped is reported once at exit and kept in the rank file's END record.
 
 The mapping (``tensor_trace.format.otlp_spans``: a resource per process, one trace per step from
 the run id and the step, a span per module call and per collective) is the one of ``tensor-trace
 export otlp``, ids and attributes alike; what needs the merged store (placement verdicts, a
-collective's issuing module, device time) is the export's alone. Records are resolved by the
-format layer's ``RecordResolver``, as the reader and the merge resolve them.
+collective's issuing module, device time) is the export's alone.
 """
 
 from __future__ import annotations

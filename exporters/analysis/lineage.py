@@ -119,7 +119,7 @@ class _Resolver:
         return json.loads(row[0]) if row else None
 
     def view(self):
-        """This process's view of the step (placement.StepView) and its fingerprints by index."""
+        """This process's view of the step (step_view.StepView) and its fingerprints by index."""
         from tensor_trace.exporters.analysis import step_view as sv
 
         if self._view is None:
