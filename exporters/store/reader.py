@@ -235,23 +235,25 @@ def load_rank_file(path: str) -> RankTrace:
     for rec in iter_records(path, report):
         kind = rec[0]
         try:
+            # Spans and collectives are nearly every record: unpacked in their fields' order
+            # (format.records.SpanRecord / CollectiveRecord) rather than decoded into tuples.
             if kind == schema.SPAN:
-                span = decode(rec)
-                tensors = tensors_of(span.layout)
-                module = strings.get(span.path, "?")
+                _, step, index, parent, path_id, call, t0, dur, layout, fp_pre, fp_post, n_pre, flags = rec[:13]
+                tensors = tensors_of(layout)
+                module = strings.get(path_id, "?")
                 cls = resolver.modules.get(module, "?")
-                step_of(span.step).spans.append(Span(
-                    span.step, span.index, span.parent, module, "?" if cls is None else cls, span.call, span.t0,
-                    span.dur, tensors, span.flags, fingerprint_refs(len(tensors), span.n_pre, span.fp_pre, span.fp_post)))
+                step_of(step).spans.append(Span(step, index, parent, module, "?" if cls is None else cls, call, t0,
+                                                dur, tensors, flags, fingerprint_refs(len(tensors), n_pre, fp_pre,
+                                                                                      fp_post)))
             elif kind == schema.COLLECTIVE:
-                coll = decode(rec)
-                tensors = tensors_of(coll.layout)
-                step_of(coll.step).collectives.append(Collective(
-                    coll.step, coll.index, coll.parent, strings.get(coll.op, "?"),
-                    strings.get(coll.reduce_op) if coll.reduce_op >= 0 else None, coll.group, coll.seq,
-                    coll.t0, coll.dur, tensors, coll.flags, coll.bytes,
-                    fingerprint_refs(len(tensors), coll.n_pre, coll.fp_pre, coll.fp_post),
-                    attrs=coll.attrs if isinstance(coll.attrs, dict) else None))
+                (_, step, index, parent, op, reduce_op, group, seq, t0, dur, layout, fp_pre, fp_post, n_pre,
+                 flags, nbytes) = rec[:16]
+                attrs = rec[16] if len(rec) > 16 and isinstance(rec[16], dict) else None
+                tensors = tensors_of(layout)
+                step_of(step).collectives.append(Collective(
+                    step, index, parent, strings.get(op, "?"), strings.get(reduce_op) if reduce_op >= 0 else None,
+                    group, seq, t0, dur, tensors, flags, nbytes,
+                    fingerprint_refs(len(tensors), n_pre, fp_pre, fp_post), attrs=attrs))
             elif resolver.define(rec):
                 pass
             elif kind == schema.COLL_DEVICE:
