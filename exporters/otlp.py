@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from tensor_trace import schema
+from tensor_trace import progress, schema
 from tensor_trace.errors import BadInput
 from tensor_trace.exporters.base import ExportResult, SpanExporter
 from tensor_trace.exporters.merge import open_store
@@ -184,6 +184,7 @@ def _export_otlp(trace_dir, endpoint, protocol, batch, timeout_s) -> dict:
     con = open_store(trace_dir)
     pending: list = []
     sent = 0
+    bar = progress.Task.open("export otlp: spans")
     try:
         for span in readable_spans(con):
             pending.append(span)
@@ -192,6 +193,7 @@ def _export_otlp(trace_dir, endpoint, protocol, batch, timeout_s) -> dict:
                     raise BadInput(f"OTLP endpoint {exporter.endpoint} ({protocol}) did not accept the spans "
                                    f"(down, refusing, or no answer within the timeout); {sent} spans sent")
                 sent += len(pending)
+                bar.advance(len(pending))
                 pending = []
         if pending:
             if exporter.export(pending) is not ExportResult.SUCCESS:
@@ -199,6 +201,7 @@ def _export_otlp(trace_dir, endpoint, protocol, batch, timeout_s) -> dict:
                                f"(down, refusing, or no answer within the timeout); {sent} spans sent")
             sent += len(pending)
     finally:
+        bar.close()
         try:
             exporter.shutdown()
         except Exception:

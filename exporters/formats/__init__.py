@@ -1,0 +1,1 @@
+"""Output formats written from a merged store (the HTML report, ...)."""
