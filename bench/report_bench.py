@@ -104,6 +104,9 @@ def main(argv=None) -> int:
             info.update(report_compare_s=round(wall, 2), report_compare_cpu_s=round(cpu, 2),
                         report_compare_bytes=os.path.getsize(page))
         info["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(info, f, indent=1)
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
@@ -120,11 +123,8 @@ def main(argv=None) -> int:
               f"HTML {info['report_compare_bytes']:,} bytes")
     print(f"uptime after: {info['uptime_after']}")
     print(f"target < {TARGET_S:g} s and < {TARGET_BYTES / 2**20:g} MB: {'met' if info['met'] else 'NOT met'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(info, f, indent=1)
     return 0 if info["met"] else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
