@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 
+from tensor_trace import progress
 from tensor_trace.errors import BadInput
 from tensor_trace.exporters.analysis import inferred_tp_ranks
 from tensor_trace.exporters.formats.base import ExportResult, SpanExporter
@@ -26,6 +27,17 @@ from tensor_trace.exporters.pipeline import open_store
 from tensor_trace.format import otlp_spans
 from tensor_trace.format.otlp_spans import COLLECTIVE_SPAN, MODULE_SPAN
 from tensor_trace.format.points import OUTPUTS_SQL
+
+
+def _package_version() -> str:
+    # From the installed distribution: importing the tensor_trace package here would make an
+    # import cycle with its lazy API (tensor_trace -> api -> this module).
+    from importlib import metadata
+
+    try:
+        return metadata.version("tensor-trace")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class OTLPExporter(SpanExporter):
@@ -68,9 +80,7 @@ def readable_spans(con):
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
     from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 
-    import tensor_trace
-
-    scope = InstrumentationScope("tensor-trace", tensor_trace.__version__)
+    scope = InstrumentationScope("tensor-trace", _package_version())
     run_id = (con.execute("SELECT value FROM meta WHERE key='run_id'").fetchone() or [""])[0]
     procs = con.execute("SELECT proc, rank, tp_rank, world_size, host, pid, COALESCE(clock_offset_ns, 0), "
                         "mono_anchor_ns, wall_anchor_ns FROM processes ORDER BY rank IS NULL, rank, proc").fetchall()
@@ -151,6 +161,7 @@ def _export_otlp(trace_dir, endpoint, protocol, batch, timeout_s) -> dict:
     con = open_store(trace_dir)
     pending: list = []
     sent = 0
+    bar = progress.Task.open("export otlp: spans")
     try:
         for span in readable_spans(con):
             pending.append(span)
@@ -159,6 +170,7 @@ def _export_otlp(trace_dir, endpoint, protocol, batch, timeout_s) -> dict:
                     raise BadInput(f"OTLP endpoint {exporter.endpoint} ({protocol}) did not accept the spans "
                                    f"(down, refusing, or no answer within the timeout); {sent} spans sent")
                 sent += len(pending)
+                bar.advance(len(pending))
                 pending = []
         if pending:
             if exporter.export(pending) is not ExportResult.SUCCESS:
@@ -166,6 +178,7 @@ def _export_otlp(trace_dir, endpoint, protocol, batch, timeout_s) -> dict:
                                f"(down, refusing, or no answer within the timeout); {sent} spans sent")
             sent += len(pending)
     finally:
+        bar.close()
         try:
             exporter.shutdown()
         except Exception:

@@ -13,7 +13,7 @@ import gzip
 import json
 import os
 
-from tensor_trace import schema
+from tensor_trace import progress, schema
 from tensor_trace.exporters.formats.base import ExportResult, SpanExporter
 from tensor_trace.exporters.pipeline import open_store
 from tensor_trace.format.points import OUTPUTS_SQL
@@ -162,15 +162,18 @@ def export_perfetto(trace_dir: str, out: str | None = None, batch: int = 4096) -
     out = out or os.path.join(trace_dir, "trace.perfetto.json.gz")
     exporter = PerfettoExporter(out)
     pending = []
+    bar = progress.Task.open("export perfetto: events")
     try:
         for event in timeline_events(con):
             pending.append(event)
             if len(pending) >= batch:
                 exporter.export(pending)
+                bar.advance(len(pending))
                 pending = []
         if pending:
             exporter.export(pending)
     finally:
+        bar.close()
         exporter.shutdown()
         con.close()
     return dict(path=out, events=exporter.events, bytes=os.path.getsize(out))

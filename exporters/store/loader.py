@@ -10,7 +10,7 @@ import json
 
 import msgpack
 
-from tensor_trace import schema
+from tensor_trace import progress, schema
 from tensor_trace.errors import BadInput
 from tensor_trace.exporters.store.reader import ReadReport, iter_chunks
 from tensor_trace.format.records import RecordResolver

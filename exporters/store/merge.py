@@ -23,7 +23,7 @@ import pickle
 import sqlite3
 import sys
 
-from tensor_trace import schema
+from tensor_trace import progress, schema
 from tensor_trace.errors import BadInput
 from tensor_trace.exporters.store import merge_workers
 from tensor_trace.exporters.store.loader import FILE_TABLES, SharedIds, load_file
@@ -116,8 +116,10 @@ def merge_ranks(trace_dir: str, warn=None, workers: int | None = None, analyse=N
     g = SharedIds(con)
     report = dict(files=len(files), processes=0, problems=[])
     loading = _load_rank_files(con, files, g, tmp, workers, report, warn)
+    bar = progress.Task.open("merge: rank files", len(files))
     try:
         for res in loading:
+            bar.advance()
             path = res.path
             if res.skipped:
                 warn(f"skipping {res.skipped}")
@@ -146,6 +148,7 @@ def merge_ranks(trace_dir: str, warn=None, workers: int | None = None, analyse=N
             report["processes"] += 1
         if not report["processes"]:
             raise BadInput(f"{trace_dir}: none of its {len(files)} rank file(s) could be read")
+        bar.stage("merge: collectives, clocks and verdicts")
         g.write()
         con.executemany("INSERT INTO meta VALUES (?,?)", [
             ("store_version", str(STORE_VERSION)), ("run_id", run_id or ""),
@@ -162,6 +165,8 @@ def merge_ranks(trace_dir: str, warn=None, workers: int | None = None, analyse=N
         con.close()
         os.remove(tmp)
         raise
+    finally:
+        bar.close()
     con.close()
     os.replace(tmp, final)
     return report
