@@ -96,7 +96,8 @@ class Side:
             plans.append(plan)
             raw.append((rows, got))
         if vector:
-            by_proc = [read_columns(rows, refs, largest) for rows, (refs, largest) in raw]
+            by_proc = [read_columns(rows, refs, largest, plan.sources.setdefault(id(refs), {}))
+                       for (rows, (refs, largest)), plan in zip(raw, plans)]
             if None not in by_proc:
                 return StepData(self, step, plans, None, StepColumns(*map(list, zip(*by_proc))))
         return StepData(self, step, plans, [_column(rows, refs, largest) for rows, (refs, largest) in raw])
@@ -169,6 +170,7 @@ class Plan:
                     for side_, offs in ((0, pre), (1, post)) for o in offs]
         self.index = {k: i for i, k in enumerate(keys)}
         self.refs: dict = {}  # the spans' fingerprint bases -> resolve(...)
+        self.sources: dict = {}  # id of a resolve(...)'s refs -> compare_vector.read_columns' known
 
     def resolve(self, bases) -> list:
         """Each slot's fingerprint index (-1: none) from its span's (input, output) bases, and

@@ -35,33 +35,51 @@ class StepColumns:
         return [[None if s is None else (s, q) for s, q in zip(ss, qs)] for ss, qs in zip(self.sums, self.squares)]
 
 
-def read_columns(rows, refs: list, largest: int) -> tuple | None:
+def read_columns(rows, refs: list, largest: int, known: dict | None = None) -> tuple | None:
     """One process's (sums, sums of squares) of a step in slot order, as ``compare_steps._column``
-    reads them (a later row's value of an index replaces an earlier one's); None for a row only
-    the scalar reader handles."""
-    sums: list = [None] * (largest + 2)
-    squares: list = [None] * (largest + 2)
-    top = len(sums) - 1  # the last entry stays None: where a slot without values points
-    for first, data, indices in rows:
-        n = len(data) // FP_BYTES
-        flat = struct.unpack(f"<{2 * n}f", data[:n * FP_BYTES])
+    reads them (a later value of an index replaces an earlier one); None for rows only the
+    scalar reader handles. ``known``: where each slot's value lies in rows laid out alike (the
+    same starts, lengths and indices: every step of one structure), kept for the next step."""
+    layout = tuple((first, len(data) // FP_BYTES, indices) for first, data, indices in rows)
+    got = known.get(layout, False) if known is not None else False
+    if got is False:
+        got = _sources(layout, refs, largest)
+        if known is not None:
+            if len(known) >= 64:  # rows laid out anew in every step: keep a few
+                known.clear()
+            known[layout] = got
+    if got is None:
+        return None
+    at_sums, at_squares = got
+    n = sum(count for _, count, _ in layout)
+    flat = struct.unpack(f"<{2 * n}f", b"".join(data[:count * FP_BYTES] for (_, count, _), (_, data, _)
+                                                  in zip(layout, rows))) + (None,)
+    return list(map(flat.__getitem__, at_sums)), list(map(flat.__getitem__, at_squares))
+
+
+def _sources(layout: tuple, refs: list, largest: int) -> tuple | None:
+    """Per slot, the positions of its sum and its sum of squares among the rows' values laid
+    end to end (-1: none), by the scalar reader's list assignments; None: rows it alone handles."""
+    src: list = [None] * (largest + 2)
+    top = len(src) - 1  # the last entry stays None: where a slot without values points
+    start = 0
+    for first, n, indices in layout:
         if indices is None:
             if first < 0:
                 return None  # the scalar reader's slice counts from the end
             if first + n > top:
-                grow = [None] * (first + n - top + 1)
-                sums[top:], squares[top:] = grow, list(grow)
-                top = len(sums) - 1
-            sums[first:first + n] = flat[0::2]
-            squares[first:first + n] = flat[1::2]
+                src[top:] = [None] * (first + n - top + 1)
+                top = len(src) - 1
+            src[first:first + n] = range(start, start + n)
         else:
             at = struct.unpack(f"<{n}I", indices[:4 * n])
             if n and max(at) >= top:
                 return None  # indices past the end, which the scalar reader skips
-            list(map(sums.__setitem__, at, flat[0::2]))
-            list(map(squares.__setitem__, at, flat[1::2]))
-    sums[-1] = squares[-1] = None
-    return list(map(sums.__getitem__, refs)), list(map(squares.__getitem__, refs))
+            list(map(src.__setitem__, at, range(start, start + n)))
+        start += n
+    src[-1] = None
+    by_slot = [src[r] for r in refs]
+    return [-1 if k is None else 2 * k for k in by_slot], [-1 if k is None else 2 * k + 1 for k in by_slot]
 
 
 class PairColumns:

@@ -82,6 +82,15 @@ def _rows(entries):
     return out
 
 
+def _scaled(rows, k):
+    """The same rows with other values."""
+    out = []
+    for first, data, indices in rows:
+        flat = struct.unpack(f"<{len(data) // 4}f", data)
+        out.append((first, struct.pack(f"<{len(flat)}f", *(x * k for x in flat)), indices))
+    return out
+
+
 def test_read_columns_matches_the_scalar_reader():
     """Dense and indexed rows, an index written three times (the later value wins, within a row
     and across rows), a dense row past the end, a slot without values (-1) and one whose index
@@ -91,10 +100,12 @@ def test_read_columns_matches_the_scalar_reader():
                 (4, [(0.5, 0.5)] * 4, None)]), [2, 1, -1, 0, 5, 6], 6),
         (_rows([(2, [(-1.5, 0.25)] * 4, None), (0, [(float("nan"), 1.0)], [0])]), [0, 3, 2, -1, 5], 5),
     ]
-    for rows, refs, largest in cases:
-        sums, squares = cv.read_columns(rows, refs, largest)
+    known: dict = {}
+    for rows, refs, largest in cases + [(_scaled(rows, 3.0), refs, largest) for rows, refs, largest in cases]:
+        sums, squares = cv.read_columns(rows, refs, largest, known)  # the second time: laid out as known
         got = cv.StepColumns([sums], [squares]).columns()[0]
         assert list(map(repr, got)) == list(map(repr, _column(rows, refs, largest)))
+    assert len(known) == 2
     sums, _ = cv.read_columns(cases[0][0], cases[0][1], 6)
     assert sums == [9.0, 7.0, None, 1.0, 0.5, 0.5]
 
