@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 from operator import add, le, mul, sub, truediv
 
 FP_BYTES = 8  # schema.FP_PAIR: two little-endian float32
 _PLAIN = ("rep", "shard")  # compare.py's fast-path kinds this path unshards
+_LITTLE = sys.byteorder == "little"  # a memoryview of float32 reads native order; FP_PAIR is "<ff"
 
 
 class StepColumns:
@@ -50,16 +52,19 @@ def read_columns(rows, refs: list, largest: int, known: dict | None = None) -> t
             known[layout] = got
     if got is None:
         return None
-    at_sums, at_squares = got
-    n = sum(count for _, count, _ in layout)
-    flat = struct.unpack(f"<{2 * n}f", b"".join(data[:count * FP_BYTES] for (_, count, _), (_, data, _)
-                                                  in zip(layout, rows))) + (None,)
+    at_sums, at_squares, complete = got
+    blob = b"".join(data[:count * FP_BYTES] for (_, count, _), (_, data, _) in zip(layout, rows))
+    if complete and _LITTLE:  # every slot has a value: read only those, as floats, in place
+        flat = memoryview(blob).cast("f")
+    else:
+        flat = struct.unpack(f"<{len(blob) // 4}f", blob) + (None,)
     return list(map(flat.__getitem__, at_sums)), list(map(flat.__getitem__, at_squares))
 
 
 def _sources(layout: tuple, refs: list, largest: int) -> tuple | None:
     """Per slot, the positions of its sum and its sum of squares among the rows' values laid
-    end to end (-1: none), by the scalar reader's list assignments; None: rows it alone handles."""
+    end to end (-1: none), by the scalar reader's list assignments, and whether every slot has
+    one; None: rows only the scalar reader handles."""
     src: list = [None] * (largest + 2)
     top = len(src) - 1  # the last entry stays None: where a slot without values points
     start = 0
@@ -79,7 +84,8 @@ def _sources(layout: tuple, refs: list, largest: int) -> tuple | None:
         start += n
     src[-1] = None
     by_slot = [src[r] for r in refs]
-    return [-1 if k is None else 2 * k for k in by_slot], [-1 if k is None else 2 * k + 1 for k in by_slot]
+    return ([-1 if k is None else 2 * k for k in by_slot], [-1 if k is None else 2 * k + 1 for k in by_slot],
+            None not in by_slot)
 
 
 class PairColumns:

@@ -99,13 +99,14 @@ def test_read_columns_matches_the_scalar_reader():
         (_rows([(0, [(1.0, 2.0), (3.0, 4.0), (5.0, 6.0)], None), (0, [(7.0, 8.0), (8.0, 8.0), (9.0, 10.0)], [1, 2, 2]),
                 (4, [(0.5, 0.5)] * 4, None)]), [2, 1, -1, 0, 5, 6], 6),
         (_rows([(2, [(-1.5, 0.25)] * 4, None), (0, [(float("nan"), 1.0)], [0])]), [0, 3, 2, -1, 5], 5),
+        (_rows([(0, [(1.0, 2.0), (3.0, 4.0)], None), (1, [(5.0, 6.0)], [0])]), [1, 0, 1], 1),  # all read
     ]
     known: dict = {}
     for rows, refs, largest in cases + [(_scaled(rows, 3.0), refs, largest) for rows, refs, largest in cases]:
         sums, squares = cv.read_columns(rows, refs, largest, known)  # the second time: laid out as known
         got = cv.StepColumns([sums], [squares]).columns()[0]
         assert list(map(repr, got)) == list(map(repr, _column(rows, refs, largest)))
-    assert len(known) == 2
+    assert len(known) == 3
     sums, _ = cv.read_columns(cases[0][0], cases[0][1], 6)
     assert sums == [9.0, 7.0, None, 1.0, 0.5, 0.5]
 
