@@ -5,8 +5,8 @@ time by ``map`` (the loops run in C; no tensor library, so no import and no memo
 It computes what the scalar fast path of ``compare.py`` computes (``_fast_whole`` then
 ``_fast_err``), with the same Python float operations in the same order, so each relative error
 is the same number. It settles the plain case only: both sides replicated or sharded, every
-value present, a sum of squares on both sides, nonzero tensors, within the tolerance. Every
-other point of the step (missing values, partial sums, integer tensors, points compared rank by
+value present, a sum of squares on both sides, nonzero tensors, within the tolerance (a NaN
+error, which no tolerance admits, marks the points of the other cases). Every other point of the step (missing values, partial sums, integer tensors, points compared rank by
 rank, errors beyond the tolerance) goes back to the scalar code, which decides it with all its
 details.
 """
@@ -115,9 +115,6 @@ class PairColumns:
                 todo += where
                 continue
             errs = _errors(wa, wb, root_n)
-            if errs is None:
-                todo += where
-                continue
             for pos, r, err, t, ok in zip(where, rs, errs, tol, map(le, errs, tol)):
                 if ok:
                     r["steps"] += 1
@@ -145,17 +142,15 @@ def _whole(side: StepColumns, at: list, kind: str) -> tuple | None:
     return s, q
 
 
-def _errors(wa: tuple, wb: tuple, root_n: list) -> list | None:
-    """``compare._fast_err`` of a group's points, both with a sum of squares and nonzero; None
-    where one is not (the scalar code's other branches)."""
+def _errors(wa: tuple, wb: tuple, root_n: list) -> list:
+    """``compare._fast_err`` of a group's points, NaN for a point the scalar code's other
+    branches decide: no sum of squares on a side (its NaN makes the error NaN), a zero tensor."""
     (sa, qa), (sb, qb) = wa, wb
-    if True in map(math.isnan, qa) or True in map(math.isnan, qb):
-        return None
     zeros = [0.0] * len(qa)
     pos_a, pos_b = list(map(max, qa, zeros)), list(map(max, qb, zeros))
     top = list(map(math.sqrt, map(max, pos_a, pos_b)))
     if not all(map((0.0).__lt__, top)):
-        return None
+        top = [t if t > 0.0 else math.nan for t in top]
     sum_err = map(truediv, map(abs, map(sub, sa, sb)), map(mul, root_n, top))
     norm_err = map(truediv, map(abs, map(sub, map(math.sqrt, pos_a), map(math.sqrt, pos_b))), top)
     return list(map(max, norm_err, sum_err))

@@ -1,12 +1,13 @@
 """`compare`'s vector path (``compare_vector``) gives what its scalar path gives, number for
 number, on runs with planted divergences in some steps; and its reader matches the scalar one."""
 
+import math
 import struct
 
 import numpy as np
 import pytest
 
-from synthetic_trace import SyntheticTrace, gen, pos
+from synthetic_trace import SyntheticTrace, fps, gen, pos
 from test_compare_check import model_step, weights
 from tensor_trace.exporters import merge as mg
 from tensor_trace.exporters.analysis import compare as cmp_mod
@@ -16,13 +17,17 @@ from tensor_trace.exporters.analysis.compare_steps import _column
 
 def run(tmp_path, name, tp, bad_steps=(), noise=0.0, partial_out=False, n_steps=6):
     """``n_steps`` steps of other inputs; a double reduction in ``bad_steps``; ``noise``: a
-    relative change of the inputs in every step (within the tolerance or not)."""
+    relative change of the inputs in every step (within the tolerance or not). Each step begins
+    with integer ids (a sum, no sum of squares) turned into a zero tensor, left to the scalar
+    code among the replicated points the vector path settles."""
     _, wc, wr = weights()
     rng = gen(7)
     xs = [pos(rng, 4, 8) for _ in range(n_steps)]
     tr = SyntheticTrace(tp)
     for i, x in enumerate(xs):
         with tr.step({"forward_mode": "decode", "tokens": 4, "batch_size": 4}):
+            with tr.call("ids", fps((4,), {r: (float(i + 6), math.nan) for r in range(tp)}, "int64")) as c:
+                c.returns(fps((4, 8), {r: (0.0, 0.0) for r in range(tp)}))
             model_step(tr, (x * (1.0 + noise)).astype(np.float32), wc, wr, tp, double=i in bad_steps,
                        partial_out=partial_out)
     tr.merge(tmp_path / name)
