@@ -79,7 +79,7 @@ def main(argv=None) -> int:
             shutil.rmtree(b)
         shutil.copytree(a, b)
         info["generate_s"] = round(time.perf_counter() - t, 1)
-        from tensor_trace.exporters.merge import is_stale
+        from tensor_trace.exporters.store.merge import is_stale
 
         for d in (a, b):
             # A store of another STORE_VERSION is stale too: compare would merge it again itself,

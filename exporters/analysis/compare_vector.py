@@ -18,7 +18,9 @@ import struct
 import sys
 from operator import add, le, mul, sub, truediv
 
-FP_BYTES = 8  # schema.FP_PAIR: two little-endian float32
+from tensor_trace.format.fingerprints import FP_PAIR
+
+FP_BYTES = FP_PAIR.size  # two little-endian float32
 _PLAIN = ("rep", "shard")  # compare.py's fast-path kinds this path unshards
 _LITTLE = sys.byteorder == "little"  # a memoryview of float32 reads native order; FP_PAIR is "<ff"
 

@@ -9,7 +9,7 @@ import pytest
 
 from synthetic_trace import SyntheticTrace, fps, gen, pos
 from test_compare_check import model_step, weights
-from tensor_trace.exporters import merge as mg
+from tensor_trace.exporters import pipeline as mg
 from tensor_trace.exporters.analysis import compare as cmp_mod
 from tensor_trace.exporters.analysis import compare_vector as cv
 from tensor_trace.exporters.analysis.compare_steps import _column
