@@ -1,7 +1,9 @@
 """Does anything synchronise the GPU inside a traced step? Two independent checks, per rank.
 
-    torchrun --nproc-per-node 2 bench/sync_check.py --json OUT.json     # NCCL, one GPU per rank
-    python bench/sync_check.py                                          # one GPU
+    torchrun --nproc-per-node 2 tests/gpu/scripts/sync_check.py --json OUT.json   # NCCL, one GPU per rank
+    python tests/gpu/scripts/sync_check.py --json OUT.json                        # one GPU
+
+Run by tests/gpu/test_gpu_sync.py, which asserts on the JSON.
 
 The example model (examples/tp_llama.py, bf16 on CUDA) runs blocks of steps with no
 synchronisation between them, untraced and traced (fingerprints on and off):
@@ -29,7 +31,8 @@ import torch.distributed as dist
 
 from tensor_trace import tracer
 
-from overhead import load_example  # bench/ is this script's folder, first on sys.path
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "bench"))
+from models import load_example  # noqa: E402  (bench/models.py: examples/tp_llama.py by path)
 
 SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
