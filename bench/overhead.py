@@ -39,20 +39,17 @@ Workloads:
 
     OMP_NUM_THREADS=1 python bench/overhead.py --workload example-cpu --json bench/results/cpu.json
     OMP_NUM_THREADS=1 python bench/overhead.py --workload linear-chain [--device cuda]
-    python bench/overhead.py --workload llama8b-decode --json bench/results/gpu.json --breakdown
+    python bench/overhead.py --workload llama8b-decode --json bench/results/gpu.json
 
 The targets printed at the end are informational; ``--check`` makes a FAIL exit with status 1.
 """
 from __future__ import annotations
 
 import argparse
-import cProfile
 import gc
-import io
 import json
 import os
 import platform
-import pstats
 import random
 import shutil
 import sys
@@ -324,93 +321,6 @@ def print_table(res):
         print(f"     {t['name']:<26} {val:>8} vs {lim:<8} {t['result']}")
 
 
-# ---------------------------------------------------------------- breakdown (where tracer time goes)
-
-def breakdown(bench: Bench, step_fn, label, steps=10, warmup=3):
-    """cProfile of the traced variants, and device kernels per step by variant."""
-    out = {}
-    for variant in ("traced-nofp", "traced-fp"):
-        out_dir = os.path.join(bench.tmp_root, f"breakdown-{variant}")
-        tracer.start(out_dir=out_dir, fingerprint=variant == "traced-fp")
-        try:
-            for _ in range(warmup):
-                step_fn()
-                bench.sync()
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(steps):
-                step_fn()
-                bench.sync()
-            prof.disable()
-        finally:
-            tracer.stop()
-            shutil.rmtree(out_dir, ignore_errors=True)
-        st = pstats.Stats(prof, stream=io.StringIO())
-        rows = []
-        for (fn, line, name), (cc, nc, tt, ct, _callers) in st.stats.items():
-            rows.append(dict(func=f"{os.path.basename(fn)}:{line}({name})", ncalls=nc,
-                             tottime_ms_per_step=tt * 1e3 / steps, cumtime_ms_per_step=ct * 1e3 / steps,
-                             calls_per_step=nc / steps))
-        rows.sort(key=lambda r: -r["tottime_ms_per_step"])
-        total = sum(r["tottime_ms_per_step"] for r in rows)
-        by_file: dict = {}
-        for r in rows:
-            f = r["func"].split(":")[0]
-            by_file[f] = by_file.get(f, 0.0) + r["tottime_ms_per_step"]
-        print(f"\n   cProfile [{label}] {variant}: {total:.2f} ms/step of profiled time "
-              f"(cProfile inflates Python-heavy code); top functions by own time per step:")
-        for r in rows[:18]:
-            print(f"     {r['tottime_ms_per_step']:8.3f} ms own {r['cumtime_ms_per_step']:8.3f} ms cum "
-                  f"{r['calls_per_step']:8.1f} calls  {r['func']}")
-        top_files = sorted(by_file.items(), key=lambda kv: -kv[1])[:10]
-        print("     own time by file (ms/step): " + ", ".join(f"{f} {t:.2f}" for f, t in top_files))
-        out[variant] = dict(total_ms_per_step=total, top=rows[:40], by_file=dict(top_files))
-
-    if bench.cuda:
-        kernels = {}
-        for variant in ("plain", "traced-nofp", "traced-fp"):
-            try:
-                out_dir = os.path.join(bench.tmp_root, f"kernels-{variant}")
-                if variant != "plain":
-                    tracer.start(out_dir=out_dir, fingerprint=variant == "traced-fp")
-                for _ in range(2):
-                    step_fn()
-                bench.sync()
-                n_steps = 3
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                        torch.profiler.ProfilerActivity.CUDA]) as p:
-                    for _ in range(n_steps):
-                        step_fn()
-                    bench.sync()
-                if variant != "plain":
-                    tracer.stop()
-                    shutil.rmtree(out_dir, ignore_errors=True)
-                dev = torch.autograd.DeviceType.CUDA
-                evs = [e for e in p.events() if e.device_type == dev]
-                launches = sum(1 for e in p.events() if e.device_type != dev
-                               and e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
-                                              "cuLaunchKernelEx"))
-                gpu_us = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-                             for e in evs)
-                kernels[variant] = dict(device_events_per_step=len(evs) / n_steps,
-                                        launch_calls_per_step=launches / n_steps,
-                                        device_busy_ms_per_step=gpu_us / 1e3 / n_steps)
-            except Exception as exc:
-                kernels[variant] = dict(error=f"{type(exc).__name__}: {exc}")
-                if tracer.current() is not None:
-                    tracer.stop()
-        print(f"\n   device work per step [{label}] (torch.profiler, 3 steps each):")
-        for v, d in kernels.items():
-            if "error" in d:
-                print(f"     {v:<12} error: {d['error']}")
-            else:
-                print(f"     {v:<12} {d['device_events_per_step']:8.1f} device events, "
-                      f"{d['launch_calls_per_step']:8.1f} launch calls, "
-                      f"{d['device_busy_ms_per_step']:8.3f} ms device busy (sum of event durations)")
-        out["kernels"] = kernels
-    return out
-
-
 # ---------------------------------------------------------------- workloads
 
 def run_workload(args, bench: Bench, step, res: dict, defaults=(7, 3, 20)) -> dict:
@@ -430,9 +340,6 @@ def run_workload(args, bench: Bench, step, res: dict, defaults=(7, 3, 20)) -> di
         res["targets"] = targets_for(label, res["variants"])
         print_table(res)
         bench.emit(res)
-        if args.breakdown:
-            res["breakdown"] = breakdown(bench, step, label)
-            bench.emit(None)
     return res
 
 
@@ -518,9 +425,6 @@ def workload_llama(args, bench: Bench):
             res["targets"] = targets_for("llama8b-decode", res["variants"])
             print_table(res)
             bench.emit(res)
-            if args.breakdown and batch == args.batch[0]:
-                res["breakdown"] = breakdown(bench, step, label)
-                bench.emit(None)
         results.append(res)
     del model
     if cuda:
@@ -561,9 +465,6 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-warm-round", action="store_true",
                    help="skip the discarded warm-up round of every variant before the R rounds")
-    p.add_argument("--breakdown", action="store_true",
-                   help="after the measurements: cProfile of the traced variants and, on CUDA, "
-                        "device kernels per step")
     p.add_argument("--json", metavar="PATH", help="write every figure here")
     p.add_argument("--check", action="store_true", help="exit 1 when a target fails")
     return p.parse_args(argv)
@@ -577,8 +478,6 @@ def _init_tp(args) -> None:
         return
     if args.workload != "llama8b-decode":
         raise SystemExit("several ranks: only --workload llama8b-decode is tensor-parallel")
-    if args.breakdown:
-        raise SystemExit("--breakdown profiles one rank: run it with one process")
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     cuda = (args.device or "cuda").startswith("cuda")
     if cuda:
