@@ -4,6 +4,7 @@
 #
 #   bash bench/gpu_run.sh                          # device tool `run`; its $OUT gets every output
 #   PARTS="tests ab" AB_ROUNDS=250 bash bench/gpu_run.sh
+#   BENCH_COMMIT=abc1234 bash bench/gpu_run.sh     # a copy of the tree without .git: name its commit
 #
 # PARTS (default "tests ab replay chain overhead"), each under its own time limit:
 #   tests     python -m pytest tests/gpu                        (~3 min on one H200)
@@ -36,7 +37,9 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/tt-ext} MAX_JOBS=${MAX_
 cd "$PKG"
 
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-echo "# gpu_run | $(date -u +%FT%TZ) | host $(hostname) | commit $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo "${COMMIT:-?}") | $(nproc) cpus | parts: $PARTS"
+# the commit in every header: git's, or (a copy without .git) the one the caller names
+export BENCH_COMMIT=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo "${BENCH_COMMIT:-?}")
+echo "# gpu_run | $(date -u +%FT%TZ) | host $(hostname) | commit $BENCH_COMMIT | $(nproc) cpus | parts: $PARTS"
 python3 -c "import torch, triton, tensor_trace.tracer.core; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
 quiet() { grep -v '^USDT\|Warning\|warn(\|return func'; }
