@@ -205,7 +205,7 @@ def main() -> None:
     py = ["nofp-py", "fp-py", "fp-py2"] if have_native else []
     variants = (["plain", "nofp", "fp"] + py + (["fp-old"] if OLD is not None else []))
     ref_v = "fp-py" if have_native else "fp"
-    print(header_line("fp_ab", header(sys.argv), torch.cuda.get_device_name(dev) if dev.type == "cuda" else None))
+    print(header_line("fp_ab", dict(header(sys.argv), torch=torch.__version__), torch.cuda.get_device_name(dev) if dev.type == "cuda" else None))
     print(f"# rounds={args.rounds} variants={variants} native={have_native} cpu_model={args.cpu_model}")
     report = {}
     for batch in args.batch:
