@@ -9,7 +9,7 @@
 # PARTS (default "tests ab replay chain overhead"), each under its own time limit:
 #   tests     python -m pytest tests/gpu                        (~3 min on one H200)
 #   ab        bench/fp_ab.py --batch 8 64 --rounds $AB_ROUNDS  overhead ratios, the method of record
-#   replay    bench/cuda_graph_replay.py, replay and traced-replay, $ROUNDS rounds
+#   replay    bench/cuda_graph_replay.py, replay and traced-replay, $ROUNDS rounds (default 3)
 #   chain     bench/overhead.py --workload linear-chain --device cuda   (us per module call)
 #   overhead  bench/overhead.py --workload llama8b-decode        (pooled ratios, bytes per span,
 #             torch.profiler); at TP=2 under torchrun as well where two GPUs are present
@@ -18,7 +18,7 @@ set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/bench/results/gpu-$(date -u +%Y%m%d-%H%M)}
 PARTS=${PARTS:-"tests ab replay chain overhead"}
-ROUNDS=${ROUNDS:-5}
+ROUNDS=${ROUNDS:-3}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu-run.txt") 2>&1
 
