@@ -41,7 +41,7 @@ import time
 import torch
 
 from tensor_trace import tracer
-from tensor_trace.exporters.reader import load_rank_file, rank_files
+from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 
 import models  # bench/ is this script's folder, first on sys.path
 from common import header as run_header, header_line, percentile

@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import synth  # noqa: E402
 from common import header, header_line  # noqa: E402
 
-from tensor_trace.exporters.merge import merge_ranks  # noqa: E402
-from tensor_trace.exporters.perfetto import export_perfetto  # noqa: E402
+from tensor_trace.exporters.pipeline import merge_ranks  # noqa: E402
+from tensor_trace.exporters.formats.perfetto import export_perfetto  # noqa: E402
 
 
 def main():
@@ -49,7 +49,7 @@ def main():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                     "tests", "integration"))
     from otlp_receiver import GrpcReceiver, HttpReceiver
-    from tensor_trace.exporters.otlp import export_otlp
+    from tensor_trace.exporters.formats.otlp import export_otlp
 
     small = os.path.join(work, "small")
     info = synth.generate(small, a.otlp_steps, 8, 0, "realistic", log=lambda m: None)

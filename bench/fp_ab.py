@@ -96,6 +96,7 @@ def check_same_values(tr, fps, run, sync, names) -> tuple:
     import math
 
     from tensor_trace import schema
+    from tensor_trace.format.fingerprints import fingerprint_pairs
 
     got, metas = {}, {}
     add = tr.writer.add
@@ -116,7 +117,7 @@ def check_same_values(tr, fps, run, sync, names) -> tuple:
             unspy()
         vals = {}
         for _, step, first, data, indices in recs:
-            vals.update((i, (s, q)) for i, s, q in schema.fingerprint_pairs(first, data, indices))
+            vals.update((i, (s, q)) for i, s, q in fingerprint_pairs(first, data, indices))
         got[v] = vals
         for i, m in meta.items():
             meta[i] = m[:4] + (m[4].item(), m[5].item())

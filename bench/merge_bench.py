@@ -20,7 +20,7 @@
    the merge's own memory moves (summed over the merging process and its workers).
    ``--workers N`` sets ``TENSOR_TRACE_MERGE_WORKERS`` for the merges (default: the library's
    choice). ``--compare-with FILE`` (a ``merge.py`` of another commit, e.g. ``git show
-   REV:exporters/merge.py > /tmp/merge_before.py``) adds the variant ``before``: that module in
+   REV:exporters/store/merge.py > /tmp/merge_before.py``, a commit since the store/ split) adds the variant ``before``: that module in
    place of the library's, merging the same rank files (a sibling folder whose ``ranks`` links to
    them); ``--merge-rounds R`` merges each trace R times per variant, variants interleaved, and
    reports the run of median wall time (all walls are listed).
@@ -81,7 +81,7 @@ def store_counts(trace_dir: str) -> dict:
 def _merge_module(module_file: str | None):
     """The library's merge module, or (``--compare-with``) another version of it from a file."""
     if not module_file:
-        from tensor_trace.exporters import merge as mg
+        from tensor_trace.exporters.store import merge as mg
 
         return mg
     import importlib.util
@@ -138,7 +138,7 @@ def merge_child(trace_dir: str, out_path: str, module_file: str | None) -> None:
     vm0 = _vm("VmRSS")
     warnings = []
     w0, c0 = time.perf_counter(), time.process_time()
-    report = mg.merge_ranks(trace_dir, warn=warnings.append)
+    report = mg.merge_ranks(trace_dir, warn=warnings.append, analyse=lambda con: pl.compute_verdicts(con))
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
     phases["other (inserts of processes/globals, indexes, commit)"] = wall - sum(phases.values())
     res = dict(wall_s=wall, cpu_s=cpu, rss_after_import_kb=rss0, vmrss_after_import_kb=vm0,
@@ -328,8 +328,8 @@ def placement_table(d: str, pattern: str) -> str:
 def profile_merge(d: str, top: int = 15) -> dict:
     """cProfile of one merge_ranks call; a second profiler takes over inside compute_verdicts, so
     besides the whole merge the rest of it (loading, inserts, indexes) is shown on its own."""
-    from tensor_trace.exporters import merge as mg
     from tensor_trace.exporters import analysis as pl
+    from tensor_trace.exporters import pipeline as mg
 
     rest, verdicts = cProfile.Profile(), cProfile.Profile()
     orig = pl.compute_verdicts
@@ -611,7 +611,7 @@ def main(argv=None) -> int:
             log("verdict check ...")
             res["verdicts"] = {"large ": verdict_check(large)}
             res["placement_layer0"] = placement_table(large, "model.layers.0.*")
-            from tensor_trace.exporters import merge as mg
+            from tensor_trace.exporters import pipeline as mg
 
             for spread in ("realistic", "wide"):
                 d = os.path.join(root, f"verdicts-{spread}")

@@ -62,7 +62,7 @@ import torch.nn as nn
 from common import header, header_line, median as _median, percentile  # bench/ is first on sys.path
 from models import LLAMA_SHAPES, TP, LinearChain, LlamaForCausalLM, count_module_calls, load_example
 from tensor_trace import tracer
-from tensor_trace.exporters.reader import load_rank_file, rank_files
+from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 
 VARIANTS = ("plain", "empty-hooks", "traced-nofp", "traced-fp", "traced-fp-hooks", "profiler")
 

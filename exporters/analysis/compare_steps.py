@@ -14,10 +14,10 @@ import json
 import struct
 from itertools import chain
 
-from tensor_trace import schema
 from tensor_trace.errors import BadInput
 from tensor_trace.exporters.analysis.tolerance import eps
 from tensor_trace.exporters.analysis.verdicts import tp_groups_with_size
+from tensor_trace.format.fingerprints import FP_PAIR
 
 
 class Side:
@@ -65,7 +65,7 @@ class Side:
     def read_step(self, step: int, wanted=None) -> "StepData":
         """Every wanted point of one step on every process of the group."""
         con = self.con
-        size = schema.FP_PAIR.size
+        size = FP_PAIR.size
         plans, cols = [], []
         ranges = dict((p, (f, l)) for p, f, l in con.execute(
             "SELECT proc, span_first, span_last FROM steps WHERE step=?", (step,)))

@@ -51,7 +51,7 @@ def fake_world():
 
 def traced(out, fn, steps=2):
     from tensor_trace import tracer
-    from tensor_trace.exporters.reader import load_rank_file, rank_files
+    from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 
     tracer.start(out_dir=str(out))
     try:

@@ -12,7 +12,7 @@ import torch
 
 from tensor_trace.exporters import query
 from tensor_trace.exporters.analysis import tolerance
-from tensor_trace.exporters.merge import open_store
+from tensor_trace.exporters.pipeline import open_store
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (CUDA-graph capture and replay); the CPU "

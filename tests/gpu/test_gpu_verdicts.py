@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from tensor_trace.exporters.merge import open_store
+from tensor_trace.exporters.pipeline import open_store
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL at TP=2)")
 

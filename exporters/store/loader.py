@@ -1,102 +1,21 @@
-"""merge_ranks: every rank file of a run into one indexed SQLite store (``DIR/merged.sqlite``).
+"""The merge's loader: one rank file streamed into the store, and the ids all files share.
 
-Streaming: each file is read chunk by chunk and inserted in batches; the merge holds only one
-file's intern tables and one batch in memory, whatever the size of the trace. With more than one
-core, worker processes load groups of files at the same time (``merge_workers``) and their rows
-are copied in; the store is the same row for row. The store is built in a temporary file and
-renamed, so a reader never sees half a store, and merging twice gives the same store (files are
-taken in sorted order; nothing depends on the time of the merge or on the number of workers).
-
-After loading, the merge (1) matches collectives across ranks by (group, sequence number) and
-records ranks that skipped one or issued a different one, (2) estimates clock offsets between
-processes from matched blocking collectives (both ``merge_align``), and (3) computes placement
-and reduction verdicts for every capture point (``tensor_trace.exporters.analysis``). The schema is documented in
-``docs/store-schema.md``; ``tensor-trace query sql`` exposes it.
+Streaming: each file is read chunk by chunk and inserted in batches; a loader holds only one
+file's intern tables (``format.records.RecordResolver``) and one batch in memory.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import pickle
-import sqlite3
-import sys
 
-from tensor_trace import schema
-from tensor_trace.errors import BadInput
 import msgpack
 
-from tensor_trace.exporters import merge_workers
-from tensor_trace.exporters.merge_align import align_collectives, check_missing_ranks, estimate_clock_offsets
-from tensor_trace.exporters.reader import ReadReport, iter_chunks, rank_files
+from tensor_trace import progress, schema
+from tensor_trace.errors import BadInput
+from tensor_trace.exporters.store.reader import ReadReport, iter_chunks
+from tensor_trace.format.records import RecordResolver
 
-STORE_NAME = "merged.sqlite"
-STORE_VERSION = 11
 BATCH = 20_000
-
-SCHEMA_SQL = """
-CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT);
-CREATE TABLE processes(
-    proc INTEGER PRIMARY KEY, file TEXT, run_id TEXT, host TEXT, pid INTEGER, rank INTEGER,
-    world_size INTEGER, local_rank INTEGER, tp_rank INTEGER, tp_size INTEGER, tp_ranks TEXT,
-    device TEXT, mono_anchor_ns INTEGER, wall_anchor_ns INTEGER, clock_offset_ns INTEGER,
-    clock_residual_ns INTEGER, clock_matches INTEGER, records INTEGER, corrupt_chunks INTEGER,
-    skipped_bytes INTEGER, truncated INTEGER, end_reason TEXT, identity TEXT);
-CREATE TABLE modules(module_id INTEGER PRIMARY KEY, path TEXT UNIQUE, class TEXT);
-CREATE TABLE layouts(layout_id INTEGER PRIMARY KEY, slots TEXT UNIQUE, signature TEXT);
-CREATE TABLE groups(group_id INTEGER PRIMARY KEY, name TEXT, ranks TEXT, backend TEXT, pg_name TEXT,
-    UNIQUE(pg_name, ranks));
-CREATE TABLE steps(proc INTEGER, step INTEGER, root TEXT, t_begin INTEGER, t_end INTEGER,
-    n_spans INTEGER, n_collectives INTEGER, attrs TEXT, span_first INTEGER, span_last INTEGER,
-    interrupted INTEGER, device_ns INTEGER, PRIMARY KEY(proc, step));
-CREATE TABLE spans(proc INTEGER, step INTEGER, idx INTEGER, parent INTEGER, module_id INTEGER,
-    call INTEGER, t0 INTEGER, dur INTEGER, layout_id INTEGER, fp_pre INTEGER, fp_post INTEGER,
-    n_pre INTEGER, flags INTEGER);
-CREATE TABLE collective_summary(module_id INTEGER, op TEXT, reduce_op TEXT, group_id INTEGER,
-    proc INTEGER, count INTEGER, bytes INTEGER, dur_ns INTEGER, per_step TEXT, first INTEGER,
-    device_ns INTEGER, device_count INTEGER);
-CREATE TABLE collectives(proc INTEGER, step INTEGER, idx INTEGER, parent INTEGER, op TEXT,
-    reduce_op TEXT, group_id INTEGER, seq INTEGER, t0 INTEGER, dur INTEGER, layout_id INTEGER,
-    fp_pre INTEGER, fp_post INTEGER, n_pre INTEGER, flags INTEGER, bytes INTEGER, module_id INTEGER,
-    device_ns INTEGER, attrs TEXT, PRIMARY KEY(proc, step, idx)) WITHOUT ROWID;
-CREATE TABLE fingerprints(proc INTEGER, step INTEGER, first INTEGER, data BLOB, indices BLOB);
-CREATE TABLE params(proc INTEGER, module_id INTEGER, name TEXT, shape TEXT, dtype TEXT, fp_index INTEGER,
-    meta TEXT);
-CREATE TABLE captures(point TEXT PRIMARY KEY, info TEXT);
-CREATE TABLE lineage(proc INTEGER, step INTEGER, node INTEGER, op TEXT, attrs TEXT, inputs TEXT, shape TEXT,
-    PRIMARY KEY(proc, step, node)) WITHOUT ROWID;
-CREATE TABLE slot_sources(proc INTEGER, step INTEGER, span INTEGER, slot INTEGER, ref TEXT,
-    PRIMARY KEY(proc, step, span, slot)) WITHOUT ROWID;
-CREATE TABLE module_attrs(module TEXT PRIMARY KEY, attrs TEXT);
-CREATE TABLE errors(proc INTEGER, t INTEGER, location TEXT, message TEXT);
-CREATE TABLE collective_issues(group_id INTEGER, seq INTEGER, kind TEXT, ranks TEXT, detail TEXT);
-CREATE TABLE points(point TEXT PRIMARY KEY, module TEXT, call INTEGER, slot TEXT, placement TEXT,
-    reduction TEXT, shapes TEXT, dtype TEXT, dtypes TEXT, steps INTEGER, evidence TEXT,
-    collective TEXT, fingerprint TEXT, semantics TEXT, sort_key INTEGER, rule TEXT, evidence_items TEXT,
-    grouping TEXT);
-"""
-
-INDEX_SQL = """
-CREATE INDEX collectives_by_seq ON collectives(group_id, seq);
-CREATE INDEX collectives_by_module ON collectives(module_id, proc, step);
-CREATE INDEX fingerprints_by_step ON fingerprints(step, proc);
-CREATE INDEX points_by_module ON points(module, call);
-CREATE VIEW span_view AS
-    SELECT s.proc, p.rank, s.step, s.idx, s.parent, m.path AS module, m.class, s.call,
-           st.t_begin + s.t0 + COALESCE(p.clock_offset_ns, 0) AS start_ns, s.dur AS dur_ns,
-           l.slots AS tensors, s.flags
-    FROM spans s JOIN modules m USING(module_id) JOIN processes p USING(proc)
-    JOIN steps st ON st.proc = s.proc AND st.step = s.step
-    LEFT JOIN layouts l USING(layout_id);
-CREATE VIEW collective_view AS
-    SELECT c.proc, p.rank, c.step, c.idx, m.path AS module, c.op, c.reduce_op, g.name AS grp,
-           g.ranks AS group_ranks, c.seq, st.t_begin + c.t0 + COALESCE(p.clock_offset_ns, 0) AS start_ns,
-           c.dur AS dur_ns, c.device_ns, c.bytes, l.slots AS tensors, c.flags, c.attrs
-    FROM collectives c JOIN processes p USING(proc) JOIN groups g USING(group_id)
-    JOIN steps st ON st.proc = c.proc AND st.step = c.step
-    LEFT JOIN modules m ON m.module_id = c.module_id
-    LEFT JOIN layouts l ON l.layout_id = c.layout_id;
-"""
 
 
 def _attrs_json(attrs):
@@ -104,47 +23,16 @@ def _attrs_json(attrs):
     return json.dumps(attrs, sort_keys=True) if isinstance(attrs, dict) and attrs else None
 
 
-def store_path(trace_dir: str) -> str:
-    return os.path.join(trace_dir, STORE_NAME)
-
-
-def is_stale(trace_dir: str) -> bool:
-    """True when the store is missing, of another version, or older than a rank file."""
-    path = store_path(trace_dir)
-    if not os.path.exists(path):
-        return True
-    mtime = os.path.getmtime(path)
-    if any(os.path.getmtime(f) > mtime for f in rank_files(trace_dir)):
-        return True
-    try:
-        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        row = con.execute("SELECT value FROM meta WHERE key='store_version'").fetchone()
-        con.close()
-        return row is None or int(row[0]) != STORE_VERSION
-    except sqlite3.Error:
-        return True
-
-
-def open_store(trace_dir: str, warn=None) -> sqlite3.Connection:
-    """Open a trace folder's store, merging first when it is missing or stale."""
-    if not os.path.isdir(trace_dir):
-        raise BadInput(f"{trace_dir}: no such trace folder")
-    if is_stale(trace_dir):
-        merge_ranks(trace_dir, warn=warn)
-    con = sqlite3.connect(f"file:{store_path(trace_dir)}?mode=ro", uri=True)
-    return con
-
-
-class _FileLoader:
+class FileLoader:
     """Streams one rank file into the store."""
 
-    def __init__(self, con, proc, path, globals_):
+    def __init__(self, con, proc, path, shared_ids):
         self.con = con
         self.proc = proc
         self.path = path
-        self.g = globals_
-        self.strings: dict = {}
-        self.metas: dict = {}
+        self.g = shared_ids
+        self.resolver = RecordResolver()
+        self.strings = self.resolver.strings  # the hot loop reads it directly
         self.layouts: dict = {}  # file layout id -> global layout id
         self.groups: dict = {}  # file group id -> global group id
         self.modules: dict = {}  # file string id -> module id
@@ -264,6 +152,22 @@ class _FileLoader:
         old = self.span_ranges.get(step)
         self.span_ranges[step] = (first, last) if old is None else (min(old[0], first), max(old[1], last))
 
+    def _defined(self, rec, kind):
+        """Map a definition the resolver took in to the store's shared ids."""
+        resolver = self.resolver
+        if kind == schema.STRING:
+            self.modules.pop(rec[1], None)
+        elif kind == schema.LAYOUT:
+            slots = [[slot, shape, dtype, device, *([tensor_kind] if tensor_kind else [])]
+                     for slot, (shape, dtype, device, tensor_kind) in resolver.tensors(rec[1])]
+            self.layouts[rec[1]] = self.g.layout(slots)
+        elif kind == schema.MODULE:
+            path = resolver.string(rec[1])
+            self.modules[rec[1]] = self.g.module(path, resolver.modules[path])
+        elif kind == schema.GROUP:
+            group = resolver.groups[rec[1]]
+            self.groups[rec[1]] = self.g.group(group.name, group.ranks, group.backend, group.pg_name)
+
     def _record(self, rec, kind):
         """Any record but a span or a collective (definitions, steps, fingerprints, ...)."""
         proc = self.proc
@@ -284,29 +188,13 @@ class _FileLoader:
                                  json.dumps(rec[6])))
         elif kind == schema.SLOT_SRC:
             self.slot_sources.append((proc, rec[1], rec[2], rec[3], json.dumps(rec[4])))
-        elif kind == schema.STRING:
-            strings[rec[1]] = rec[2]
-            self.modules.pop(rec[1], None)
-        elif kind == schema.META:
-            # [shape, dtype, device], and the tensor's kind (a dict) when it has one
-            entry = [rec[2], strings.get(rec[3], "?"), strings.get(rec[4], "?")]
-            if len(rec) > 5 and rec[5]:
-                entry.append(rec[5])
-            self.metas[rec[1]] = entry
-        elif kind == schema.LAYOUT:
-            slots = [[strings.get(s, "?"), *self.metas.get(m, _NO_META)] for s, m in rec[2]]
-            self.layouts[rec[1]] = self.g.layout(slots)
-        elif kind == schema.MODULE:
-            self.modules[rec[1]] = self.g.module(strings.get(rec[1], "?"), strings.get(rec[2]))
+        elif self.resolver.define(rec):
+            self._defined(rec, kind)
         elif kind == schema.PARAMS:
             mid = self.module_id(rec[1])
-            for entry in rec[2]:
-                name_id, meta_id, ref = entry[:3]
-                shape, dtype, _, *tensor_kind = self.metas.get(meta_id, _NO_META)
-                if len(entry) > 3 and isinstance(entry[3], dict):  # (schema.PARAMS)
-                    tensor_kind = [entry[3]]
-                self.params.append((proc, mid, strings.get(name_id, "?"), json.dumps(shape), dtype, ref,
-                                    json.dumps(tensor_kind[0], sort_keys=True) if tensor_kind else None))
+            for name, (shape, dtype, _device, tensor_kind), fp_index in self.resolver.params(rec):
+                self.params.append((proc, mid, name, json.dumps(shape), dtype, fp_index,
+                                    json.dumps(tensor_kind, sort_keys=True) if tensor_kind is not None else None))
         elif kind == schema.FINGERPRINTS:
             self.fps.append((proc, rec[1], rec[2], rec[3], rec[4]))
         elif kind == schema.MODULE_ATTRS:
@@ -442,9 +330,6 @@ COLLECTIVE_COLUMNS = 19
 _MAX_VARIABLES = 999  # bound parameters per statement: the lowest limit SQLite builds have
 
 
-_NO_META = ([], "?", "?")  # a META record that was lost
-
-
 def _insert_rows(con, insert: str, ncols: int, flat: list, last: bool = True) -> int:
     """``insert`` (``INSERT ... INTO table``) the rows of ``flat``, ``ncols`` values each, one
     after the other, many rows per statement (about two thirds of the cost of executemany's
@@ -481,7 +366,7 @@ def _chunks(path, report):
             report.corrupt_chunks += 1
 
 
-class _Globals:
+class SharedIds:
     """Ids shared by all files of the store: modules, layouts, groups."""
 
     def __init__(self, con):
@@ -533,15 +418,6 @@ FILE_TABLES = ("spans", "collectives", "fingerprints", "steps", "errors", "param
                "collective_summary", "module_attrs", "captures")
 
 
-def open_new_store(path: str) -> sqlite3.Connection:
-    """A new store with the schema and no rows (built in one go: no journal, no syncs)."""
-    con = sqlite3.connect(path)
-    con.execute("PRAGMA journal_mode=OFF")
-    con.execute("PRAGMA synchronous=OFF")
-    con.executescript(SCHEMA_SQL)
-    return con
-
-
 class FileResult:
     """What loading one rank file gave (picklable: a worker sends it back): its header, identity
     and END record, the read report and the spans it left in the store, or ``skipped``, why the
@@ -558,7 +434,7 @@ class FileResult:
 
 def load_file(con, proc: int, path: str, g) -> FileResult:
     """Load one rank file into ``con``; a file that cannot be read leaves no rows."""
-    loader = _FileLoader(con, proc, path, g)
+    loader = FileLoader(con, proc, path, g)
     try:
         loader.load()
     except BadInput as exc:
@@ -567,117 +443,3 @@ def load_file(con, proc: int, path: str, g) -> FileResult:
             con.execute(f"DELETE FROM {table} WHERE proc=?", (proc,))
         return FileResult(proc, path, skipped=str(exc))
     return FileResult(proc, path, loader)
-
-
-def _load_rank_files(con, files, g, tmp, workers, report, warn):
-    """Load every rank file into ``con``; yield their results in file order. The first group of
-    files is loaded here while worker processes load the others (``merge_workers``); closing
-    this generator stops them."""
-    groups = merge_workers.plan(files, workers)
-    if len(groups) == 1:
-        for proc, path in groups[0]:
-            yield load_file(con, proc, path, g)
-        return
-    with merge_workers.Pool(groups[1:], tmp) as pool:
-        for proc, path in groups[0]:
-            yield load_file(con, proc, path, g)
-        report["workers"] = []
-        for group, part, failure in pool.parts():
-            data = None
-            if failure is None:
-                try:
-                    data = merge_workers.read_part(part)
-                except (sqlite3.Error, OSError, TypeError, pickle.UnpicklingError) as exc:
-                    failure = f"its part store is unreadable: {exc}"
-            if data is None:
-                # Nothing of the group is in the store yet: this process loads it instead.
-                msg = f"a merge worker failed ({failure}); loaded its {len(group)} rank file(s) here"
-                warn(msg)
-                report["problems"].append(msg)
-                for proc, path in group:
-                    yield load_file(con, proc, path, g)
-                continue
-            merge_workers.copy_part(con, part, data, g, FILE_TABLES)
-            report["workers"].append(data["stats"])
-            yield from data["results"]
-
-
-def merge_ranks(trace_dir: str, warn=None, workers: int | None = None) -> dict:
-    """Merge every rank file of ``trace_dir`` into ``trace_dir/merged.sqlite``; return a report.
-
-    ``workers``: processes that load rank files besides this one (``merge_workers``); None
-    chooses from the cores and the trace's size (``TENSOR_TRACE_MERGE_WORKERS`` overrides), 0
-    loads every file here. The store is the same either way."""
-    warn = warn or (lambda msg: sys.stderr.write(f"tensor-trace: warning: {msg}\n"))
-    if not os.path.isdir(trace_dir):
-        raise BadInput(f"{trace_dir}: no such trace folder")
-    files = rank_files(trace_dir)
-    if not files:
-        raise BadInput(f"{trace_dir}: no rank files (expected {trace_dir}/ranks/*.ttr from tensor-trace record)")
-    run_id = None
-    run_file = os.path.join(trace_dir, "run.json")
-    if os.path.exists(run_file):
-        try:
-            with open(run_file) as f:
-                run_id = json.load(f).get("run_id")
-        except (OSError, ValueError):
-            warn(f"{run_file} is unreadable; taking the run id from the rank files")
-    final = store_path(trace_dir)
-    tmp = final + ".tmp"
-    for old in [tmp, *merge_workers.part_paths(tmp)]:
-        if os.path.exists(old):
-            os.remove(old)
-    con = open_new_store(tmp)
-    g = _Globals(con)
-    report = dict(files=len(files), processes=0, problems=[])
-    loading = _load_rank_files(con, files, g, tmp, workers, report, warn)
-    try:
-        for res in loading:
-            path = res.path
-            if res.skipped:
-                warn(f"skipping {res.skipped}")
-                report["problems"].append(res.skipped)
-                continue
-            file_run = res.header.get("run_id")
-            if run_id is None:
-                run_id = file_run
-            elif file_run != run_id:
-                raise BadInput(f"{os.path.basename(path)} belongs to run {file_run}, not to this folder's "
-                               f"run {run_id}: move it out, or record again with --replace")
-            ident = res.identity
-            hdr = res.header
-            rep = res.report
-            for p in rep.problems():
-                warn(f"{os.path.basename(path)}: {p}; read what came before")
-                report["problems"].append(f"{os.path.basename(path)}: {p}")
-            con.execute("INSERT INTO processes VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", (
-                res.proc, os.path.relpath(path, trace_dir), file_run, hdr.get("host"), hdr.get("pid"),
-                ident.get("rank"), ident.get("world_size"), ident.get("local_rank"), ident.get("tp_rank"),
-                ident.get("tp_size"), json.dumps(ident.get("tp_ranks")) if ident.get("tp_ranks") else None,
-                ident.get("device"), hdr.get("mono_ns"), hdr.get("wall_ns"), hdr.get("clock_offset_ns", 0),
-                None, 0, rep.records,
-                rep.corrupt_chunks, rep.skipped_bytes, int(rep.truncated_tail),
-                (res.end or {}).get("reason"), json.dumps(ident, sort_keys=True)))
-            report["processes"] += 1
-        if not report["processes"]:
-            raise BadInput(f"{trace_dir}: none of its {len(files)} rank file(s) could be read")
-        g.write()
-        con.executemany("INSERT INTO meta VALUES (?,?)", [
-            ("store_version", str(STORE_VERSION)), ("run_id", run_id or ""),
-            ("format_version", str(schema.FORMAT_VERSION))])
-        con.executescript(INDEX_SQL)
-        check_missing_ranks(con, warn, report)
-        report["collective_issues"] = align_collectives(con)
-        report["clocks"] = estimate_clock_offsets(con)
-        from tensor_trace.exporters.analysis import compute_verdicts
-
-        report["points"] = compute_verdicts(con)
-        con.commit()
-    except BaseException:
-        loading.close()
-        con.close()
-        os.remove(tmp)
-        raise
-    con.close()
-    os.replace(tmp, final)
-    return report

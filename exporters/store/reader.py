@@ -7,7 +7,6 @@ resolves interned ids and fingerprints into plain objects for one file.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import struct
 import zlib
@@ -16,6 +15,8 @@ import msgpack
 
 from tensor_trace import schema
 from tensor_trace.errors import BadInput
+from tensor_trace.format.fingerprints import decode_fingerprints, fingerprint_refs
+from tensor_trace.format.records import RecordResolver, decode
 
 
 @dataclasses.dataclass
@@ -208,27 +209,11 @@ class RankTrace:
         return self.identity.get("rank")
 
 
-def _fp_refs(n: int, n_pre: int, fp_pre: int, fp_post: int) -> list:
-    refs = []
-    for i in range(n):
-        if i < n_pre:
-            refs.append(fp_pre + i if fp_pre >= 0 else -1)
-        else:
-            refs.append(fp_post + i - n_pre if fp_post >= 0 else -1)
-    return refs
-
-
-_NO_META = ([], "?", "?", None)  # a META record that was lost
-
-
 def load_rank_file(path: str) -> RankTrace:
     """Read and resolve a whole rank file (for summaries and tests; the merge streams)."""
     report = ReadReport(path)
-    strings: dict = {}
-    metas: dict = {}
-    layouts: dict = {}
-    modules: dict = {}
-    groups: dict = {}
+    resolver = RecordResolver()
+    strings = resolver.strings
     steps: dict = {}
     errors: list = []
     header: dict = {}
@@ -238,74 +223,65 @@ def load_rank_file(path: str) -> RankTrace:
     device_ns: dict = {}  # (step, collective index) -> device time
 
     def tensors_of(layout_id):
-        out = []
-        for slot_id, meta_id in layouts.get(layout_id, ()):
-            shape, dtype, device, kind = metas.get(meta_id, _NO_META)
-            out.append(TensorInfo(strings.get(slot_id, "?"), shape, dtype, device, meta=kind))
-        return out
+        return [TensorInfo(slot, meta.shape, meta.dtype, meta.device, meta=meta.kind)
+                for slot, meta in resolver.tensors(layout_id)]
+
+    def step_of(step):
+        st = steps.get(step)
+        if st is None:
+            st = steps[step] = Step(step)
+        return st
 
     for rec in iter_records(path, report):
         kind = rec[0]
         try:
+            # Spans and collectives are nearly every record: unpacked in their fields' order
+            # (format.records.SpanRecord / CollectiveRecord) rather than decoded into tuples.
             if kind == schema.SPAN:
-                _, step, index, parent, path_id, call, t0, dur, lay, fp_pre, fp_post, n_pre, flags = rec[:13]
-                tensors = tensors_of(lay)
-                p = strings.get(path_id, "?")
-                st = steps.setdefault(step, Step(step))
-                st.spans.append(Span(step, index, parent, p, modules.get(p, "?"), call, t0, dur, tensors,
-                                     flags, _fp_refs(len(tensors), n_pre, fp_pre, fp_post)))
+                _, step, index, parent, path_id, call, t0, dur, layout, fp_pre, fp_post, n_pre, flags = rec[:13]
+                tensors = tensors_of(layout)
+                module = strings.get(path_id, "?")
+                cls = resolver.modules.get(module, "?")
+                step_of(step).spans.append(Span(step, index, parent, module, "?" if cls is None else cls, call, t0,
+                                                dur, tensors, flags, fingerprint_refs(len(tensors), n_pre, fp_pre,
+                                                                                      fp_post)))
             elif kind == schema.COLLECTIVE:
-                (_, step, index, parent, op, redop, gid, seq, t0, dur, lay, fp_pre, fp_post, n_pre,
+                (_, step, index, parent, op, reduce_op, group, seq, t0, dur, layout, fp_pre, fp_post, n_pre,
                  flags, nbytes) = rec[:16]
-                tensors = tensors_of(lay)
-                st = steps.setdefault(step, Step(step))
                 attrs = rec[16] if len(rec) > 16 and isinstance(rec[16], dict) else None
-                st.collectives.append(Collective(step, index, parent, strings.get(op, "?"),
-                                                 strings.get(redop) if redop >= 0 else None, gid, seq,
-                                                 t0, dur, tensors, flags, nbytes,
-                                                 _fp_refs(len(tensors), n_pre, fp_pre, fp_post),
-                                                 attrs=attrs))
-            elif kind == schema.STRING:
-                strings[rec[1]] = rec[2]
-            elif kind == schema.META:
-                metas[rec[1]] = (rec[2], strings.get(rec[3], "?"), strings.get(rec[4], "?"),
-                                 rec[5] if len(rec) > 5 else None)
-            elif kind == schema.LAYOUT:
-                layouts[rec[1]] = rec[2]
+                tensors = tensors_of(layout)
+                step_of(step).collectives.append(Collective(
+                    step, index, parent, strings.get(op, "?"), strings.get(reduce_op) if reduce_op >= 0 else None,
+                    group, seq, t0, dur, tensors, flags, nbytes,
+                    fingerprint_refs(len(tensors), n_pre, fp_pre, fp_post), attrs=attrs))
+            elif resolver.define(rec):
+                pass
             elif kind == schema.COLL_DEVICE:
-                device_ns[(rec[1], rec[2])] = int(rec[3])
-            elif kind == schema.MODULE:
-                modules[strings.get(rec[1], "?")] = strings.get(rec[2], "?")
+                dev = decode(rec)
+                device_ns[(dev.step, dev.index)] = int(dev.device_ns)
             elif kind == schema.STEP_BEGIN:
-                st = steps.setdefault(rec[1], Step(rec[1]))
-                st.root, st.t_begin, st.attrs = strings.get(rec[2], ""), rec[3], rec[4] or {}
+                begin = decode(rec)
+                st = step_of(begin.step)
+                st.root, st.t_begin, st.attrs = strings.get(begin.root, ""), begin.mono_ns, begin.attrs or {}
             elif kind == schema.STEP_END:
-                steps.setdefault(rec[1], Step(rec[1])).t_end = rec[2]
+                step_of(rec[1]).t_end = decode(rec).mono_ns
             elif kind == schema.FINGERPRINTS:
-                _, step, first, data, indices = rec[:5]
-                st = steps.setdefault(step, Step(step))
-                for i, s, q in schema.fingerprint_pairs(first, data, indices):
-                    st.fingerprints[i] = (s, None if math.isnan(q) else q)
+                fps = decode(rec)
+                decode_fingerprints(fps.first, fps.data, fps.indices, step_of(fps.step).fingerprints)
             elif kind == schema.PARAMS:
                 plist = params.setdefault(strings.get(rec[1], "?"), [])
-                for entry in rec[2]:
-                    name_id, meta_id, ref = entry[:3]
-                    shape, dtype, device, kind = metas.get(meta_id, _NO_META)
-                    if len(entry) > 3 and isinstance(entry[3], dict):  # (schema.PARAMS)
-                        kind = entry[3]
-                    plist.append((TensorInfo(strings.get(name_id, "?"), shape, dtype, device, meta=kind), ref))
-            elif kind == schema.GROUP:
-                groups[rec[1]] = dict(name=rec[2], ranks=rec[3], backend=rec[4],
-                                      pg_name=rec[5] if len(rec) > 5 else "")
+                for name, meta, fp_index in resolver.params(rec):
+                    plist.append((TensorInfo(name, meta.shape, meta.dtype, meta.device, meta=meta.kind), fp_index))
             elif kind == schema.IDENTITY:
                 identity = dict(rec[1])
             elif kind == schema.HEADER:
                 header = dict(rec[1])
             elif kind == schema.ERROR:
-                errors.append(dict(t=rec[1], where=rec[2], message=rec[3]))
+                err = decode(rec)
+                errors.append(dict(t=err.mono_ns, where=err.where, message=err.message))
             elif kind == schema.END:
                 end = dict(rec[1])
-        except (ValueError, TypeError, IndexError, KeyError, struct.error):
+        except (ValueError, TypeError, IndexError, KeyError, AttributeError, struct.error):
             report.bad_records += 1
     if not header:
         raise BadInput(f"{path}: no header record (the file was damaged at its start)")
@@ -324,6 +300,9 @@ def load_rank_file(path: str) -> RankTrace:
             for t, ref in zip(item.tensors, item.fp_refs):
                 if ref >= 0:
                     t.fp = st.fingerprints.get(ref)
+    groups = {gid: dict(name=g.name, ranks=g.ranks, backend=g.backend, pg_name=g.pg_name)
+              for gid, g in resolver.groups.items()}
+    modules = {p: "?" if cls is None else cls for p, cls in resolver.modules.items()}
     return RankTrace(path, header, identity, steps, modules, groups, errors, end, report, params)
 
 

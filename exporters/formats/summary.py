@@ -6,7 +6,7 @@ import collections
 import os
 
 from tensor_trace.errors import BadInput
-from tensor_trace.exporters.reader import load_rank_file, rank_files
+from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 
 
 def summarize(trace_dir: str) -> dict:

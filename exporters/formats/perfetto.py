@@ -13,9 +13,10 @@ import gzip
 import json
 import os
 
-from tensor_trace import schema
-from tensor_trace.exporters.base import ExportResult, SpanExporter
-from tensor_trace.exporters.merge import open_store
+from tensor_trace import progress, schema
+from tensor_trace.exporters.formats.base import ExportResult, SpanExporter
+from tensor_trace.exporters.pipeline import open_store
+from tensor_trace.format.points import OUTPUTS_SQL
 
 TID_STEPS, TID_MODULES, TID_COLLECTIVES = 0, 1, 2
 _dumps = json.JSONEncoder(separators=(",", ":"), default=str).encode
@@ -109,7 +110,7 @@ def timeline_events(con):
 
     verdicts = {}
     for module, call, slot, placement, reduction in con.execute(
-            "SELECT module, call, slot, placement, reduction FROM points WHERE slot LIKE 'output%' ORDER BY sort_key"):
+            f"SELECT module, call, slot, placement, reduction FROM points WHERE {OUTPUTS_SQL} ORDER BY sort_key"):
         verdicts.setdefault((module, call), (placement, reduction))
     for proc, step, idx, mid, call, t0, dur, lid, flags in con.execute(
             "SELECT proc, step, idx, module_id, call, t0, dur, layout_id, flags FROM spans "
@@ -161,15 +162,18 @@ def export_perfetto(trace_dir: str, out: str | None = None, batch: int = 4096) -
     out = out or os.path.join(trace_dir, "trace.perfetto.json.gz")
     exporter = PerfettoExporter(out)
     pending = []
+    bar = progress.Task.open("export perfetto: events")
     try:
         for event in timeline_events(con):
             pending.append(event)
             if len(pending) >= batch:
                 exporter.export(pending)
+                bar.advance(len(pending))
                 pending = []
         if pending:
             exporter.export(pending)
     finally:
+        bar.close()
         exporter.shutdown()
         con.close()
     return dict(path=out, events=exporter.events, bytes=os.path.getsize(out))

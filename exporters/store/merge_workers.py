@@ -29,6 +29,8 @@ import threading
 import time
 
 from tensor_trace import schema
+from tensor_trace.exporters.store.loader import SharedIds, load_file
+from tensor_trace.exporters.store.tables import open_new_store
 
 ENV_WORKERS = "TENSOR_TRACE_MERGE_WORKERS"  # worker processes besides the merging one; 0 = none
 PARALLEL_MIN_BYTES = 8 << 20  # below this (about 150,000 span records) starting a worker does not pay
@@ -36,7 +38,7 @@ MAX_WORKERS = 3  # the copying of parts is serial: more workers help less and ho
 PARENT_SHARE = 0.9  # of an equal share: the merging process also copies the parts afterwards
 
 # Columns holding ids that each process gives out on its own, by name wherever they occur, and
-# the _Globals table each maps through.
+# the SharedIds table each maps through.
 ID_COLUMNS = {"module_id": "modules", "layout_id": "layouts", "group_id": "groups"}
 SPAN_ROWID_COLUMNS = ("span_first", "span_last")  # steps: rowids of the step's spans
 REPLACED_TABLES = ("module_attrs", "captures")  # keyed by name: a later file's row wins
@@ -45,7 +47,7 @@ REPLACED_TABLES = ("module_attrs", "captures")  # keyed by name: a later file's 
 # same tensor_trace, wherever it came from.
 _BOOT = ("import json, sys; spec = json.loads(sys.argv[1]); "
          "sys.path[:0] = [p for p in spec['path'] if p not in sys.path]; "
-         "from tensor_trace.exporters.merge_workers import worker_main; worker_main(spec)")
+         "from tensor_trace.exporters.store.merge_workers import worker_main; worker_main(spec)")
 
 
 def _usable_cpus() -> int:
@@ -258,14 +260,12 @@ def _status_kb(key: str) -> int | None:
 def worker_main(spec: dict) -> None:
     """A worker: load ``spec['files']`` into the part store ``spec['part']``, then save the
     per-file results and the ids given out, for ``copy_part``."""
-    from tensor_trace.exporters import merge as mg
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the merging process, which stops us
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     c0, rss0 = time.process_time(), _status_kb("VmRSS")
-    con = mg.open_new_store(spec["part"])
-    g = mg._Globals(con)
-    results = [mg.load_file(con, proc, path, g) for proc, path in spec["files"]]
+    con = open_new_store(spec["part"])
+    g = SharedIds(con)
+    results = [load_file(con, proc, path, g) for proc, path in spec["files"]]
     data = dict(results=results,
                 modules=[(path, cls) for path, (_mid, cls) in sorted(g.modules.items(), key=lambda e: e[1][0])],
                 layouts=[key for key, _lid in sorted(g.layouts.items(), key=lambda e: e[1])],

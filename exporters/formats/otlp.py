@@ -4,37 +4,40 @@ Spans go through opentelemetry-sdk's own OTLP exporters (gRPC or HTTP/protobuf),
 ``OTEL_EXPORTER_OTLP_*`` variables (headers, timeout, compression, certificates) apply as they
 do to any OpenTelemetry program; ``--endpoint`` gives the endpoint.
 
-Mapping: a resource per rank (``service.name`` tensor-trace, ``host.name``, ``process.pid``,
-``tensor_trace.rank``, ``tensor_trace.tp_rank``, ``tensor_trace.world_size``,
+Mapping (``tensor_trace.format.otlp_spans``, shared with live streaming, so a span has the same
+ids and attributes both ways): a resource per rank (``service.name`` tensor-trace, ``host.name``,
+``process.pid``, ``tensor_trace.rank``, ``tensor_trace.tp_rank``, ``tensor_trace.world_size``,
 ``tensor_trace.run_id``); one trace per step, its trace id derived from the run id and the step,
 so every rank's spans of a step land in one trace; a span per module call (its parent the
-enclosing call) and per collective (its parent the module that issued it). Times are wall-clock
-ns: the merge's aligned clock shifted by the reference process's wall-clock anchor.
+enclosing call) and per collective (its parent the module that issued it). The export adds what
+only the merged store knows: a module output's placement and reduction, a collective's issuing
+module and device time. Times are wall-clock ns: the merge's aligned clock shifted by the
+reference process's wall-clock anchor.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 
-from tensor_trace import schema
+from tensor_trace import progress
 from tensor_trace.errors import BadInput
-from tensor_trace.exporters.base import ExportResult, SpanExporter
-from tensor_trace.exporters.merge import open_store
+from tensor_trace.exporters.analysis import inferred_tp_ranks
+from tensor_trace.exporters.formats.base import ExportResult, SpanExporter
+from tensor_trace.exporters.pipeline import open_store
+from tensor_trace.format import otlp_spans
+from tensor_trace.format.otlp_spans import COLLECTIVE_SPAN, MODULE_SPAN
+from tensor_trace.format.points import OUTPUTS_SQL
 
 
+def _package_version() -> str:
+    # From the installed distribution: importing the tensor_trace package here would make an
+    # import cycle with its lazy API (tensor_trace -> api -> this module).
+    from importlib import metadata
 
-def _id(nbytes: int, *parts) -> int:
-    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:nbytes], "big") or 1
-
-
-def trace_id(run_id: str, step: int) -> int:
-    return _id(16, "trace", run_id, step)
-
-
-def span_id(run_id: str, proc: int, step: int, kind: str, idx: int) -> int:
-    return _id(8, "span", run_id, proc, step, kind, idx)
+    try:
+        return metadata.version("tensor-trace")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class OTLPExporter(SpanExporter):
@@ -77,9 +80,7 @@ def readable_spans(con):
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
     from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 
-    import tensor_trace
-
-    scope = InstrumentationScope("tensor-trace", tensor_trace.__version__)
+    scope = InstrumentationScope("tensor-trace", _package_version())
     run_id = (con.execute("SELECT value FROM meta WHERE key='run_id'").fetchone() or [""])[0]
     procs = con.execute("SELECT proc, rank, tp_rank, world_size, host, pid, COALESCE(clock_offset_ns, 0), "
                         "mono_anchor_ns, wall_anchor_ns FROM processes ORDER BY rank IS NULL, rank, proc").fetchall()
@@ -87,8 +88,6 @@ def readable_spans(con):
         return
     ref = procs[0]
     to_wall = (ref[8] or 0) - (ref[7] or 0)  # aligned monotonic -> wall clock
-    from tensor_trace.exporters.analysis import inferred_tp_ranks
-
     tp_of = inferred_tp_ranks(con)
     modules = dict(con.execute("SELECT module_id, path FROM modules"))
     classes = dict(con.execute("SELECT path, class FROM modules"))
@@ -96,80 +95,58 @@ def readable_spans(con):
     layouts: dict = {}
 
     def tensors(lid):
+        """[(slot, shape, dtype), ...] of a layout."""
         hit = layouts.get(lid)
         if hit is None:
             row = con.execute("SELECT slots FROM layouts WHERE layout_id=?", (lid,)).fetchone()
-            hit = json.loads(row[0]) if row else []
+            hit = [(slot, shape, dtype) for slot, shape, dtype, *_ in json.loads(row[0])] if row else []
             layouts[lid] = hit
         return hit
 
     verdicts = {}
     for module, call, placement, reduction in con.execute(
-            "SELECT module, call, placement, reduction FROM points WHERE slot LIKE 'output%' ORDER BY sort_key"):
+            f"SELECT module, call, placement, reduction FROM points WHERE {OUTPUTS_SQL} ORDER BY sort_key"):
         verdicts.setdefault((module, call), (placement, reduction))
     flags = TraceFlags(TraceFlags.SAMPLED)
     for proc, rank, tp_rank, world, host, pid, offset, _, _ in procs:
-        attrs = {"service.name": "tensor-trace", "host.name": host or "", "process.pid": pid or 0,
-                 "tensor_trace.run_id": run_id}
-        for key, value in (("tensor_trace.rank", rank), ("tensor_trace.tp_rank", tp_of.get(proc, tp_rank)),
-                           ("tensor_trace.world_size", world)):
-            if value is not None:
-                attrs[key] = value
-        resource = Resource.create(attrs)
+        resource = Resource.create(otlp_spans.resource_attributes(run_id, host, pid, rank, tp_of.get(proc, tp_rank),
+                                                                  world))
+
+        def context(step, kind, idx):
+            return SpanContext(otlp_spans.trace_id(run_id, step),
+                               otlp_spans.span_id(run_id, host, pid, step, kind, idx), False, flags)
+
         for step, first, last, t_begin, step_attrs in con.execute(
                 "SELECT step, span_first, span_last, t_begin, attrs FROM steps WHERE proc=? AND t_begin IS NOT NULL "
                 "AND span_first IS NOT NULL ORDER BY step", (proc,)).fetchall():
             base = t_begin + offset + to_wall
-            tid = trace_id(run_id, step)
-            sattrs = {f"step.{k}": v for k, v in json.loads(step_attrs or "{}").items()
-                      if isinstance(v, (str, int, float, bool))}
+            sattrs = otlp_spans.step_attributes(step, json.loads(step_attrs or "{}"))
             rows = con.execute("SELECT idx, parent, module_id, call, t0, dur, layout_id, flags FROM spans "
                                "WHERE rowid BETWEEN ? AND ? AND step=?", (first, last, step)).fetchall()
             for idx, parent, mid, call, t0, dur, lid, fl in rows:
                 path = modules.get(mid, "?")
-                ctx = SpanContext(tid, span_id(run_id, proc, step, "m", idx), False, flags)
-                pctx = (SpanContext(tid, span_id(run_id, proc, step, "m", parent), False, flags)
-                        if parent >= 0 else None)
-                a = {"module.path": path, "module.class": classes.get(path) or "", "module.call": call,
-                     "step": step, **sattrs}
-                if fl & REPLAYED:  # a CUDA-graph replay's span: the capture's times, the replay's values
-                    a["tensor_trace.replayed"] = True
-                slots = tensors(lid)
-                outs = [s for s in slots if s[0].startswith("output")] or slots
-                if outs:
-                    a["tensor.shape"] = [json.dumps(s[1]) for s in outs]
-                    a["tensor.dtype"] = [s[2] for s in outs]
-                    a["tensor.slot"] = [s[0] for s in outs]
+                name, a = otlp_spans.module_span(path, classes.get(path), call, fl, tensors(lid), sattrs)
                 v = verdicts.get((path, call))
                 if v is not None:
                     a["tensor.placement"], a["tensor.reduction"] = v
-                if fl & 1:
-                    a["cuda_graph.captured"] = True
-                yield ReadableSpan(name=path or "<root>", context=ctx, parent=pctx, resource=resource,
-                                   attributes=a, kind=SpanKind.INTERNAL, start_time=base + t0,
+                yield ReadableSpan(name=name, context=context(step, MODULE_SPAN, idx),
+                                   parent=context(step, MODULE_SPAN, parent) if parent >= 0 else None,
+                                   resource=resource, attributes=a, kind=SpanKind.INTERNAL, start_time=base + t0,
                                    end_time=base + t0 + dur, instrumentation_scope=scope)
             for idx, parent, op, redop, gid, seq, t0, dur, lid, nbytes, mid, dev in con.execute(
                     "SELECT idx, parent, op, reduce_op, group_id, seq, t0, dur, layout_id, bytes, module_id, "
                     "device_ns FROM collectives WHERE proc=? AND step=? ORDER BY idx", (proc, step)).fetchall():
                 gname, granks = groups.get(gid, ("?", []))
-                ctx = SpanContext(tid, span_id(run_id, proc, step, "c", idx), False, flags)
-                pctx = (SpanContext(tid, span_id(run_id, proc, step, "m", parent), False, flags)
-                        if parent >= 0 else None)
-                slots = tensors(lid)
-                a = {"collective.op": op, "collective.group.name": gname, "collective.group.ranks": granks,
-                     "collective.seq": seq, "collective.bytes": nbytes or 0, "step": step,
-                     "module.path": modules.get(mid) or "",
-                     "tensor.shape": [json.dumps(s[1]) for s in slots], "tensor.dtype": [s[2] for s in slots]}
-                if redop:
-                    a["collective.reduce_op"] = redop
+                name, a = otlp_spans.collective_span(op, redop, gname, granks, seq, nbytes, tensors(lid), sattrs)
+                a["module.path"] = modules.get(mid) or ""
                 if dev is not None:
                     a["collective.device_time_ns"] = dev
-                yield ReadableSpan(name=op, context=ctx, parent=pctx, resource=resource, attributes=a,
-                                   kind=SpanKind.INTERNAL, start_time=base + t0, end_time=base + t0 + dur,
-                                   instrumentation_scope=scope)
+                yield ReadableSpan(name=name, context=context(step, COLLECTIVE_SPAN, idx),
+                                   parent=context(step, MODULE_SPAN, parent) if parent >= 0 else None,
+                                   resource=resource, attributes=a, kind=SpanKind.INTERNAL, start_time=base + t0,
+                                   end_time=base + t0 + dur, instrumentation_scope=scope)
 
 
-REPLAYED = schema.FLAG_REPLAYED
 
 
 def export_otlp(trace_dir: str, endpoint: str, protocol: str = "grpc", batch: int = 512,
@@ -184,6 +161,7 @@ def _export_otlp(trace_dir, endpoint, protocol, batch, timeout_s) -> dict:
     con = open_store(trace_dir)
     pending: list = []
     sent = 0
+    bar = progress.Task.open("export otlp: spans")
     try:
         for span in readable_spans(con):
             pending.append(span)
@@ -192,6 +170,7 @@ def _export_otlp(trace_dir, endpoint, protocol, batch, timeout_s) -> dict:
                     raise BadInput(f"OTLP endpoint {exporter.endpoint} ({protocol}) did not accept the spans "
                                    f"(down, refusing, or no answer within the timeout); {sent} spans sent")
                 sent += len(pending)
+                bar.advance(len(pending))
                 pending = []
         if pending:
             if exporter.export(pending) is not ExportResult.SUCCESS:
@@ -199,6 +178,7 @@ def _export_otlp(trace_dir, endpoint, protocol, batch, timeout_s) -> dict:
                                f"(down, refusing, or no answer within the timeout); {sent} spans sent")
             sent += len(pending)
     finally:
+        bar.close()
         try:
             exporter.shutdown()
         except Exception:
