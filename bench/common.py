@@ -1,5 +1,5 @@
 """Timing and reporting helpers the benchmarks share: the header of a run (date, host, commit,
-command), percentiles, step-paired rounds, and where raw output goes.
+command), percentiles, step-paired rounds.
 
 No torch here: merge_bench.py and compare_bench.py keep their own process small, because a merge
 child's peak-RSS figure starts from its parent's RSS at the fork (models.py holds the models)."""
@@ -19,7 +19,6 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")  # raw output of the benchmarks; git-ignored
 
 
 # ---------------------------------------------------------------------------- header
