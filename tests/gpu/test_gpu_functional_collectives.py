@@ -68,7 +68,10 @@ def traced(out, fn, steps=2):
 def test_waited_all_reduces_have_values_and_the_unwaited_one_none(tmp_path, fake_world):
     x = torch.randn(64, 48, device="cuda")
     net = Net()
-    rt = traced(tmp_path / "net", lambda: net(x))
+    results = []
+    rt = traced(tmp_path / "net", lambda: results.append(net(x)))
+    for _uses, unwaited in results:  # c10d's registry is per process: leave nothing pending to later tests
+        unwaited.wait()
     step = rt.steps[1]
     spans = {s.index: s for s in step.spans}
     cs = step.collectives
