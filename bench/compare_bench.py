@@ -27,7 +27,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from merge_bench import header  # noqa: E402  (date, host, cpu, git commit, command)
+from common import header  # noqa: E402  (date, host, cpu, git commit, command)
 
 TARGET_S = 30.0
 BIN = os.path.dirname(sys.executable)

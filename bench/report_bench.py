@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from compare_bench import timed_child  # noqa: E402  (wall, CPU, peak RSS of a child)
-from merge_bench import header  # noqa: E402  (date, host, cpu, git commit, command)
+from common import header  # noqa: E402  (date, host, cpu, git commit, command)
 
 TARGET_S = 20.0
 TARGET_BYTES = 5 * 1024 * 1024
