@@ -27,7 +27,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from merge_bench import header  # noqa: E402  (date, host, cpu, git commit, command)
+from common import header  # noqa: E402  (date, host, cpu, git commit, command)
 
 TARGET_S = 30.0
 BIN = os.path.dirname(sys.executable)
@@ -79,14 +79,18 @@ def main(argv=None) -> int:
             shutil.rmtree(b)
         shutil.copytree(a, b)
         info["generate_s"] = round(time.perf_counter() - t, 1)
+        from tensor_trace.exporters.store.merge import is_stale
+
         for d in (a, b):
-            store = os.path.join(d, "merged.sqlite")
-            if args.reuse and os.path.exists(store) and os.path.getmtime(store) > max(
-                    os.path.getmtime(os.path.join(d, "ranks", f)) for f in os.listdir(os.path.join(d, "ranks"))):
+            # A store of another STORE_VERSION is stale too: compare would merge it again itself,
+            # and its CPU time would include that merge (worker processes' time included).
+            if args.reuse and not is_stale(d):
                 info.setdefault("merge_s", []).append("reused")
                 continue
             wall, _, _, _, _ = timed_child([TT, "merge", d], env)
             info.setdefault("merge_s", []).append(round(wall, 1))
+        if any(is_stale(d) for d in (a, b)):
+            raise SystemExit("a store is stale after merging: compare would merge it again")
         import sqlite3
 
         con = sqlite3.connect(os.path.join(a, "merged.sqlite"))

@@ -28,7 +28,6 @@ fingerprints changed when its input ids changed.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import math
@@ -42,24 +41,16 @@ import time
 import torch
 
 from tensor_trace import tracer
-from tensor_trace.exporters.reader import load_rank_file, rank_files
+from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 
-import overhead as ov  # bench/ is this script's folder, first on sys.path
+import models  # bench/ is this script's folder, first on sys.path
+from common import header as run_header, header_line, percentile
 
 from tensor_trace.tracer import fingerprint as fp_mod
 from tensor_trace.tracer import multi_tensor
 
 VARIANTS = ("replay", "traced-replay", "traced-replay-stacked", "eager", "traced-eager",
             "traced-eager-stacked")
-
-
-def _pct(vals, q):
-    vals = sorted(vals)
-    if not vals:
-        return float("nan")
-    k = (len(vals) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
 
 
 def capture(model, static_ids):
@@ -160,13 +151,12 @@ def main(argv=None) -> int:
         print("no CUDA device: this benchmark needs a GPU")
         return 2
     dev = torch.device("cuda")
-    shape = dict(ov.LLAMA_SHAPES[args.llama_shape], kv_len=args.kv_len)
+    shape = dict(models.LLAMA_SHAPES[args.llama_shape], kv_len=args.kv_len)
     torch.manual_seed(args.seed)
-    model = ov.LlamaForCausalLM(shape, dev, torch.bfloat16).eval()
-    header = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  device=torch.cuda.get_device_name(), torch=torch.__version__, argv=sys.argv,
+    model = models.LlamaForCausalLM(shape, dev, torch.bfloat16).eval()
+    header = dict(run_header(sys.argv), device=torch.cuda.get_device_name(), torch=torch.__version__,
                   shape=shape, rounds=args.rounds, warmup=args.warmup, steps=args.steps)
-    print(f"# CUDA-graph replay benchmark | {header['date']} | {header['device']} | torch {header['torch']}")
+    print(header_line("cuda_graph_replay", header, header["device"]))
     results = []
     tmp = tempfile.mkdtemp(prefix="tt-graph-")
     block = 0
@@ -179,7 +169,7 @@ def main(argv=None) -> int:
             with torch.inference_mode():
                 for _ in range(3):
                     model(static_ids)
-                calls = ov.count_module_calls(lambda: model(static_ids))
+                calls = models.count_module_calls(lambda: model(static_ids))
                 mem_plain, plain_graph, _ = capture_memory(model, static_ids)
                 tr = tracer.start(out_dir=os.path.join(tmp, f"mem-{batch}"), fingerprint=True)
                 try:
@@ -202,7 +192,7 @@ def main(argv=None) -> int:
                                                           args.warmup, args.steps, block)
                         if r >= 0:
                             acc[v]["times"] += times
-                            acc[v]["round_medians"].append(_pct(times, 50))
+                            acc[v]["round_medians"].append(percentile(times, 50))
                             if v == "traced-replay" and not change:
                                 change = fingerprint_change(out_dir)
                                 change["tracer_errors"] = stats.get("errors")
@@ -211,14 +201,14 @@ def main(argv=None) -> int:
                     if r >= 0:
                         print(f"  [b{batch}] round {r + 1}/{args.rounds}: " + "  ".join(
                             f"{v}={acc[v]['round_medians'][-1] / 1e6:.3f}" for v in VARIANTS), flush=True)
-            med = {v: _pct(acc[v]["times"], 50) for v in VARIANTS}
+            med = {v: percentile(acc[v]["times"], 50) for v in VARIANTS}
             res = dict(batch=batch, module_calls_per_step=calls, graph_fingerprints=n_fp,
                        capture_peak_bytes=dict(plain=mem_plain, traced=mem_traced, extra=mem_traced - mem_plain),
                        static_buffer_bytes=static_bytes, fingerprint_change=change, variants={})
             for v in VARIANTS:
                 t = acc[v]["times"]
                 res["variants"][v] = dict(
-                    median_ms=med[v] / 1e6, p10_ms=_pct(t, 10) / 1e6, p90_ms=_pct(t, 90) / 1e6,
+                    median_ms=med[v] / 1e6, p10_ms=percentile(t, 10) / 1e6, p90_ms=percentile(t, 90) / 1e6,
                     round_median_min_ms=min(acc[v]["round_medians"]) / 1e6,
                     round_median_max_ms=max(acc[v]["round_medians"]) / 1e6,
                     vs_replay=med[v] / med["replay"], vs_eager=med[v] / med.get("eager", float("nan")),

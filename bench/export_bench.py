@@ -6,7 +6,6 @@ exporter, plain and gzip, timed in this process.
 
 import argparse
 import os
-import platform
 import resource
 import shutil
 import sys
@@ -16,9 +15,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import synth  # noqa: E402
+from common import header, header_line  # noqa: E402
 
-from tensor_trace.exporters.merge import merge_ranks  # noqa: E402
-from tensor_trace.exporters.perfetto import export_perfetto  # noqa: E402
+from tensor_trace.exporters.pipeline import merge_ranks  # noqa: E402
+from tensor_trace.exporters.formats.perfetto import export_perfetto  # noqa: E402
 
 
 def main():
@@ -29,8 +29,7 @@ def main():
     a = ap.parse_args()
     work = a.dir or tempfile.mkdtemp(prefix="tt-export-bench-")
     steps = a.steps or synth.steps_for(2_000_000, 8)
-    print(f"# export_bench {time.strftime('%Y-%m-%dT%H:%M:%S')} {platform.node()} python {platform.python_version()} "
-          f"load {os.getloadavg()[0]:.2f}")
+    print(header_line("export_bench", header(sys.argv)))
     trace = os.path.join(work, "t")
     info = synth.generate(trace, steps, 8, 0, "realistic", log=lambda m: None)
     t = time.perf_counter()
@@ -50,7 +49,7 @@ def main():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                     "tests", "integration"))
     from otlp_receiver import GrpcReceiver, HttpReceiver
-    from tensor_trace.exporters.otlp import export_otlp
+    from tensor_trace.exporters.formats.otlp import export_otlp
 
     small = os.path.join(work, "small")
     info = synth.generate(small, a.otlp_steps, 8, 0, "realistic", log=lambda m: None)

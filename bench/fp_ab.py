@@ -2,8 +2,9 @@
 speed drifts (the lent H200's host: the same step measured 15 to 38 ms within a minute).
 
     python bench/fp_ab.py [--batch 8 64] [--rounds 300] [--python-only]     # needs a GPU
+    OMP_NUM_THREADS=1 python bench/fp_ab.py --cpu-model [--rounds 1000]     # on a CPU
 
-One tracer runs the Llama-8B-shaped decode step of bench/overhead.py. Each round runs one step of
+One tracer runs the Llama-8B-shaped decode step of bench/models.py. Each round runs one step of
 each variant, in shuffled order, device synchronised after each:
 
 - ``plain``   torch's own ``Module.__call__`` put back for that step: nothing of the tracer runs;
@@ -20,20 +21,29 @@ Switching is a per-step attribute change (the tracer's ``fps`` object, its ``fin
 flag, the layout key function), so consecutive steps differ only in the variant. Reports the
 median step time of each, its ratio to plain (of medians, and the median of per-round ratios),
 and the median and interquartile range of the per-round difference to fp-py (fp without
-native)."""
+native), and the paired per-step differences nofp - plain, fp - nofp (and of the -py paths).
+
+``--cpu-model``: the host cost of the GPU path measured on a CPU. The Llama structure of
+bench/call_patterns.py (389 module calls per step, modules that do no work) traced with
+fingerprint_mode="deferred" (the GPU's path) and tracer/native.py forced on, the fingerprint
+kernel launches stubbed out (so no value check). What it leaves out, measured only on a GPU: the
+launch itself, the copies, and reading the held tensors again at the step's end after the rest
+of the step has evicted them from the CPU's caches."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 
-import overhead as ov  # bench/ is this script's folder, first on sys.path
-from _paired import shuffled_rounds
+import call_patterns  # bench/ is this script's folder, first on sys.path
+import models
+from common import header, header_line, paired_median, paired_ratio, shuffled_rounds
 from tensor_trace import tracer
 from tensor_trace.tracer.fingerprint import StepFingerprints
 
@@ -86,6 +96,7 @@ def check_same_values(tr, fps, run, sync, names) -> tuple:
     import math
 
     from tensor_trace import schema
+    from tensor_trace.format.fingerprints import fingerprint_pairs
 
     got, metas = {}, {}
     add = tr.writer.add
@@ -106,7 +117,7 @@ def check_same_values(tr, fps, run, sync, names) -> tuple:
             unspy()
         vals = {}
         for _, step, first, data, indices in recs:
-            vals.update((i, (s, q)) for i, s, q in schema.fingerprint_pairs(first, data, indices))
+            vals.update((i, (s, q)) for i, s, q in fingerprint_pairs(first, data, indices))
         got[v] = vals
         for i, m in meta.items():
             meta[i] = m[:4] + (m[4].item(), m[5].item())
@@ -141,6 +152,16 @@ def check_same_values(tr, fps, run, sync, names) -> tuple:
     return "; ".join(out), ok, details
 
 
+def stub_kernels() -> None:
+    """The fingerprint kernels replaced by zeros (--cpu-model): on a CPU, the deferred path's
+    host work without Triton."""
+    from tensor_trace.tracer import multi_tensor
+
+    multi_tensor.usable = lambda t: True
+    multi_tensor.sum_sumsq_table = lambda table, count, most, dtype, device: torch.zeros(count, 2)
+    multi_tensor.sum_sumsq_buffer = lambda buf, count, most, dtype, device: torch.zeros(count, 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 64])
@@ -153,9 +174,17 @@ def main() -> None:
     ap.add_argument("--python-only", action="store_true",
                     help="TENSOR_TRACE_NATIVE=0: no native variants (the default, where CUDA is "
                          "available, builds tracer/native.py and adds the -py variants)")
+    ap.add_argument("--cpu-model", action="store_true",
+                    help="the GPU path's host cost on a CPU: call_patterns' Llama, deferred "
+                         "fingerprints, native on, kernel launches stubbed")
     args = ap.parse_args()
     from tensor_trace.tracer import native, spans
 
+    if args.cpu_model:
+        stub_kernels()
+        os.environ["TENSOR_TRACE_NATIVE"] = "1"
+        args.device, args.fingerprint_mode, args.batch = "cpu", "deferred", [call_patterns.B]
+        torch.set_num_threads(1)
     if args.python_only:
         os.environ["TENSOR_TRACE_NATIVE"] = "0"
     have_native = False
@@ -167,14 +196,18 @@ def main() -> None:
               f"{time.perf_counter() - t0:.1f} s{'' if have_native else ': ' + str(native.error())}")
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    shape = dict(ov.LLAMA_SHAPES[args.shape], kv_len=512)
+    shape = dict(models.LLAMA_SHAPES[args.shape], kv_len=512)
     torch.manual_seed(0)
-    model = ov.LlamaForCausalLM(shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
+    if args.cpu_model:
+        model, shape["vocab"] = call_patterns.LlamaCalls().eval(), 100
+        model.set_batch = lambda batch: None
+    else:
+        model = models.LlamaForCausalLM(shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
     py = ["nofp-py", "fp-py", "fp-py2"] if have_native else []
     variants = (["plain", "nofp", "fp"] + py + (["fp-old"] if OLD is not None else []))
     ref_v = "fp-py" if have_native else "fp"
-    print(f"# fp_ab {time.strftime('%Y-%m-%d %H:%M:%S')} device={dev} torch={torch.__version__} "
-          f"rounds={args.rounds} variants={variants} native={have_native}")
+    print(header_line("fp_ab", dict(header(sys.argv), torch=torch.__version__), torch.cuda.get_device_name(dev) if dev.type == "cuda" else None))
+    print(f"# rounds={args.rounds} variants={variants} native={have_native} cpu_model={args.cpu_model}")
     report = {}
     for batch in args.batch:
         model.set_batch(batch)
@@ -219,7 +252,7 @@ def main() -> None:
                 for _ in range(5):
                     for v in variants:
                         run(v)
-                if have_native:
+                if have_native and not args.cpu_model:
                     line, ok, details = check_same_values(tr, fps, run, sync, ("fp-py", "fp-py2", "fp"))
                     print(f"  fp (native) against fp-py, one step: {'ok' if ok else 'MISMATCH'}: {line}")
                     for d in details:
@@ -247,6 +280,10 @@ def main() -> None:
             print(f"  {v:<8} {med:8.3f}  p10 {rows[v]['p10_ms']:8.3f}  x{rows[v]['ratio_to_plain']:.3f} "
                   f"(paired x{rows[v]['paired_ratio_to_plain']:.3f}) | {v} - {ref_v}: "
                   f"{rows[v]['diff_to_ref_median']:+7.3f} [{rows[v]['diff_p25']:+7.3f}, {rows[v]['diff_p75']:+7.3f}]")
+        for a, b in (("nofp", "plain"), ("fp", "nofp"), ("nofp-py", "plain"), ("fp-py", "nofp-py")):
+            if a in times:
+                rows[f"{a} - {b}"] = d = paired_median(times, a, b) / 1e3
+                print(f"  paired {a} - {b}: {d:+.0f} us/step (x{paired_ratio(times, a, b):.3f})")
         report[batch] = rows
     if args.json:
         with open(args.json, "w") as f:

@@ -20,7 +20,7 @@
    the merge's own memory moves (summed over the merging process and its workers).
    ``--workers N`` sets ``TENSOR_TRACE_MERGE_WORKERS`` for the merges (default: the library's
    choice). ``--compare-with FILE`` (a ``merge.py`` of another commit, e.g. ``git show
-   REV:exporters/merge.py > /tmp/merge_before.py``) adds the variant ``before``: that module in
+   REV:exporters/store/merge.py > /tmp/merge_before.py``, a commit since the store/ split) adds the variant ``before``: that module in
    place of the library's, merging the same rank files (a sibling folder whose ``ranks`` links to
    them); ``--merge-rounds R`` merges each trace R times per variant, variants interleaved, and
    reports the run of median wall time (all walls are listed).
@@ -43,16 +43,12 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
-import datetime
 import io
 import json
 import os
-import platform
 import pstats
 import resource
-import shlex
 import shutil
-import socket
 import sqlite3
 import statistics
 import subprocess
@@ -67,64 +63,7 @@ TARGET_RATE = 300_000  # span records merged per second, one core
 TARGET_QUERY_S = 2.0
 TARGET_RSS_GROWTH = 1.5  # merge RSS increment, full trace / 4x smaller trace (4.0 = not streaming)
 
-
-# ---------------------------------------------------------------------------- header
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
-
-
-def _load() -> str:
-    try:
-        out = subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
-        if out:
-            return out
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def _version(dist: str) -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def _git() -> str:
-    """HEAD of the library's repository, and whether the library folders differ from it."""
-    root = os.path.dirname(HERE)
-    try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "exporters", "tracer",
-                                "tensor_trace"], capture_output=True, text=True, timeout=10).stdout.strip()
-        return f"{head}{' (library modified)' if dirty else ''}" if head else "?"
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-
-
-def header(argv) -> dict:
-    # Versions from the package metadata: this process stays small (no torch, no numpy), because
-    # an exec'd child's ru_maxrss starts from its parent's RSS at the fork (Linux keeps the
-    # pre-exec high-water mark), which would otherwise inflate the merge children's figures.
-    return dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                hostname=socket.gethostname(), cpu=_cpu_model(), cpus=os.cpu_count(),
-                python=platform.python_version(), torch=_version("torch"),
-                sqlite=sqlite3.sqlite_version, msgpack=_version("msgpack"),
-                omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
-                command=" ".join(shlex.quote(a) for a in [sys.executable, *argv]), git=_git(),
-                uptime_before=_load())
+from common import header, load_summary  # noqa: E402  (torch-free: this process stays small)
 
 
 # ---------------------------------------------------------------------------- merge (child)
@@ -142,7 +81,7 @@ def store_counts(trace_dir: str) -> dict:
 def _merge_module(module_file: str | None):
     """The library's merge module, or (``--compare-with``) another version of it from a file."""
     if not module_file:
-        from tensor_trace.exporters import merge as mg
+        from tensor_trace.exporters.store import merge as mg
 
         return mg
     import importlib.util
@@ -199,7 +138,7 @@ def merge_child(trace_dir: str, out_path: str, module_file: str | None) -> None:
     vm0 = _vm("VmRSS")
     warnings = []
     w0, c0 = time.perf_counter(), time.process_time()
-    report = mg.merge_ranks(trace_dir, warn=warnings.append)
+    report = mg.merge_ranks(trace_dir, warn=warnings.append, analyse=lambda con: pl.compute_verdicts(con))
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
     phases["other (inserts of processes/globals, indexes, commit)"] = wall - sum(phases.values())
     res = dict(wall_s=wall, cpu_s=cpu, rss_after_import_kb=rss0, vmrss_after_import_kb=vm0,
@@ -389,8 +328,8 @@ def placement_table(d: str, pattern: str) -> str:
 def profile_merge(d: str, top: int = 15) -> dict:
     """cProfile of one merge_ranks call; a second profiler takes over inside compute_verdicts, so
     besides the whole merge the rest of it (loading, inserts, indexes) is shown on its own."""
-    from tensor_trace.exporters import merge as mg
     from tensor_trace.exporters import analysis as pl
+    from tensor_trace.exporters import pipeline as mg
 
     rest, verdicts = cProfile.Profile(), cProfile.Profile()
     orig = pl.compute_verdicts
@@ -672,7 +611,7 @@ def main(argv=None) -> int:
             log("verdict check ...")
             res["verdicts"] = {"large ": verdict_check(large)}
             res["placement_layer0"] = placement_table(large, "model.layers.0.*")
-            from tensor_trace.exporters import merge as mg
+            from tensor_trace.exporters import pipeline as mg
 
             for spread in ("realistic", "wide"):
                 d = os.path.join(root, f"verdicts-{spread}")
@@ -699,7 +638,7 @@ def main(argv=None) -> int:
             for sub in ("small", "large", "small-before", "large-before", "profile", "verdicts-realistic",
                         "verdicts-wide"):
                 shutil.rmtree(os.path.join(root, sub), ignore_errors=True)
-    h["uptime_after"] = _load()
+    h["uptime_after"] = load_summary()
     res["targets"] = targets(res)
     print_table(res)
     if "verdicts" in res:

@@ -29,295 +29,45 @@ Workloads:
 
 - ``example-cpu``     the mini Llama of examples/tp_llama.py on CPU, tp=1, float32, defaults
                       (6 layers, hidden 96), batch 2, seq 8, under ``torch.inference_mode()``;
-- ``llama8b-decode``  a Llama-3-8B-shaped eager decode step (bf16, cuda, one token per sequence,
+- ``linear-chain``    ``--modules`` (200) tiny Linear(64, 64) modules in a chain on a [4, 64] input
+                      (``--device`` cpu or cuda): modules that do almost no work, so the table's
+                      ``+us/call`` column is the cost per module call of each variant (the floor
+                      of hook-based tracing is ``empty-hooks``);
+- ``llama8b-decode``  a Llama-3-8B-shaped eager decode step (models.py) (bf16, cuda, one token per sequence,
                       a fixed KV cache read by ``scaled_dot_product_attention``), batches 8 and 64;
 - ``all``             example-cpu, then llama8b-decode when CUDA is available.
 
-    OMP_NUM_THREADS=1 python bench/overhead.py --workload example-cpu --json /tmp/bench-cpu.json
-    python bench/overhead.py --workload llama8b-decode --json bench-gpu.json --breakdown
+    OMP_NUM_THREADS=1 python bench/overhead.py --workload example-cpu --json bench/results/cpu.json
+    OMP_NUM_THREADS=1 python bench/overhead.py --workload linear-chain [--device cuda]
+    python bench/overhead.py --workload llama8b-decode --json bench/results/gpu.json
 
 The targets printed at the end are informational; ``--check`` makes a FAIL exit with status 1.
 """
 from __future__ import annotations
 
 import argparse
-import cProfile
-import datetime
 import gc
-import importlib.util
-import io
 import json
-import math
 import os
 import platform
-import pstats
 import random
 import shutil
-import socket
 import sys
 import tempfile
 import time
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from common import header, header_line, median as _median, percentile  # bench/ is first on sys.path
+from models import LLAMA_SHAPES, TP, LinearChain, LlamaForCausalLM, count_module_calls, load_example
 from tensor_trace import tracer
-from tensor_trace.exporters.reader import load_rank_file, rank_files
+from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ("plain", "empty-hooks", "traced-nofp", "traced-fp", "traced-fp-hooks", "profiler")
 
 
-def load_example():
-    """examples/tp_llama.py, by file path (examples/ is not an installed package)."""
-    path = os.path.join(ROOT, "examples", "tp_llama.py")
-    spec = importlib.util.spec_from_file_location("_bench_tp_llama", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-# ---------------------------------------------------------------- Llama-8B-shaped decode model
-# Plain nn.Modules with SGLang's module layout, so the module-call count per step is realistic.
-
-LLAMA_SHAPES = {
-    # Llama-3-8B
-    "8b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256),
-    # for a smoke test of the code path on a CPU
-    "tiny": dict(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=512, vocab=1024),
-}
-
-
-# Tensor parallelism of the llama8b-decode model (set from torchrun's environment, --tp runs):
-# SGLang's layout at toy cost: vocab-parallel embedding + all_reduce, column-parallel qkv and
-# gate_up, row-parallel o_proj and down_proj each followed by an all_reduce inside the module,
-# a vocab-parallel lm_head whose logits are all-gathered. Same module calls per step as tp=1.
-TP = dict(size=1, rank=0, group=None)
-
-
-def _linear(n_in, n_out, device, dtype, cls=nn.Linear):
-    lin = cls(n_in, n_out, bias=False, device=device, dtype=dtype)
-    with torch.no_grad():
-        lin.weight.normal_(0.0, 0.02)  # = torch.randn * 0.02, drawn on the device
-    return lin
-
-
-class RowParallelLinear(nn.Linear):
-    """A linear layer over this rank's slice of the input features; the partial sums are
-    all-reduced inside the module, as SGLang's RowParallelLinear does (reduce_results=True)."""
-
-    def forward(self, x):
-        out = F.linear(x, self.weight)
-        if TP["size"] > 1:
-            torch.distributed.all_reduce(out, group=TP["group"])
-        return out
-
-
-class VocabParallelEmbedding(nn.Module):
-    """This rank's rows of the embedding: masked lookup, then all_reduce (SGLang's layout)."""
-
-    def __init__(self, vocab, hidden, device, dtype):
-        super().__init__()
-        per = vocab // TP["size"]
-        self.start, self.end = TP["rank"] * per, (TP["rank"] + 1) * per
-        self.weight = nn.Parameter(torch.empty(per, hidden, device=device, dtype=dtype).normal_(0.0, 0.02))
-
-    def forward(self, ids):
-        mask = (ids >= self.start) & (ids < self.end)
-        out = F.embedding((ids - self.start) * mask, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
-        torch.distributed.all_reduce(out, group=TP["group"])
-        return out
-
-
-class ParallelLMHead(nn.Linear):
-    """This rank's vocabulary slice of the logits, all-gathered along the vocabulary."""
-
-    def forward(self, x):
-        local = F.linear(x, self.weight)
-        if TP["size"] == 1:
-            return local
-        n = TP["size"]
-        parts = torch.empty((n * local.shape[0], *local.shape[1:]), device=local.device, dtype=local.dtype)
-        torch.distributed.all_gather_into_tensor(parts, local.contiguous(), group=TP["group"])
-        return torch.cat(list(parts.view(n, *local.shape).unbind(0)), dim=-1)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps, device, dtype):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
-
-    def forward(self, x):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE of q and k at one fixed decode position (the slot after the cache)."""
-
-    def __init__(self, head_dim, position, theta, device, dtype):
-        super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-        ang = position * inv_freq
-        self.register_buffer("cos", torch.cat([ang.cos()] * 2).to(dtype), persistent=False)
-        self.register_buffer("sin", torch.cat([ang.sin()] * 2).to(dtype), persistent=False)
-        self.head_dim = head_dim
-
-    def rope(self, x):
-        b, s, width = x.shape
-        x = x.view(b, s, width // self.head_dim, self.head_dim)
-        x1, x2 = x.chunk(2, dim=-1)
-        return (x * self.cos + torch.cat([-x2, x1], -1) * self.sin).view(b, s, width)
-
-    def forward(self, q, k):
-        return self.rope(q), self.rope(k)
-
-
-class DecodeAttention(nn.Module):
-    """One query token per sequence attends to a fixed KV cache through SDPA (GQA)."""
-
-    def __init__(self, heads, kv_heads, head_dim):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.k_cache = self.v_cache = None
-
-    def set_cache(self, batch, length, device, dtype):
-        shape = (batch, self.kv_heads, length, self.head_dim)
-        self.k_cache = torch.randn(shape, device=device, dtype=dtype)
-        self.v_cache = torch.randn(shape, device=device, dtype=dtype)
-
-    def forward(self, q, k, v):
-        # k, v (the new token's) are not written into the cache: the step reads a fixed cache.
-        b, s, _ = q.shape
-        q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache,
-                                           enable_gqa=self.heads != self.kv_heads)
-        return o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, c, device, dtype):
-        super().__init__()
-        hd, tp = c["head_dim"], TP["size"]
-        heads, kv_heads = c["heads"] // tp, c["kv_heads"] // tp
-        self.split = [heads * hd, kv_heads * hd, kv_heads * hd]
-        self.qkv_proj = _linear(c["hidden"], sum(self.split), device, dtype)
-        self.rotary_emb = RotaryEmbedding(hd, c["kv_len"], 500000.0, device, dtype)
-        self.attn = DecodeAttention(heads, kv_heads, hd)
-        self.o_proj = _linear(heads * hd, c["hidden"], device, dtype, RowParallelLinear)
-
-    def forward(self, x):
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q, k = self.rotary_emb(q, k)
-        return self.o_proj(self.attn(q, k, v))
-
-
-class SiluAndMul(nn.Module):
-    def forward(self, x):
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, c, device, dtype):
-        super().__init__()
-        ffn = c["ffn"] // TP["size"]
-        self.gate_up_proj = _linear(c["hidden"], 2 * ffn, device, dtype)
-        self.act_fn = SiluAndMul()
-        self.down_proj = _linear(ffn, c["hidden"], device, dtype, RowParallelLinear)
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, c, device, dtype):
-        super().__init__()
-        self.input_layernorm = RMSNorm(c["hidden"], 1e-5, device, dtype)
-        self.self_attn = LlamaAttention(c, device, dtype)
-        self.post_attention_layernorm = RMSNorm(c["hidden"], 1e-5, device, dtype)
-        self.mlp = LlamaMLP(c, device, dtype)
-
-    def forward(self, x):
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class LlamaModel(nn.Module):
-    def __init__(self, c, device, dtype):
-        super().__init__()
-        if TP["size"] > 1:
-            self.embed_tokens = VocabParallelEmbedding(c["vocab"], c["hidden"], device, dtype)
-        else:
-            self.embed_tokens = nn.Embedding(c["vocab"], c["hidden"], device=device, dtype=dtype)
-            with torch.no_grad():
-                self.embed_tokens.weight.normal_(0.0, 0.02)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(c, device, dtype) for _ in range(c["layers"]))
-        self.norm = RMSNorm(c["hidden"], 1e-5, device, dtype)
-
-    def forward(self, input_ids):
-        h = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            h = layer(h)
-        return self.norm(h)
-
-
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, c, device, dtype):
-        super().__init__()
-        self.c = c
-        self.model = LlamaModel(c, device, dtype)
-        self.lm_head = _linear(c["hidden"], c["vocab"] // TP["size"], device, dtype, ParallelLMHead)
-
-    def set_batch(self, batch):
-        """(Re)allocate every layer's KV cache for ``batch`` sequences of kv_len tokens."""
-        w = self.lm_head.weight
-        for layer in self.model.layers:
-            layer.self_attn.attn.k_cache = layer.self_attn.attn.v_cache = None
-        if w.is_cuda:
-            torch.cuda.empty_cache()
-        for layer in self.model.layers:
-            layer.self_attn.attn.set_cache(batch, self.c["kv_len"], w.device, w.dtype)
-
-    def forward(self, input_ids):  # [B, 1] -> logits [B, 1, V]
-        return self.lm_head(self.model(input_ids))
-
-
 # ---------------------------------------------------------------- measuring
-
-def _pct(sorted_vals, q):
-    """Linear-interpolated percentile (q in [0, 100]) of a sorted list."""
-    if not sorted_vals:
-        return float("nan")
-    k = (len(sorted_vals) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (k - lo)
-
-
-def _median(vals):
-    return _pct(sorted(vals), 50)
-
-
-def count_module_calls(step_fn) -> int:
-    """Module calls of one step, counted by a temporary global forward pre-hook."""
-    from torch.nn.modules import module as nn_module
-
-    n = [0]
-
-    def pre(mod, args):
-        n[0] += 1
-
-    h = nn_module.register_module_forward_pre_hook(pre)
-    try:
-        step_fn()
-    finally:
-        h.remove()
-    return n[0]
-
 
 def _global_hooks_installed() -> int:
     from torch.nn.modules import module as nn_module
@@ -470,13 +220,14 @@ def summarise(acc, failed, module_calls):
             out[v] = dict(failed=failed.get(v, "no samples"))
             continue
         s = sorted(a["total"])
-        med = _pct(s, 50)
+        med = percentile(s, 50)
         paired = [m / p for m, p in zip(a["round_medians"], plain["round_medians"])]
-        d = dict(median_ns=med, p10_ns=_pct(s, 10), p90_ns=_pct(s, 90), min_ns=s[0], max_ns=s[-1],
+        d = dict(median_ns=med, p10_ns=percentile(s, 10), p90_ns=percentile(s, 90), min_ns=s[0], max_ns=s[-1],
                  round_medians_ns=a["round_medians"],
                  round_median_min_ns=min(a["round_medians"]), round_median_max_ns=max(a["round_medians"]),
                  host_median_ns=_median(a["host"]), round_host_medians_ns=a["round_host_medians"],
                  ratio=med / plain_med, paired_ratios=paired,
+                 extra_us_per_call=(med - plain_med) / module_calls / 1e3,
                  paired_ratio_min=min(paired), paired_ratio_max=max(paired),
                  paired_ratio_median=_median(paired),
                  # min of round medians over plain's: the least disturbed block of each variant,
@@ -529,7 +280,8 @@ def print_table(res):
     if c.get("note"):
         print(f"   note: {c['note']}")
     hdr = (f"{'variant':<12} {'median ms':>10} {'p10..p90 ms':>19} {'round med min..max':>20} "
-           f"{'ratio':>7} {'paired med':>10} {'paired min..max':>16} {'best-rnd':>8} {'host ms':>9} {'B/span':>8} {'KiB/step':>9}")
+           f"{'ratio':>7} {'paired med':>10} {'paired min..max':>16} {'best-rnd':>8} {'host ms':>9} {'+us/call':>8} "
+           f"{'B/span':>8} {'KiB/step':>9}")
     print(hdr)
     print("-" * len(hdr))
     for v in VARIANTS:
@@ -546,7 +298,7 @@ def print_table(res):
               f"{'x%.3f' % d['ratio']:>7} {'x%.3f' % d['paired_ratio_median']:>10} "
               f"{d['paired_ratio_min']:>7.3f}..{d['paired_ratio_max']:<7.3f} "
               f"{'x%.3f' % d['best_round_ratio']:>8} "
-              f"{ms(d['host_median_ns']):>9.3f} {bps:>8} {kps:>9}")
+              f"{ms(d['host_median_ns']):>9.3f} {d['extra_us_per_call']:>+8.2f} {bps:>8} {kps:>9}")
     for v in ("traced-nofp", "traced-fp", "traced-fp-hooks"):
         d = c["variants"][v]
         if "failed" in d:
@@ -569,94 +321,27 @@ def print_table(res):
         print(f"     {t['name']:<26} {val:>8} vs {lim:<8} {t['result']}")
 
 
-# ---------------------------------------------------------------- breakdown (where tracer time goes)
-
-def breakdown(bench: Bench, step_fn, label, steps=10, warmup=3):
-    """cProfile of the traced variants, and device kernels per step by variant."""
-    out = {}
-    for variant in ("traced-nofp", "traced-fp"):
-        out_dir = os.path.join(bench.tmp_root, f"breakdown-{variant}")
-        tracer.start(out_dir=out_dir, fingerprint=variant == "traced-fp")
-        try:
-            for _ in range(warmup):
-                step_fn()
-                bench.sync()
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(steps):
-                step_fn()
-                bench.sync()
-            prof.disable()
-        finally:
-            tracer.stop()
-            shutil.rmtree(out_dir, ignore_errors=True)
-        st = pstats.Stats(prof, stream=io.StringIO())
-        rows = []
-        for (fn, line, name), (cc, nc, tt, ct, _callers) in st.stats.items():
-            rows.append(dict(func=f"{os.path.basename(fn)}:{line}({name})", ncalls=nc,
-                             tottime_ms_per_step=tt * 1e3 / steps, cumtime_ms_per_step=ct * 1e3 / steps,
-                             calls_per_step=nc / steps))
-        rows.sort(key=lambda r: -r["tottime_ms_per_step"])
-        total = sum(r["tottime_ms_per_step"] for r in rows)
-        by_file: dict = {}
-        for r in rows:
-            f = r["func"].split(":")[0]
-            by_file[f] = by_file.get(f, 0.0) + r["tottime_ms_per_step"]
-        print(f"\n   cProfile [{label}] {variant}: {total:.2f} ms/step of profiled time "
-              f"(cProfile inflates Python-heavy code); top functions by own time per step:")
-        for r in rows[:18]:
-            print(f"     {r['tottime_ms_per_step']:8.3f} ms own {r['cumtime_ms_per_step']:8.3f} ms cum "
-                  f"{r['calls_per_step']:8.1f} calls  {r['func']}")
-        top_files = sorted(by_file.items(), key=lambda kv: -kv[1])[:10]
-        print("     own time by file (ms/step): " + ", ".join(f"{f} {t:.2f}" for f, t in top_files))
-        out[variant] = dict(total_ms_per_step=total, top=rows[:40], by_file=dict(top_files))
-
-    if bench.cuda:
-        kernels = {}
-        for variant in ("plain", "traced-nofp", "traced-fp"):
-            try:
-                out_dir = os.path.join(bench.tmp_root, f"kernels-{variant}")
-                if variant != "plain":
-                    tracer.start(out_dir=out_dir, fingerprint=variant == "traced-fp")
-                for _ in range(2):
-                    step_fn()
-                bench.sync()
-                n_steps = 3
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                        torch.profiler.ProfilerActivity.CUDA]) as p:
-                    for _ in range(n_steps):
-                        step_fn()
-                    bench.sync()
-                if variant != "plain":
-                    tracer.stop()
-                    shutil.rmtree(out_dir, ignore_errors=True)
-                dev = torch.autograd.DeviceType.CUDA
-                evs = [e for e in p.events() if e.device_type == dev]
-                launches = sum(1 for e in p.events() if e.device_type != dev
-                               and e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
-                                              "cuLaunchKernelEx"))
-                gpu_us = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-                             for e in evs)
-                kernels[variant] = dict(device_events_per_step=len(evs) / n_steps,
-                                        launch_calls_per_step=launches / n_steps,
-                                        device_busy_ms_per_step=gpu_us / 1e3 / n_steps)
-            except Exception as exc:
-                kernels[variant] = dict(error=f"{type(exc).__name__}: {exc}")
-                if tracer.current() is not None:
-                    tracer.stop()
-        print(f"\n   device work per step [{label}] (torch.profiler, 3 steps each):")
-        for v, d in kernels.items():
-            if "error" in d:
-                print(f"     {v:<12} error: {d['error']}")
-            else:
-                print(f"     {v:<12} {d['device_events_per_step']:8.1f} device events, "
-                      f"{d['launch_calls_per_step']:8.1f} launch calls, "
-                      f"{d['device_busy_ms_per_step']:8.3f} ms device busy (sum of event durations)")
-        out["kernels"] = kernels
-    return out
-
-
 # ---------------------------------------------------------------- workloads
+
+def run_workload(args, bench: Bench, step, res: dict, defaults=(7, 3, 20)) -> dict:
+    """Measure ``step`` (every variant, interleaved rounds), print its table and emit ``res``
+    with the figures; ``defaults`` are the rounds, warm-up and timed steps per block."""
+    rounds = args.rounds or defaults[0]
+    warmup = args.warmup if args.warmup is not None else defaults[1]
+    steps = args.steps or defaults[2]
+    label = res["workload"]
+    with torch.inference_mode():
+        calls = count_module_calls(step)
+        acc, orders, failed = measure(bench, step, rounds=rounds, warmup=warmup, steps=steps,
+                                      seed=args.seed, label=label, warm_round=not args.no_warm_round)
+        res.update(module_calls_per_step=calls, rounds=rounds, warmup=warmup, steps=steps,
+                   orders=orders, torch_threads=torch.get_num_threads())
+        res["variants"] = summarise(acc, failed, calls)
+        res["targets"] = targets_for(label, res["variants"])
+        print_table(res)
+        bench.emit(res)
+    return res
+
 
 def workload_example_cpu(args, bench: Bench):
     ex = load_example()
@@ -665,32 +350,21 @@ def workload_example_cpu(args, bench: Bench):
     batch, seq = 2, 8
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab, (batch, seq), generator=gen)
+    res = dict(workload="example-cpu", device="cpu", dtype="float32", batch=batch, seq=seq,
+               model=dict(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads,
+                          kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, ffn=cfg.ffn,
+                          vocab=cfg.vocab, tp=1))
+    return [run_workload(args, bench, lambda: model(ids), res)]
 
-    def step():
-        return model(ids)
 
-    rounds = args.rounds or 7
-    warmup = args.warmup if args.warmup is not None else 3
-    steps = args.steps or 20
-    with torch.inference_mode():
-        calls = count_module_calls(step)
-        acc, orders, failed = measure(bench, step, rounds=rounds, warmup=warmup, steps=steps,
-                                      seed=args.seed, label="example-cpu",
-                                      warm_round=not args.no_warm_round)
-        res = dict(workload="example-cpu", device="cpu", dtype="float32", batch=batch, seq=seq,
-                   model=dict(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads,
-                              kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, ffn=cfg.ffn,
-                              vocab=cfg.vocab, tp=1),
-                   module_calls_per_step=calls, rounds=rounds, warmup=warmup, steps=steps,
-                   orders=orders, torch_threads=torch.get_num_threads())
-        res["variants"] = summarise(acc, failed, calls)
-        res["targets"] = targets_for("example-cpu", res["variants"])
-        print_table(res)
-        bench.emit(res)
-        if args.breakdown:
-            res["breakdown"] = breakdown(bench, step, "example-cpu")
-            bench.emit(None)
-    return [res]
+def workload_linear_chain(args, bench: Bench):
+    """Per-call cost: a chain of tiny Linear modules (the table's +us/call column)."""
+    device = torch.device(args.device or "cpu")
+    model = LinearChain(args.modules).to(device)
+    x = torch.randn(4, 64, device=device)
+    res = dict(workload="linear-chain", device=str(device), dtype="float32", batch=4, seq=1,
+               model=dict(modules=args.modules, tp=1))
+    return [run_workload(args, bench, lambda: model(x), res, defaults=(7, 5, 50))]
 
 
 def workload_llama(args, bench: Bench):
@@ -751,9 +425,6 @@ def workload_llama(args, bench: Bench):
             res["targets"] = targets_for("llama8b-decode", res["variants"])
             print_table(res)
             bench.emit(res)
-            if args.breakdown and batch == args.batch[0]:
-                res["breakdown"] = breakdown(bench, step, label)
-                bench.emit(None)
         results.append(res)
     del model
     if cuda:
@@ -761,16 +432,12 @@ def workload_llama(args, bench: Bench):
     return results
 
 
-def header() -> dict:
+def run_header() -> dict:
     cuda = torch.cuda.is_available()
-    return dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                hostname=socket.gethostname(), torch=torch.__version__,
-                python=platform.python_version(),
-                device_name=torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu"),
-                cuda=torch.version.cuda if cuda else None,
-                cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
-                omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
-                tensor_trace=os.path.dirname(tracer.__file__), argv=sys.argv)
+    h = header(sys.argv)
+    return dict(h, device_name=torch.cuda.get_device_name() if cuda else h["cpu"],
+                torch=torch.__version__, cuda=torch.version.cuda if cuda else None,
+                torch_threads=torch.get_num_threads(), tensor_trace=os.path.dirname(tracer.__file__))
 
 
 def write_json(path, h, args, results) -> None:
@@ -783,7 +450,8 @@ def write_json(path, h, args, results) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", choices=["example-cpu", "llama8b-decode", "all"], default="all")
+    p.add_argument("--workload", choices=["example-cpu", "linear-chain", "llama8b-decode", "all"], default="all")
+    p.add_argument("--modules", type=int, default=200, help="modules of the linear-chain workload")
     p.add_argument("--rounds", type=int, default=None, help="rounds R (default 7)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps W per block (3 CPU, 5 GPU)")
     p.add_argument("--steps", type=int, default=None, help="timed steps N per block (20 CPU, 30 GPU)")
@@ -792,14 +460,11 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=None, help="override the vocab (default 128256)")
     p.add_argument("--llama-shape", choices=sorted(LLAMA_SHAPES), default="8b",
                    help="'tiny' only smoke-tests the llama8b-decode code path")
-    p.add_argument("--device", default=None, help="llama8b-decode device (default cuda)")
+    p.add_argument("--device", default=None, help="llama8b-decode (default cuda) or linear-chain (default cpu) device")
     p.add_argument("--dtype", default="bfloat16", help="llama8b-decode dtype")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-warm-round", action="store_true",
                    help="skip the discarded warm-up round of every variant before the R rounds")
-    p.add_argument("--breakdown", action="store_true",
-                   help="after the measurements: cProfile of the traced variants and, on CUDA, "
-                        "device kernels per step")
     p.add_argument("--json", metavar="PATH", help="write every figure here")
     p.add_argument("--check", action="store_true", help="exit 1 when a target fails")
     return p.parse_args(argv)
@@ -813,8 +478,6 @@ def _init_tp(args) -> None:
         return
     if args.workload != "llama8b-decode":
         raise SystemExit("several ranks: only --workload llama8b-decode is tensor-parallel")
-    if args.breakdown:
-        raise SystemExit("--breakdown profiles one rank: run it with one process")
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     cuda = (args.device or "cuda").startswith("cuda")
     if cuda:
@@ -829,11 +492,9 @@ def _init_tp(args) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     _init_tp(args)
-    h = header()
+    h = run_header()
     h["tp"] = TP["size"]
-    print(f"# tensor-trace overhead | {h['date']} | host {h['hostname']} | torch {h['torch']} "
-          f"| device {h['device_name']} | cpus {h['cpu_count']} | torch threads {h['torch_threads']} "
-          f"| OMP_NUM_THREADS={h['omp_num_threads']} | python {h['python']}", flush=True)
+    print(header_line("overhead", h, h["device_name"]), flush=True)
     results = []
 
     def emit(res):  # the JSON is rewritten after every table, so a run cut short keeps its figures
@@ -846,6 +507,9 @@ def main(argv=None) -> int:
     try:
         if args.workload in ("example-cpu", "all"):
             workload_example_cpu(args, Bench(args, False, tmp_root, emit))
+        if args.workload == "linear-chain":
+            dev = torch.device(args.device or "cpu")
+            workload_linear_chain(args, Bench(args, dev.type == "cuda", tmp_root, emit))
         if args.workload == "llama8b-decode" or (args.workload == "all" and torch.cuda.is_available()):
             dev = torch.device(args.device or "cuda")
             workload_llama(args, Bench(args, dev.type == "cuda", tmp_root, emit))

@@ -1,118 +1,18 @@
 """Answers over a merged store: placement, reduction, collectives, shapes, diff, sql.
 
-Each function takes an open store (``merge.open_store``) and returns plain JSON-able data with
+Each function takes an open store (``pipeline.open_store``) and returns plain JSON-able data with
 the keys of the contract (shared/design.md); the CLI formats it. ``NoAnswer`` (exit 1) carries
 the nearest point names when a point is unknown.
 """
 
 from __future__ import annotations
 
-import difflib
-import fnmatch
 import json
-import re
 import sqlite3
 
 from tensor_trace.errors import BadInput, NoAnswer
-
-_POINT_COLS = ("point, module, call, slot, placement, reduction, shapes, dtype, dtypes, steps, evidence, "
-               "collective, fingerprint, semantics, rule, evidence_items, grouping")
-
-
-def _point_row(row) -> dict:
-    (point, module, call, slot, placement, reduction, shapes, dtype, dtypes, steps, evidence,
-     collective, fingerprint, semantics, rule, items, grouping) = row
-    out = dict(point=point, module=module, call=call, slot=slot, placement=placement, reduction=reduction,
-               rule=rule, evidence_items=json.loads(items) if items else [],
-               shapes={int(k): v for k, v in json.loads(shapes).items()}, dtype=dtype, steps=steps,
-               evidence=json.loads(evidence), collective=json.loads(collective) if collective else None,
-               fingerprint=json.loads(fingerprint) if fingerprint else None)
-    if semantics:
-        out["layer_semantics"] = json.loads(semantics)
-    if dtypes:
-        out["dtypes"] = {int(k): v for k, v in json.loads(dtypes).items()}
-    out.update(_grouping(json.loads(grouping) if grouping else None))
-    return out
-
-
-def _grouping(g: dict | None) -> dict:
-    """``group`` (the parallel group a point was judged across: name, size, the ranks of each
-    such group) and ``data_split`` (null, or how its data is split across those groups: ``over``
-    the group dimension, along ``dim``, ``rows`` per rank), where the processes declared their
-    groups."""
-    if not g:
-        return {}
-    split = g.get("data_split")
-    if split and "rows" in split:
-        split = dict(split, rows={int(k): v for k, v in split["rows"].items()})
-    return dict(group=g.get("group"), data_split=split)
-
-
-def capture_info(con, module: str) -> dict | None:
-    row = con.execute("SELECT info FROM captures WHERE point=?", (module,)).fetchone()
-    return json.loads(row[0]) if row else None
-
-
-def all_points(con) -> list[str]:
-    return [r[0] for r in con.execute("SELECT point FROM points ORDER BY sort_key")]
-
-
-def _nearest(con, name: str) -> str:
-    names = all_points(con)
-    modules = sorted({n.split(":")[0] for n in names})
-    near = difflib.get_close_matches(name, names + modules, n=5, cutoff=0.5)
-    if not near:
-        near = [n for n in names if name.split(":")[0].split(".")[-1] in n][:5]
-    return ", ".join(near) if near else "(no similar names)"
-
-
-def match_points(con, pattern: str | None) -> list[dict]:
-    """Points matching a glob. Without ':' the glob is over module paths (with #K for a call)
-    and selects their outputs; with ':' it is over whole point names."""
-    rows = con.execute(f"SELECT {_POINT_COLS} FROM points ORDER BY sort_key").fetchall()
-    if not pattern:
-        return [_point_row(r) for r in rows if r[3].startswith("output")]
-    if ":" in pattern:
-        rx = re.compile(fnmatch.translate(pattern))
-        alt = pattern.split(":", 1)
-        rx2 = re.compile(fnmatch.translate(f"{alt[0]}#*:{alt[1]}")) if "#" not in alt[0] else None
-        return [_point_row(r) for r in rows if rx.match(r[0]) or (rx2 and rx2.match(r[0]))]
-    rx = re.compile(fnmatch.translate(pattern))
-    out = []
-    for r in rows:
-        if not r[3].startswith("output"):
-            continue
-        mod_call = f"{r[1]}#{r[2]}"
-        if rx.match(r[1]) or rx.match(mod_call):
-            out.append(_point_row(r))
-    return out
-
-
-def find_point(con, point: str) -> list[dict]:
-    """The point(s) a name designates: an exact point, ``MODULE`` (its outputs), ``MODULE#K``,
-    or ``capture:NAME``; raises NoAnswer with the nearest names."""
-    rows = con.execute(f"SELECT {_POINT_COLS} FROM points WHERE point=?", (point,)).fetchall()
-    if not rows and ":" in point:
-        mod, slot = point.split(":", 1)
-        m = re.fullmatch(r"(.*)#(\d+)", mod)
-        if m:
-            rows = con.execute(f"SELECT {_POINT_COLS} FROM points WHERE module=? AND call=? AND slot=?",
-                               (m.group(1), int(m.group(2)), slot)).fetchall()
-        else:
-            rows = con.execute(f"SELECT {_POINT_COLS} FROM points WHERE module=? AND slot=? ORDER BY call",
-                               (mod, slot)).fetchall()
-    if not rows and ":" not in point:
-        m = re.fullmatch(r"(.*)#(\d+)", point)
-        mod, call = (m.group(1), int(m.group(2))) if m else (point, None)
-        q = f"SELECT {_POINT_COLS} FROM points WHERE module=? AND slot LIKE 'output%'"
-        args = [mod]
-        if call is not None:
-            q += " AND call=?"
-            args.append(call)
-        rows = con.execute(q + " ORDER BY call, sort_key", args).fetchall()
-    if not rows:
-        raise NoAnswer(f"no point {point!r} in this trace; nearest: {_nearest(con, point)}")
-    return [_point_row(r) for r in rows]
+from tensor_trace.exporters.store.points import capture_info, find_point, match_points, nearest_names
+from tensor_trace.format.points import CAPTURE_PREFIX, module_matches, point_name
 
 
 def placement(con, pattern: str | None, step: int | None = None) -> list[dict]:
@@ -120,13 +20,13 @@ def placement(con, pattern: str | None, step: int | None = None) -> list[dict]:
         return _placement_at_step(con, pattern, step)
     pts = match_points(con, pattern)
     if not pts:
-        raise NoAnswer(f"no point matches {pattern!r}; nearest: {_nearest(con, pattern or '')}")
+        raise NoAnswer(f"no point matches {pattern!r}; nearest: {nearest_names(con, pattern or '')}")
     return _with_capture_info(con, pts)
 
 
 def _with_capture_info(con, pts: list) -> list:
     for p in pts:
-        if p["module"].startswith("capture:"):
+        if p["module"].startswith(CAPTURE_PREFIX):
             p["capture"] = capture_info(con, p["module"])
     return pts
 
@@ -135,7 +35,6 @@ def _placement_at_step(con, pattern, step) -> list[dict]:
     from tensor_trace.exporters.analysis.evidence import texts
     from tensor_trace.exporters.analysis import groups
     from tensor_trace.exporters.analysis.verdicts import StoreContext, tp_groups_with_size
-    from tensor_trace.exporters.analysis.step_view import point_name
 
     if not con.execute("SELECT 1 FROM steps WHERE step=? LIMIT 1", (step,)).fetchone():
         raise NoAnswer(f"step {step} was not traced; traced steps: " + ", ".join(
@@ -178,7 +77,7 @@ def shapes(con, point: str) -> list[dict]:
     if any(ch in point for ch in "*?["):
         pts = match_points(con, point)
         if not pts:
-            raise NoAnswer(f"no point matches {point!r}; nearest: {_nearest(con, point)}")
+            raise NoAnswer(f"no point matches {point!r}; nearest: {nearest_names(con, point)}")
     else:
         pts = find_point(con, point)
     out = []
@@ -188,7 +87,7 @@ def shapes(con, point: str) -> list[dict]:
             d["dtypes"] = p["dtypes"]
         else:
             d["dtype"] = p["dtype"]
-        if p["module"].startswith("capture:"):
+        if p["module"].startswith(CAPTURE_PREFIX):
             d["capture"] = capture_info(con, p["module"])
         out.append(d)
     return out
@@ -209,7 +108,7 @@ def collectives(con, pattern: str | None) -> list[dict]:
             "SELECT module_id, op, reduce_op, group_id, proc, count, bytes, dur_ns, per_step, first, "
             "device_ns, device_count FROM collective_summary"):
         module = modules.get(mid, "") if mid is not None else ""
-        if pattern and not fnmatch.fnmatch(module, pattern):
+        if pattern and not module_matches(pattern, module):
             continue
         a = agg.setdefault((mid, op, redop, gid), dict(module=module, procs={}, first=first))
         a["procs"][proc] = (n, nbytes, dur, per_step)

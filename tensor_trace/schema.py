@@ -1,4 +1,8 @@
-"""The rank-file format: the only module the writer (tracer) and reader (exporters) share.
+"""The rank-file format: framing, record types, flags (the format layer's constants).
+
+With ``tensor_trace.format`` (each record kind's fields by name, the id resolver, fingerprint
+blobs, lineage refs, point names) it is the only code the writer (tracer) and the readers
+(exporters, live OTLP) share.
 
 A rank file is ``MAGIC`` + a little-endian u32 ``FORMAT_VERSION``, then a sequence of chunks.
 Each chunk is ``SYNC`` + u32 payload length + u32 CRC-32 of the payload + the payload, a
@@ -43,7 +47,7 @@ GROUP = 6  # group id, name, ranks (list of global ranks), backend, c10d group n
 STEP_BEGIN = 7  # step, root path string id, mono_ns, attrs (dict)
 STEP_END = 8  # step, mono_ns, n_spans, n_collectives
 SPAN = 9  # step, index, parent index (-1 = none), path id, call, t0, dur, layout id,
-#            fp_pre, fp_post, n_pre, flags
+#            fp_pre, fp_post, n_pre, flags (format/records.py names every kind's fields)
 COLLECTIVE = 10  # step, index, parent span index, op id, reduce-op id (-1 none), group id, seq,
 #                  t0, dur, layout id, fp_pre, fp_post, n_pre, flags, bytes[, attrs]
 # attrs (optional, a dict, only when non-empty): what the Python layer that issued the op knew
@@ -56,9 +60,10 @@ COLLECTIVE = 10  # step, index, parent span index, op id, reduce-op id (-1 none)
 # -1 means no fingerprints.
 FINGERPRINTS = 11  # step, first index, packed little-endian float32 pairs (sum, sum of squares),
 #                    packed u32 indices or None when they run first, first+1, ...; NaN = none
+#                    (encode and decode: tensor_trace/format/fingerprints.py)
 ERROR = 12  # mono_ns, where, message, count so far
 END = 13  # dict: reason, stats (spans, collectives, steps, bytes, errors, dropped)
-SKIPPED_STEPS = 14  # first step, last step (steps seen but outside the --steps window)
+# 14: no longer written (it was SKIPPED_STEPS)
 PARAMS = 15  # module path id, [[name string id, meta id, fingerprint index(, kind)], ...]; the
 #              fingerprints are in FINGERPRINTS records of step PARAMS_STEP; an entry's optional
 #              kind (a dict, as META's) stands instead of its META's (the tracer writes META's)
@@ -78,54 +83,17 @@ LINEAGE = 20  # step, node, op string id, attrs (dict or None), input refs, outp
 SLOT_SRC = 21  # step, span index, slot position in its layout, ref: that slot's tensor is a node's result
 #               (or, ref [0, ...], a module output that a cat, stack or write laid out, passed on as is)
 
-RECORD_NAMES = {
-    HEADER: "header",
-    IDENTITY: "identity",
-    STRING: "string",
-    META: "meta",
-    LAYOUT: "layout",
-    MODULE: "module",
-    GROUP: "group",
-    STEP_BEGIN: "step_begin",
-    STEP_END: "step_end",
-    SPAN: "span",
-    COLLECTIVE: "collective",
-    FINGERPRINTS: "fingerprints",
-    ERROR: "error",
-    END: "end",
-    SKIPPED_STEPS: "skipped_steps",
-    PARAMS: "params",
-    CAPTURE_INFO: "capture_info",
-    MODULE_ATTRS: "module_attrs",
-    COLL_DEVICE: "coll_device",
-    REPLAY: "replay",
-    LINEAGE: "lineage",
-    SLOT_SRC: "slot_src",
-}
-
 # SPAN / COLLECTIVE flags.
 FLAG_CAPTURED = 1  # recorded while a CUDA graph was being captured: structure only
 FLAG_ASYNC = 2  # async collective: the span ends when its work was waited on
 FLAG_ERROR = 4  # the module or collective raised
-FLAG_NO_FP = 8  # fingerprints off for this span
+# 8: no longer written (it was FLAG_NO_FP: a span without fingerprints has fp_pre = fp_post = -1)
 FLAG_UNWAITED = 16  # async collective whose work was never waited on before the step ended
 FLAG_REPLAYED = 32  # (merged store only) a CUDA-graph replay's copy of a captured span or collective:
 #                     values are the replay's, times are the capture's (a replay is one launch)
 
 # Slot names of a span's tensors: "input.0", "input.NAME", "output", "output.0", "output.0.key".
-# Collective slots: "input.0" ..., "output.0" ...
-
-FP_PAIR = struct.Struct("<ff")
-FP_WIDTH = 2  # numbers per tensor: sum, sum of squares (fp32 accumulation)
-
-
-def fingerprint_pairs(first: int, data: bytes, indices):
-    """The (index, sum, sum of squares) of a FINGERPRINTS record's values: indices run from
-    ``first`` when ``indices`` is None, else are its packed u32s. A NaN sum of squares means
-    none (the reader turns it into None). Bytes past the last whole pair are ignored."""
-    n = len(data) // FP_PAIR.size
-    idx = range(first, first + n) if indices is None else struct.unpack(f"<{n}I", indices[:4 * n])
-    return ((i, s, q) for i, (s, q) in zip(idx, FP_PAIR.iter_unpack(data[:n * FP_PAIR.size])))
+# Collective slots: "input.0" ..., "output.0" ... (point names: tensor_trace/format/points.py)
 
 
 def chunk(payload: bytes) -> bytes:

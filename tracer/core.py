@@ -154,7 +154,7 @@ class Tracer:
         integrations.apply_loaded()
         self.graphs = GraphTracker(self)
         self.graphs.install()
-        intercept.install_global_hooks(self)
+        self.install_interception()
         self.enabled = True
         if not self._fork_registered:
             os.register_at_fork(before=self._before_fork, after_in_parent=self._after_fork_parent,
@@ -221,7 +221,7 @@ class Tracer:
 
     def _stop(self, reason: str) -> None:
         self.enabled = False
-        intercept.remove_global_hooks(self)
+        self.remove_interception()
         for handles in list(self.roots.values()):
             for h in handles:
                 h.remove()
@@ -265,6 +265,31 @@ class Tracer:
         writer.add((schema.END, dict(reason=reason, stats=dict(self.stats))))
         writer.close()
         self.writer = None
+
+    # ------------------------------------------------------------------ modules and interception
+    def install_interception(self) -> None:
+        """Intercept every module call (tracer/intercept.py), while steps are traced."""
+        intercept.install_global_hooks(self)
+
+    def remove_interception(self) -> None:
+        intercept.remove_global_hooks(self)
+
+    def set_quiet_hooks(self, quiet: bool) -> None:
+        """The lineage-quiet hook bodies (a step that records lineage) or the plain ones."""
+        intercept.set_quiet_hooks(self, quiet)
+
+    def record_module_attrs(self, root) -> None:
+        """Write what a framework integration says of each named module (MODULE_ATTRS)."""
+        from tensor_trace.tracer import integrations
+
+        writer = None
+        for sub in root.modules():
+            entries = naming.entries_of(self, sub)
+            attrs = integrations.module_attrs(sub) if entries else None
+            if attrs:
+                writer = writer or self.ensure_writer()
+                for entry in entries:
+                    writer.add((schema.MODULE_ATTRS, writer.module(entry[0], entry[1]), attrs))
 
     def hook_count(self) -> int:
         """How many hooks this tracer holds now (a stopped tracer holds none)."""

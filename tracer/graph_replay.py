@@ -1,8 +1,8 @@
 """Replay steps: a CUDA-graph replay of traced captures, recorded as a step (or part of one).
 
-tracer/cuda_graphs.py finds captures and replays; this module is what the tracer writes for
-them: a captured step's fingerprint kernels handed to its graph, and for each replay the
-REPLAY records that point at the captured steps' spans, with fresh fingerprints. Every
+tracer/cuda_graphs.py finds captures and replays (a captured step hands its fingerprint kernels
+to its graph at its end, tracer/steps.py); this module is what the tracer writes for each
+replay: the REPLAY records that point at the captured steps' spans, with fresh fingerprints. Every
 function takes the tracer first.
 """
 
@@ -16,19 +16,6 @@ from tensor_trace.tracer import steps
 
 _now = time.monotonic_ns
 _get_ident = threading.get_ident
-
-
-def end_captured_step(t, step: int) -> None:
-    """The step that just ended was captured into a CUDA graph: its fingerprint kernels go into
-    the graph, and the graph remembers the step for its replays."""
-    from tensor_trace.tracer.cuda_graphs import CapturedStep
-
-    fps = t.fps.finish_capture()  # also ends begin_capture's settings
-    if not t.fp_now:
-        fps = None
-    if t.graphs is not None and t.graphs.capturing is not None:
-        path, cls, attrs = t.step_info
-        t.graphs.add_captured(CapturedStep(step, (path, cls), attrs, t.span_count, t.coll_count, fps))
 
 
 def run_replay(t, captured: list, fn, *args, **kwargs):

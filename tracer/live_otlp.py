@@ -3,33 +3,32 @@
 The rank file stays the record of truth; this is a copy for the team's tracing backend. The
 writer hands each flushed batch of records (once a second) to ``LiveOTLP.offer``, which only
 appends to a bounded queue and, when it is full, drops the batch and counts its spans: a forward
-never waits for the network. A daemon thread resolves the records (the same intern tables the
-reader keeps) into OpenTelemetry spans and sends them with opentelemetry-sdk's OTLP exporter.
+never waits for the network. A daemon thread resolves the records (the format layer's
+``RecordResolver``, as the reader and the merge use it) into OpenTelemetry spans and sends them
+with opentelemetry-sdk's OTLP exporter.
 What was sent and dropped is reported once at exit and kept in the rank file's END record.
 
-The mapping (a resource per process, one trace per step from the run id and the step, span per
-module call and per collective) is the one of ``tensor-trace export otlp``; verdicts need every
-rank, so live spans carry shapes and dtypes but no placement.
+The mapping (``tensor_trace.format.otlp_spans``: a resource per process, one trace per step from
+the run id and the step, a span per module call and per collective) is the one of ``tensor-trace
+export otlp``, ids and attributes alike; what needs the merged store (placement verdicts, a
+collective's issuing module, device time) is the export's alone.
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
 import os
 import socket
 import sys
 import threading
 
 from tensor_trace import schema
+from tensor_trace.format import otlp_spans
+from tensor_trace.format.otlp_spans import COLLECTIVE_SPAN, MODULE_SPAN
+from tensor_trace.format.records import RecordResolver, decode
 
 QUEUE_BATCHES = 64  # flushed batches waiting for the network; past that they are dropped
 SEND_BATCH = 512
-
-
-def _id(nbytes: int, *parts) -> int:
-    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:nbytes], "big") or 1
 
 
 class LiveOTLP:
@@ -50,12 +49,8 @@ class LiveOTLP:
         self._thread = None
         self._exporter = None
         self.identity: dict = {}
-        # resolver state (as a reader keeps it)
-        self.strings: dict = {}
-        self.metas: dict = {}
-        self.layouts: dict = {}
-        self.steps: dict = {}
-        self.groups: dict = {}
+        self.resolver = RecordResolver()
+        self.steps: dict = {}  # step -> (mono_ns at its start, its span attributes)
 
     # -- hot side: called from the writer, never blocks ---------------------------------------
     def offer(self, records: list) -> None:
@@ -131,65 +126,58 @@ class LiveOTLP:
         flags = TraceFlags(TraceFlags.SAMPLED)
         to_wall = (self.header.get("wall_ns") or 0) - (self.header.get("mono_ns") or 0)
         scope = InstrumentationScope("tensor-trace", "live")
-        strings, metas, layouts, steps = self.strings, self.metas, self.layouts, self.steps
+        resolver, steps, run_id = self.resolver, self.steps, self.run_id
+        host, pid = self.header.get("host"), self.header.get("pid")
+        strings = resolver.strings
         resource = self._resource(Resource)
+
+        def context(step, kind, index):
+            return SpanContext(otlp_spans.trace_id(run_id, step),
+                               otlp_spans.span_id(run_id, host, pid, step, kind, index), False, flags)
+
+        def tensors(layout_id):
+            return [(slot, meta.shape, meta.dtype) for slot, meta in resolver.tensors(layout_id)]
+
         for rec in records:
             kind = rec[0]
-            if kind == schema.STRING:
-                strings[rec[1]] = rec[2]
-            elif kind == schema.META:
-                metas[rec[1]] = (rec[2], strings.get(rec[3], "?"))
-            elif kind == schema.LAYOUT:
-                layouts[rec[1]] = [(strings.get(s, "?"), *metas.get(m, ([], "?"))) for s, m in rec[2]]
+            if kind == schema.SPAN or kind == schema.COLLECTIVE:
+                r = decode(rec)
+                begin = steps.get(r.step)
+                if begin is None:
+                    continue
+                if kind == schema.SPAN:
+                    path = strings.get(r.path, "?")
+                    name, attrs = otlp_spans.module_span(path, resolver.modules.get(path), r.call, r.flags,
+                                                         tensors(r.layout), begin[1])
+                    ctx = context(r.step, MODULE_SPAN, r.index)
+                else:
+                    group = resolver.groups.get(r.group)
+                    name, attrs = otlp_spans.collective_span(
+                        strings.get(r.op, "?"), strings.get(r.reduce_op, "?") if r.reduce_op >= 0 else None,
+                        group.name if group else "?", group.ranks if group else [], r.seq, r.bytes,
+                        tensors(r.layout), begin[1])
+                    ctx = context(r.step, COLLECTIVE_SPAN, r.index)
+                start = begin[0] + to_wall + r.t0
+                out.append(ReadableSpan(name=name, context=ctx,
+                                        parent=context(r.step, MODULE_SPAN, r.parent) if r.parent >= 0 else None,
+                                        resource=resource, attributes=attrs, kind=SpanKind.INTERNAL,
+                                        start_time=start, end_time=start + r.dur, instrumentation_scope=scope))
+            elif resolver.define(rec):
+                pass
             elif kind == schema.STEP_BEGIN:
-                steps[rec[1]] = (rec[3], rec[4] or {})
-            elif kind == schema.GROUP:
-                self.groups[rec[1]] = (rec[2], rec[3])
+                begin = decode(rec)
+                steps[begin.step] = (begin.mono_ns, otlp_spans.step_attributes(begin.step, begin.attrs or {}))
             elif kind == schema.IDENTITY:
                 self.identity = dict(rec[1])
                 resource = self._resource(Resource, refresh=True)
-            elif kind in (schema.SPAN, schema.COLLECTIVE):
-                step = rec[1]
-                begin = steps.get(step)
-                if begin is None:
-                    continue
-                tid = _id(16, "trace", self.run_id, step)
-                me = "m" if kind == schema.SPAN else "c"
-                pid = self.header.get("pid")
-                ctx = SpanContext(tid, _id(8, "span", self.run_id, pid, step, me, rec[2]), False, flags)
-                parent = (SpanContext(tid, _id(8, "span", self.run_id, pid, step, "m", rec[3]), False, flags)
-                          if rec[3] >= 0 else None)
-                start = begin[0] + to_wall + (rec[6] if kind == schema.SPAN else rec[8])
-                dur = rec[7] if kind == schema.SPAN else rec[9]
-                slots = layouts.get(rec[8] if kind == schema.SPAN else rec[10], [])
-                attrs = {"step": step, "tensor.shape": [str(list(s[1])) for s in slots],
-                         "tensor.dtype": [s[2] for s in slots], "tensor.slot": [s[0] for s in slots]}
-                for k, v in begin[1].items():
-                    if isinstance(v, (str, int, float, bool)):
-                        attrs[f"step.{k}"] = v
-                if kind == schema.SPAN:
-                    name = strings.get(rec[4], "?") or "<root>"
-                    attrs.update({"module.path": strings.get(rec[4], "?"), "module.call": rec[5]})
-                else:
-                    name = strings.get(rec[4], "?")
-                    gname, granks = self.groups.get(rec[6], ("?", []))
-                    attrs.update({"collective.op": name, "collective.group.name": gname,
-                                  "collective.group.ranks": list(granks), "collective.seq": rec[7],
-                                  "collective.bytes": rec[15]})
-                    if rec[5] >= 0:
-                        attrs["collective.reduce_op"] = strings.get(rec[5], "?")
-                out.append(ReadableSpan(name=name, context=ctx, parent=parent, resource=resource,
-                                        attributes=attrs, kind=SpanKind.INTERNAL, start_time=start,
-                                        end_time=start + dur, instrumentation_scope=scope))
         return out
 
     def _resource(self, resource_cls, refresh: bool = False):
         if refresh or not hasattr(self, "_res"):
-            attrs = {"service.name": "tensor-trace", "host.name": self.header.get("host") or socket.gethostname(),
-                     "process.pid": self.header.get("pid") or os.getpid(), "tensor_trace.run_id": self.run_id}
-            for key in ("rank", "tp_rank", "world_size"):
-                if self.identity.get(key) is not None:
-                    attrs[f"tensor_trace.{key}"] = self.identity[key]
+            ident = self.identity
+            attrs = otlp_spans.resource_attributes(
+                self.run_id, self.header.get("host") or socket.gethostname(), self.header.get("pid") or os.getpid(),
+                ident.get("rank"), ident.get("tp_rank"), ident.get("world_size"))
             self._res = resource_cls(attrs)  # not .create(): its detectors need a thread pool, gone at exit
         return self._res
 

@@ -49,20 +49,6 @@ def name_root(t, module) -> None:
             t.shared[sub] = (held[0][2], tuple(e for _, _, e in held), by_holder)
 
 
-def record_module_attrs(t, root) -> None:
-    """Write what a framework integration says of each named module (MODULE_ATTRS)."""
-    from tensor_trace.tracer import integrations
-
-    writer = None
-    for sub in root.modules():
-        entries = entries_of(t, sub)
-        attrs = integrations.module_attrs(sub) if entries else None
-        if attrs:
-            writer = writer or t.ensure_writer()
-            for entry in entries:
-                writer.add((schema.MODULE_ATTRS, writer.module(entry[0], entry[1]), attrs))
-
-
 def entries_of(t, module) -> list:
     """The entries of every path of a named module (one, unless it is shared)."""
     sites = t.shared.get(module)

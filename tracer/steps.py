@@ -19,7 +19,7 @@ import time
 import torch
 
 from tensor_trace import schema
-from tensor_trace.tracer import intercept, naming, native, spans
+from tensor_trace.tracer import naming, native, spans
 
 _get_ident = threading.get_ident
 _now = time.monotonic_ns
@@ -36,7 +36,7 @@ def adopt_root(t, module, hooks: bool = True) -> None:
                                      always_call=True),
     ] if hooks else []
     naming.name_root(t, module)
-    naming.record_module_attrs(t, module)
+    t.record_module_attrs(module)
     if t.fingerprint and not is_capturing():
         naming.record_parameters(t, module)
 
@@ -120,10 +120,10 @@ def begin_step(t, root, args) -> None:
         t.tracing_step = False
         t.stats["steps_skipped"] += 1
         if t.global_handles:
-            intercept.remove_global_hooks(t)
+            t.remove_interception()
         return
     if not t.global_handles:
-        intercept.install_global_hooks(t)
+        t.install_interception()
     t.ensure_writer()
     if t.native_pending:
         _poll_native(t)
@@ -152,7 +152,7 @@ def begin_step(t, root, args) -> None:
     spans.push_root(t, root, args, entry, t0)
     if t.lineage is not None and _lineage_due(t, entry[0], attrs):
         t.lineage.begin_step()
-        intercept.set_quiet_hooks(t, True)
+        t.set_quiet_hooks(True)
 
 
 def _poll_native(t) -> None:
@@ -228,15 +228,13 @@ def end_step(t, error: bool = False, result=None, kwargs=None) -> None:
             # also when recording it failed: a lineage mode left on would stay on the
             # program's torch function stack for good, under the next step's
             t.lineage.end_step()
-            intercept.set_quiet_hooks(t, False)
+            t.set_quiet_hooks(False)
     if t.tracing_step:
         if t.collectives is not None:
             t.collectives.end_step()
         t.writer.add((schema.STEP_END, step, t.now(), t.span_count, t.coll_count))
         if t.capturing:
-            from tensor_trace.tracer import graph_replay
-
-            graph_replay.end_captured_step(t, step)
+            _end_captured_step(t, step)
         elif t.fp_now:
             t.fps.finish_step(step)
             for rec in t.fps.collect():
@@ -256,7 +254,20 @@ def end_step(t, error: bool = False, result=None, kwargs=None) -> None:
     t.tracing_step = False
     t.capturing = False
     if not t.config.in_window(step + 1) and t.global_handles:
-        intercept.remove_global_hooks(t)
+        t.remove_interception()
+
+
+def _end_captured_step(t, step: int) -> None:
+    """The step that just ended was captured into a CUDA graph: its fingerprint kernels go into
+    the graph, and the graph remembers the step for its replays (tracer/graph_replay.py)."""
+    from tensor_trace.tracer.cuda_graphs import CapturedStep
+
+    fps = t.fps.finish_capture()  # also ends begin_capture's settings
+    if not t.fp_now:
+        fps = None
+    if t.graphs is not None and t.graphs.capturing is not None:
+        path, cls, attrs = t.step_info
+        t.graphs.add_captured(CapturedStep(step, (path, cls), attrs, t.span_count, t.coll_count, fps))
 
 
 def _root_call_frame():

@@ -25,6 +25,7 @@ from tensor_trace.exporters.analysis.evidence import key_item
 from tensor_trace.exporters.analysis.step_view import REDUCE_SCATTER, StepView, coll_desc, coll_json
 from tensor_trace.exporters.analysis.tolerance import all_equal, linked
 from tensor_trace.exporters.analysis.verdicts import StoreContext, sample_steps, tp_groups_with_size
+from tensor_trace.format.points import CAPTURE_PREFIX, full_name
 
 _FLOAT = ("float", "bfloat")
 _CONCAT_OPS = ("cat", "concat", "stack", "hstack", "vstack")
@@ -88,7 +89,7 @@ def _collective_findings(con, points) -> list:
             p0 = procs[0]
 
             def name(key):
-                return names.get(key) or f"{key[0]}#{key[1]}:{key[2]}"
+                return names.get(key) or full_name(*key)
 
             for c in view.coll_list:
                 where = (c.module, c.op, c.group_name, _position(view, c))
@@ -204,7 +205,7 @@ def _capture_findings(con, points) -> list:
 
     out, reported = [], set()
     for p in points.values():
-        if not p["module"].startswith("capture:"):
+        if not p["module"].startswith(CAPTURE_PREFIX):
             continue
         why = partial_inside(p["point"])
         if why is not None:

@@ -33,6 +33,7 @@ import math
 
 from tensor_trace.errors import NoAnswer
 from tensor_trace.exporters.analysis.compare_steps import Side, pair_steps, parse_steps
+from tensor_trace.exporters.analysis.compare_vector import PairColumns
 from tensor_trace.exporters.analysis.tolerance import eps
 
 SAME, DIFFERS, NOT_COMPARABLE, ONLY_A, ONLY_B = "same", "differs", "not comparable", "only in A", "only in B"
@@ -179,9 +180,10 @@ def _fmt(w: Whole) -> str:
     return f"sum {w.s:.6g}{q} ({w.how}, {list(w.shape)} {w.dtype})"
 
 
-def compare(con_a, con_b, pattern: str | None = None, steps=None) -> dict:
+def compare(con_a, con_b, pattern: str | None = None, steps=None, vector: bool = True) -> dict:
     """The contract's ``compare`` object: ``first_divergence``, ``points``, ``tolerance``
-    (plus ``steps``, the pairs compared, and ``unpaired``)."""
+    (plus ``steps``, the pairs compared, and ``unpaired``). ``vector``: settle the plain points
+    of aligned steps by columns (``compare_vector``; the same results), else point by point."""
     a, b = Side(con_a, "A"), Side(con_b, "B")
     explicit = parse_steps(steps)
     pairs, left_a, left_b = pair_steps(a, b, explicit)
@@ -200,9 +202,10 @@ def compare(con_a, con_b, pattern: str | None = None, steps=None) -> dict:
     results: dict = {}  # key -> dict
     first = None
     matched: dict = {}  # (plan A, plan B) -> the points of both, with what the fast path needs
+    vectors: dict = {}  # (plan A, plan B) -> their common points by columns (compare_vector)
     sel = wanted if pattern else None
     for pair_i, (sa, sb) in enumerate(pairs):
-        da, db = a.read_step(sa, sel), b.read_step(sb, sel)
+        da, db = a.read_step(sa, sel, vector), b.read_step(sb, sel, vector)
         fast = da.aligned and db.aligned
         plan_key = (id(da.plan), id(db.plan)) if fast else None
         m = matched.get(plan_key) if fast else None
@@ -221,14 +224,24 @@ def compare(con_a, con_b, pattern: str | None = None, steps=None) -> dict:
             _result(results, key, da, db)["in_a"] = True
         for key in only_b:
             _result(results, key, da, db)["in_b"] = True
-        cols_a, cols_b = da.cols, db.cols
-        for key, ia, ib, cat_a, cat_b, numel, t in common:
+        entries = common
+        if m is not None and da.values is not None and db.values is not None:
+            vec = vectors.get(plan_key)
+            if vec is None:
+                for key, *_ in common:  # as the loop below does for each point it is handed
+                    r = results.get(key)
+                    if r is None or not r["in_b"] or not r["in_a"]:
+                        r = _result(results, key, da, db)
+                        r["in_a"] = r["in_b"] = True
+                vec = vectors[plan_key] = PairColumns(common, results)
+            entries = [common[i] for i in vec.settle(da.values, db.values)]
+        for key, ia, ib, cat_a, cat_b, numel, t in entries:
             r = results.get(key)
             if r is None or not r["in_b"] or not r["in_a"]:
                 r = _result(results, key, da, db)
                 r["in_a"] = r["in_b"] = True
             if cat_a is not SLOW and cat_b is not SLOW:
-                wa, wb = _fast_whole(cols_a, ia, cat_a), _fast_whole(cols_b, ib, cat_b)
+                wa, wb = _fast_whole(da.cols, ia, cat_a), _fast_whole(db.cols, ib, cat_b)
                 if wa is not None and wb is not None:
                     err = _fast_err(wa, wb, numel)
                     if err <= t:

@@ -14,10 +14,11 @@ import json
 import struct
 from itertools import chain
 
-from tensor_trace import schema
 from tensor_trace.errors import BadInput
+from tensor_trace.exporters.analysis.compare_vector import StepColumns, read_columns
 from tensor_trace.exporters.analysis.tolerance import eps
 from tensor_trace.exporters.analysis.verdicts import tp_groups_with_size
+from tensor_trace.format.fingerprints import FP_PAIR
 
 
 class Side:
@@ -62,11 +63,11 @@ class Side:
         ent = self.points.get(key)
         return ent[1] if ent else "unknown"
 
-    def read_step(self, step: int, wanted=None) -> "StepData":
-        """Every wanted point of one step on every process of the group."""
+    def read_step(self, step: int, wanted=None, vector: bool = False) -> "StepData":
+        """Every wanted point of one step on every process of the group; ``vector``: its
+        values by columns as well (``compare_vector.StepColumns``)."""
         con = self.con
-        size = schema.FP_PAIR.size
-        plans, cols = [], []
+        plans, raw = [], []
         ranges = dict((p, (f, l)) for p, f, l in con.execute(
             "SELECT proc, span_first, span_last FROM steps WHERE step=?", (step,)))
         for proc in self.procs:
@@ -90,27 +91,38 @@ class Side:
                 bases = con.execute("SELECT fp_pre, fp_post FROM spans WHERE rowid BETWEEN ? AND ? "
                                     "AND step=?", (rng[0], rng[1], step)).fetchall()
                 got = plan.refs[fp_sums] = plan.resolve(bases)
-            refs, largest = got
-            vals: list = [None] * (largest + 2)
-            top = len(vals) - 1  # the last entry stays None: where a slot without values points
-            for first, data, indices in con.execute(
-                    "SELECT first, data, indices FROM fingerprints WHERE step=? AND proc=?", (step, proc)):
-                n = len(data) // size
-                flat = struct.unpack(f"<{2 * n}f", data[:n * size])
-                pairs_ = zip(flat[0::2], flat[1::2])
-                if indices is None:
-                    if first + n > top:
-                        vals[top:] = [None] * (first + n - top + 1)
-                        top = len(vals) - 1
-                    vals[first:first + n] = pairs_
-                else:
-                    for i, v in zip(struct.unpack(f"<{n}I", indices[:4 * n]), pairs_):
-                        if i < top:
-                            vals[i] = v
-            vals[-1] = None
+            rows = con.execute("SELECT first, data, indices FROM fingerprints WHERE step=? AND proc=?",
+                               (step, proc)).fetchall()
             plans.append(plan)
-            cols.append(list(map(vals.__getitem__, refs)))
-        return StepData(self, step, plans, cols)
+            raw.append((rows, got))
+        if vector:
+            by_proc = [read_columns(rows, refs, largest, plan.sources.setdefault(id(refs), {}))
+                       for (rows, (refs, largest)), plan in zip(raw, plans)]
+            if None not in by_proc:
+                return StepData(self, step, plans, None, StepColumns(*map(list, zip(*by_proc))))
+        return StepData(self, step, plans, [_column(rows, refs, largest) for rows, (refs, largest) in raw])
+
+
+def _column(rows, refs: list, largest: int) -> list:
+    """One process's values of a step in its plan's slot order: (sum, sumsq) or None."""
+    size = FP_PAIR.size
+    vals: list = [None] * (largest + 2)
+    top = len(vals) - 1  # the last entry stays None: where a slot without values points
+    for first, data, indices in rows:
+        n = len(data) // size
+        flat = struct.unpack(f"<{2 * n}f", data[:n * size])
+        pairs_ = zip(flat[0::2], flat[1::2])
+        if indices is None:
+            if first + n > top:
+                vals[top:] = [None] * (first + n - top + 1)
+                top = len(vals) - 1
+            vals[first:first + n] = pairs_
+        else:
+            for i, v in zip(struct.unpack(f"<{n}I", indices[:4 * n]), pairs_):
+                if i < top:
+                    vals[i] = v
+    vals[-1] = None
+    return list(map(vals.__getitem__, refs))
 
 
 _STRUCTURE_SQL = ("SELECT COUNT(*), SUM(((rowid - ?) % 65536 * 65537 + module_id % 65536) * 8191 "
@@ -158,8 +170,7 @@ class Plan:
                     for side_, offs in ((0, pre), (1, post)) for o in offs]
         self.index = {k: i for i, k in enumerate(keys)}
         self.refs: dict = {}  # the spans' fingerprint bases -> resolve(...)
-        self.fast: dict = {}  # per side: key -> (kind, whole numel) for the fast path
-
+        self.sources: dict = {}  # id of a resolve(...)'s refs -> compare_vector.read_columns' known
 
     def resolve(self, bases) -> list:
         """Each slot's fingerprint index (-1: none) from its span's (input, output) bases, and
@@ -172,8 +183,9 @@ class Plan:
 class StepData:
     """One step of one side: its plans and values per process."""
 
-    def __init__(self, side, step, plans, cols):
-        self.side, self.step, self.plans, self.cols = side, step, plans, cols
+    def __init__(self, side, step, plans, cols, values=None):
+        self.side, self.step, self.plans, self._cols = side, step, plans, cols
+        self.values = values  # compare_vector.StepColumns, or None: ``cols`` only
         first = plans[0]
         combo = tuple(map(id, plans))
         aligned = side._aligned.get(combo)
@@ -186,6 +198,13 @@ class StepData:
             self.keys = list(dict.fromkeys(k for p in plans for k in p.keys))
         else:
             self.keys = first.keys
+
+    @property
+    def cols(self) -> list:
+        """Per process, per slot of its plan: (sum, sumsq) or None."""
+        if self._cols is None:
+            self._cols = self.values.columns()
+        return self._cols
 
     def per(self, key) -> list:
         """[(shape, dtype, fp) or None] per process of ``key``."""

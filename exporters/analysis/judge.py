@@ -8,8 +8,9 @@ import bisect
 
 from tensor_trace.exporters.analysis import rules
 from tensor_trace.exporters.analysis.evidence import Verdict, item
-from tensor_trace.exporters.analysis.step_view import GATHER, REDUCING, point_name
+from tensor_trace.exporters.analysis.step_view import GATHER, REDUCING
 from tensor_trace.exporters.analysis.tolerance import Observed, fp_equal, linked, sum_tol
+from tensor_trace.format.points import is_output, point_name
 
 _LINKED_OPS = REDUCING | GATHER
 
@@ -29,7 +30,7 @@ class Point:
         self.tref = self.ts[0] if self.ts else None
         self.items: list = []
         self.equal = None
-        self.is_output = self.slot.startswith("output")
+        self.is_output = is_output(self.slot)
         self._links = None
 
     @property

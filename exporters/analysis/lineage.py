@@ -25,6 +25,10 @@ from __future__ import annotations
 import json
 
 from tensor_trace.errors import NoAnswer
+from tensor_trace.exporters.store.points import capture_info, find_point
+from tensor_trace.format.fingerprints import decode_fingerprints
+from tensor_trace.format.lineage_refs import REF_NODE, REF_SLOT, REF_UNKNOWN, REF_VALUES, with_step
+from tensor_trace.format.points import CAPTURE_PREFIX, is_input, is_output, parse_point
 from tensor_trace.exporters.analysis.contracts import (CONTRACT_FORMAT, compare, load_contract,  # noqa: F401
                                              make_contract)
 
@@ -105,7 +109,7 @@ class _Resolver:
             return None
         op, attrs, inputs, shape = row
         # A fingerprint index is one of the node's step: the step goes with it.
-        inputs = [r + [step] if r[0] == 2 and len(r) == 3 else r for r in json.loads(inputs)]
+        inputs = [with_step(r, step) for r in json.loads(inputs)]
         return op, json.loads(attrs) if attrs else {}, inputs, json.loads(shape)
 
     def slot_src(self, step, span, slot_i):
@@ -115,22 +119,17 @@ class _Resolver:
         return json.loads(row[0]) if row else None
 
     def view(self):
-        """This process's view of the step (placement.StepView) and its fingerprints by index."""
+        """This process's view of the step (step_view.StepView) and its fingerprints by index."""
         from tensor_trace.exporters.analysis import step_view as sv
 
         if self._view is None:
-            import struct
-
             layouts = {lid: json.loads(s) for lid, s in self.con.execute("SELECT layout_id, slots FROM layouts")}
             rank_of = {p: (r if r is not None else 0) for p, r in self.con.execute("SELECT proc, rank FROM processes")}
             self._view = sv.StepView(self.con, self.step, [self.proc], layouts, self.modules, rank_of)
             self._fps = {}
             for first, data, indices in self.con.execute(
                     "SELECT first, data, indices FROM fingerprints WHERE proc=? AND step=?", (self.proc, self.step)):
-                n = len(data) // 8
-                idx = range(first, first + n) if indices is None else struct.unpack(f"<{n}I", indices[:4 * n])
-                for i, pair in zip(idx, struct.iter_unpack("<ff", data[:8 * n])):
-                    self._fps[i] = pair
+                decode_fingerprints(first, data, indices, self._fps)
         return self._view
 
     def by_values(self, fp_index, shape, before=None) -> dict | None:
@@ -145,7 +144,7 @@ class _Resolver:
         best = None
         for key, obs in view.points.items():
             t = obs.get(self.proc)
-            if t is None or t.fp is None or not key[2].startswith("output"):
+            if t is None or t.fp is None or not is_output(key[2]):
                 continue
             probe = tol.Observed(shape, t.dtype, fp)
             if t.numel == probe.numel and tol.fp_equal(t, probe):
@@ -200,14 +199,14 @@ def _follow(res: _Resolver, ref, depth=0):
     while depth < MAX_DEPTH:
         depth += 1
         kind = ref[0]
-        if kind == 0:
+        if kind == REF_SLOT:
             leaf = res.leaf(ref[1], ref[2], ref[3])
             leaf["at"] = (ref[1], ref[2], ref[3])
             inner = _enter(res, (ref[1], ref[2], ref[3]), depth)
             if inner is not None:
                 return inner[0], inner[1], via + inner[2], inside + [leaf["point"]] + inner[3]
             return "leaf", leaf, via, inside
-        if kind == 2:
+        if kind == REF_VALUES:
             hit = (res.at_step(ref[3]) if len(ref) > 3 else res).by_values(ref[1], ref[2])
             if hit is None:
                 return "unknown", _placeholder(f"<unrecorded tensor {ref[2]}>"), via, inside
@@ -216,7 +215,7 @@ def _follow(res: _Resolver, ref, depth=0):
             if inner is not None:
                 return inner[0], inner[1], via + inner[2], inside + [hit["point"]] + inner[3]
             return "leaf", hit, via, inside
-        if kind == 3:
+        if kind == REF_UNKNOWN:
             return "unknown", _placeholder(f"<unrecorded tensor {ref[1]}>"), via, inside
         node = res.node(ref[1], ref[2])
         if node is None:
@@ -250,7 +249,7 @@ def _enter(res, at, depth):
     inner = _follow(res, ref, depth)
     if inner[0] == "node" and inner[1].family in _LAID_OUT:
         return inner
-    if inner[0] == "leaf" and str(inner[1].get("module", "")).startswith("capture:"):
+    if inner[0] == "leaf" and str(inner[1].get("module", "")).startswith(CAPTURE_PREFIX):
         # A module output that is a named capture passed on (cloned, viewed): SGLang's model
         # returns its EAGLE-3 captures as a list of copies. The capture names it better.
         return inner
@@ -264,7 +263,7 @@ def _pack(res, ref):
     base = None
     r = ref
     while len(writes) < MAX_WRITES:
-        node = res.node(r[1], r[2]) if r[0] == 1 else None
+        node = res.node(r[1], r[2]) if r[0] == REF_NODE else None
         if node is None or "into" not in node[1]:
             base = r
             break
@@ -361,9 +360,9 @@ def _captured(res, leaf: dict) -> dict | None:
     in order (one for a module output captured as is, e.g. ``model.embed_tokens:output``; the
     inputs of the op that made it otherwise, e.g. a decoder layer's two outputs summed into the
     residual stream). None for another point, or where nothing recorded made the tensor."""
-    module = leaf.get("module") or leaf.get("point", "").split(":output")[0]
+    module = leaf.get("module") or parse_point(leaf.get("point", "")).module
     at = leaf.get("at")
-    if not str(module).startswith("capture:") or at is None:
+    if not str(module).startswith(CAPTURE_PREFIX) or at is None:
         return None
     ref = res.slot_src(*at)
     if ref is None:
@@ -376,7 +375,6 @@ def _captured(res, leaf: dict) -> dict | None:
                    via=list(reversed(via)))
     else:
         return None
-    from tensor_trace.exporters.query import capture_info
 
     info = capture_info(res.con, module) or {}
     if info.get("what"):
@@ -418,8 +416,6 @@ def _find(con, mid, call, slot):
 
 def lineage(con, point: str) -> dict:
     """What ``point``'s tensor was built from (see the module docstring)."""
-    from tensor_trace.exporters.query import find_point
-
     p = find_point(con, point)[0]
     module, call, slot = p["module"], p["call"], p["slot"]
     row = con.execute("SELECT module_id FROM modules WHERE path=?", (module,)).fetchone()
@@ -431,7 +427,7 @@ def lineage(con, point: str) -> dict:
     if found is None:
         return out
     res, (span, slot_i), ref = found
-    if ref is None and slot.startswith("input"):
+    if ref is None and is_input(slot):
         # A module input that no watched op built is, as a rule, an earlier call's output: found
         # by its values (same fingerprint), since identity is only written where ops combine.
         hit = _same_values(res, span, slot_i, p)
@@ -520,7 +516,7 @@ def _consumers_of_laid_out(con) -> list[str]:
     out = []
     for key, obs in view.points.items():
         t = obs.get(res.proc)
-        if t is None or t.fp is None or not key[2].startswith("input"):
+        if t is None or t.fp is None or not is_input(key[2]):
             continue
         if any(t.numel == u.numel and tol.fp_equal(t, u) for u in targets):
             hit = res.points.get(key)

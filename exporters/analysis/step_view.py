@@ -6,10 +6,9 @@ from __future__ import annotations
 import bisect
 import collections
 import json
-import math
 
-from tensor_trace import schema
 from tensor_trace.exporters.analysis.tolerance import Observed
+from tensor_trace.format.fingerprints import decode_fingerprints
 
 REDUCING = {"all_reduce", "all_reduce_", "all_reduce_coalesced", "reduce", "reduce_scatter",
             "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base",
@@ -54,9 +53,7 @@ class StepView:
                 "SELECT proc, first, data, indices FROM fingerprints WHERE step=?", (step,)):
             if proc not in fps:
                 continue
-            d = fps[proc]
-            for i, s, q in schema.fingerprint_pairs(first, data, indices):
-                d[i] = (s, None if math.isnan(q) else q)
+            decode_fingerprints(first, data, indices, fps[proc])
         self.points: dict = {}  # (module, call, slot) -> {proc: Observed}
         self.times: dict = {}  # point key -> (ns from step start, span idx, slot idx) on the first proc
         self.span_of: dict = {}  # (proc, idx) -> (module, call, parent)
@@ -174,12 +171,6 @@ class StepView:
                 if len(out) >= limit:
                     break
         return out
-
-
-def point_name(module: str, call: int, slot: str, multi_call: bool) -> str:
-    if module.startswith("capture:"):  # a named capture point is its own name
-        return f"{module}#{call}" if multi_call else module
-    return f"{module}#{call}:{slot}" if multi_call else f"{module}:{slot}"
 
 
 def coll_desc(c: Collective) -> str:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 
 from tensor_trace import schema
 from tensor_trace.exporters.analysis import declared, groups
 from tensor_trace.exporters.analysis.evidence import item, texts
 from tensor_trace.exporters.analysis.judge import Judge
-from tensor_trace.exporters.analysis.step_view import StepView, point_name
+from tensor_trace.exporters.analysis.step_view import StepView
+from tensor_trace.format.fingerprints import decode_fingerprints
+from tensor_trace.format.points import point_name
 
 MAX_SAMPLE_STEPS = 3
 
@@ -21,8 +22,7 @@ def load_params(con) -> dict:
     static = {}
     for proc, first, data, indices in con.execute(
             "SELECT proc, first, data, indices FROM fingerprints WHERE step=?", (schema.PARAMS_STEP,)):
-        for i, s, q in schema.fingerprint_pairs(first, data, indices):
-            static[(proc, i)] = (s, None if math.isnan(q) else q)
+        decode_fingerprints(first, data, indices, static, key=lambda i, proc=proc: (proc, i))
     has_meta = any(r[1] == "meta" for r in con.execute("PRAGMA table_info(params)"))
     out: dict = {}
     for proc, path, name, shape, ref, meta in con.execute(

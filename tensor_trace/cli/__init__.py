@@ -29,7 +29,7 @@ def main():
 
 
 def _register():
-    from tensor_trace.cli import check, compare, contract, export, merge, query, record
+    from tensor_trace.cli import check, compare, contract, export, merge, query, record, report
 
     main.add_command(record.record)
     main.add_command(merge.merge)
@@ -38,6 +38,7 @@ def _register():
     main.add_command(contract.contract)
     main.add_command(compare.compare)
     main.add_command(check.check)
+    main.add_command(report.report)
 
 
 _register()

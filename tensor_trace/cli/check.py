@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from tensor_trace.cli.query import _json, _store, _trace
+from tensor_trace.cli.query import _json, _open, _trace
 from tensor_trace.cli.table import echo_json
 
 
@@ -15,9 +15,7 @@ def check(trace_dir, as_json):
     """Findings that need no second run: double reductions, all_reduces that gather, reductions
     outside the TP group, partial sums captured before their reduction, points divergent across
     ranks, collectives skipped or mismatched. Exit 1 when there are any."""
-    from tensor_trace.exporters.analysis.check import check as run
-
-    findings = run(_store(trace_dir))
+    findings = _open(trace_dir).check()
     if as_json:
         echo_json(findings)
     elif not findings:

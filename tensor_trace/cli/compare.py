@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from tensor_trace.cli.query import _json, _store
+from tensor_trace.cli.query import _json, _open
+from tensor_trace.cli.report import quiet_option
 from tensor_trace.cli.table import echo_json, echo_table
 
 
@@ -16,12 +17,15 @@ from tensor_trace.cli.table import echo_json, echo_table
               help="Pair step A of DIR_A with step B of DIR_B (N: step N of both; A0-A1:B0: a run of "
                    "steps). Default: steps paired by kind (forward mode and tokens), else in order.")
 @_json
-def compare(dir_a, dir_b, pattern, steps, as_json):
+@quiet_option
+def compare(dir_a, dir_b, pattern, steps, as_json, quiet):
     """Compare two traces point by point (any TP sizes): the first point that differs beyond
     the tolerance, then every point's status. Exit 1 when the runs differ."""
-    from tensor_trace.exporters.analysis.compare import DIFFERS, compare as run
+    from tensor_trace import progress
+    from tensor_trace.exporters.analysis.compare import DIFFERS
 
-    res = run(_store(dir_a), _store(dir_b), pattern, steps)
+    progress.set_quiet(quiet)
+    res = _open(dir_a).compare(dir_b, pattern, steps)
     if as_json:
         echo_json(res)
     else:

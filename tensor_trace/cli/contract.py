@@ -6,7 +6,7 @@ import json
 
 import click
 
-from tensor_trace.cli.query import _json, _store, _trace
+from tensor_trace.cli.query import _json, _open, _trace
 from tensor_trace.cli.table import echo_json
 
 
@@ -21,10 +21,7 @@ def contract():
 @_trace
 def save(point, out, trace_dir):
     """Write POINT's lineage (sources in order, modules, shapes per rank, dtypes, placements)."""
-    from tensor_trace.exporters.analysis import lineage as lin
-
-    res = lin.lineage(_store(trace_dir), point)
-    c = lin.make_contract(res)
+    c = _open(trace_dir).contract(point)
     with open(out, "w") as f:
         json.dump(c, f, indent=1)
     click.echo(f"wrote {out}: {c['point']} = {c['op'] or 'no recorded op'} of "
@@ -40,7 +37,7 @@ def check(contract_file, trace_dir, as_json):
     from tensor_trace.exporters.analysis import lineage as lin
 
     c = lin.load_contract(contract_file)
-    res = lin.lineage(_store(trace_dir), c["point"])
+    res = _open(trace_dir).lineage(c["point"])
     problems = lin.compare(c, res)
     if as_json:
         echo_json(dict(point=c["point"], ok=not problems, mismatches=problems,

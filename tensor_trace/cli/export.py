@@ -2,6 +2,8 @@
 
 import click
 
+from tensor_trace.cli.report import quiet_option
+
 
 @click.group()
 def export():
@@ -11,11 +13,14 @@ def export():
 @export.command()
 @click.option("--trace", "trace_dir", default="tensor-trace-out", show_default=True, help="Trace folder.")
 @click.option("-o", "--out", default=None, help="Output file (default DIR/trace.perfetto.json.gz; .gz compresses).")
-def perfetto(trace_dir, out):
+@quiet_option
+def perfetto(trace_dir, out, quiet):
     """Chrome trace-event JSON of all ranks on one aligned timeline (Perfetto UI, chrome://tracing)."""
-    from tensor_trace.exporters.perfetto import export_perfetto
+    import tensor_trace
+    from tensor_trace import progress
 
-    r = export_perfetto(trace_dir, out)
+    progress.set_quiet(quiet)
+    r = tensor_trace.open(trace_dir).export_perfetto(out)
     click.echo(f"wrote {r['events']:,} events ({r['bytes']:,} bytes) to {r['path']}: open it in https://ui.perfetto.dev")
 
 
@@ -25,17 +30,20 @@ def perfetto(trace_dir, out):
               "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT.")
 @click.option("--protocol", type=click.Choice(["grpc", "http"]), default="grpc", show_default=True)
 @click.option("--trace", "trace_dir", default="tensor-trace-out", show_default=True, help="Trace folder.")
-def otlp(endpoint, protocol, trace_dir):
+@quiet_option
+def otlp(endpoint, protocol, trace_dir, quiet):
     """Send the trace to an OpenTelemetry backend: a resource per rank, a trace per step.
     OTEL_EXPORTER_OTLP_* variables (headers, timeout, compression) apply."""
     import os
 
+    import tensor_trace
+    from tensor_trace import progress
     from tensor_trace.errors import BadInput
-    from tensor_trace.exporters.otlp import export_otlp
 
     endpoint = (endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
                 or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
     if not endpoint:
         raise BadInput("export otlp needs --endpoint URL (or OTEL_EXPORTER_OTLP_ENDPOINT)")
-    r = export_otlp(trace_dir, endpoint, protocol)
+    progress.set_quiet(quiet)
+    r = tensor_trace.open(trace_dir).export_otlp(endpoint, protocol)
     click.echo(f"sent {r['spans']:,} spans to {r['endpoint']} over {r['protocol']}")

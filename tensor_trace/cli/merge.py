@@ -2,14 +2,20 @@
 
 import click
 
+from tensor_trace.cli.report import quiet_option
+
 
 @click.command()
 @click.argument("trace_dir", default="tensor-trace-out", required=False)
-def merge(trace_dir):
+@quiet_option
+def merge(trace_dir, quiet):
     """Merge the rank files of DIR into one indexed store (DIR/merged.sqlite)."""
-    from tensor_trace.exporters.merge import merge_ranks, store_path
+    import tensor_trace
+    from tensor_trace import progress
+    from tensor_trace.exporters.pipeline import store_path
 
-    report = merge_ranks(trace_dir)
+    progress.set_quiet(quiet)
+    report = tensor_trace.open(trace_dir).merge()
     click.echo(f"merged {report['processes']} rank file(s), {report['points']} capture points -> "
                f"{store_path(trace_dir)}")
     for off in report["clocks"]:

@@ -11,10 +11,11 @@ _trace = click.option("--trace", "trace_dir", default="tensor-trace-out", show_d
 _json = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 
 
-def _store(trace_dir):
-    from tensor_trace.exporters.merge import open_store
+def _open(trace_dir):
+    """The trace folder through the Python API (``tensor_trace.open``), which the commands wrap."""
+    import tensor_trace
 
-    return open_store(trace_dir)
+    return tensor_trace.open(trace_dir)
 
 
 @click.group()
@@ -29,9 +30,7 @@ def query():
 @_json
 def placement(pattern, trace_dir, step, as_json):
     """Placement and reduction of the points matching PATTERN (a glob; default: all outputs)."""
-    from tensor_trace.exporters import query as q
-
-    pts = q.placement(_store(trace_dir), pattern, step)
+    pts = _open(trace_dir).points(pattern, step)
     if as_json:
         return echo_json(pts)
     echo_table(["point", "placement", "reduction", "shape", "dtype", "evidence"],
@@ -64,9 +63,7 @@ def _key_evidence(p: dict) -> str:
 @_json
 def reduction(point, trace_dir, as_json):
     """Is POINT pre- or post-reduction, and which collective completes or produced it?"""
-    from tensor_trace.exporters import query as q
-
-    r = q.reduction(_store(trace_dir), point)
+    r = _open(trace_dir).reduction(point)
     if as_json:
         return echo_json(r)
     click.echo(f"{r['point']}: {r['verdict']} ({_placement_text(r)})")
@@ -85,9 +82,7 @@ def reduction(point, trace_dir, as_json):
 @_json
 def collectives(pattern, trace_dir, as_json):
     """Collectives per issuing module (PATTERN: a glob over module paths)."""
-    from tensor_trace.exporters import query as q
-
-    rows = q.collectives(_store(trace_dir), pattern)
+    rows = _open(trace_dir).collectives(pattern)
     if as_json:
         return echo_json(rows)
     timed = any(r["device_time_ms"] is not None for r in rows)
@@ -110,9 +105,7 @@ def _per_step(per_step: dict) -> str:
 @_json
 def shapes(point, trace_dir, as_json):
     """Shapes and dtypes of POINT on every rank (a glob is allowed)."""
-    from tensor_trace.exporters import query as q
-
-    rows = q.shapes(_store(trace_dir), point)
+    rows = _open(trace_dir).shapes(point)
     if as_json:
         return echo_json(rows)
     echo_table(["point", "shapes", "dtype", "steps"],
@@ -125,9 +118,7 @@ def shapes(point, trace_dir, as_json):
 @_json
 def lineage(point, trace_dir, as_json):
     """What POINT's tensor was built from: the ordered sources and the op that combined them."""
-    from tensor_trace.exporters.analysis import lineage as lin
-
-    res = lin.lineage(_store(trace_dir), point)
+    res = _open(trace_dir).lineage(point)
     if as_json:
         return echo_json(res)
     echo_lineage(res)
@@ -170,9 +161,7 @@ def echo_lineage(res) -> None:
 @_json
 def diff(dir_a, dir_b, as_json):
     """What changed between two traces: points added, removed, or changed."""
-    from tensor_trace.exporters import query as q
-
-    d = q.diff(_store(dir_a), _store(dir_b))
+    d = _open(dir_a).diff(dir_b)
     if as_json:
         return echo_json(d)
     for p in d["added"]:
@@ -204,7 +193,7 @@ def steps(trace_dir, where, as_json):
         if not eq or not key:
             raise BadInput(f"--where {item!r}: expected KEY=VALUE")
         cond[key] = value
-    rows = q.steps(_store(trace_dir), cond)
+    rows = _open(trace_dir).steps(cond)
     if as_json:
         return echo_json(rows)
     echo_table(["rank", "step", "root", "attrs", "spans", "collectives"],
@@ -219,9 +208,7 @@ def steps(trace_dir, where, as_json):
 @_json
 def sql(text, trace_dir, as_json):
     """Run SQL over the merged store (schema: docs/store-schema.md)."""
-    from tensor_trace.exporters import query as q
-
-    r = q.sql(_store(trace_dir), text)
+    r = _open(trace_dir).sql(text)
     if as_json:
-        return echo_json([dict(zip(r["columns"], row)) for row in r["rows"]])
-    echo_table(r["columns"], r["rows"])
+        return echo_json(r)
+    echo_table(r.columns, r.values)

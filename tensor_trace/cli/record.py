@@ -31,7 +31,7 @@ from tensor_trace.errors import BadInput
 def record(out_dir, modules, exclude, steps, no_fingerprint, no_lineage, lineage_every, intercept,
            otlp_endpoint, replace, cmd):
     """Run CMD with every Python process it starts traced; print a summary; exit with CMD's code."""
-    from tensor_trace.exporters.summary import format_summary, summarize
+    from tensor_trace.exporters.formats.summary import format_summary, summarize
     from tensor_trace.tracer.config import TraceConfig, parse_steps
     from tensor_trace.tracer.launch import prepare_out_dir, run_traced
 

@@ -61,7 +61,7 @@ def test_cuda_kinds_through_the_deferred_paths(tmp_path, monkeypatch, fake_world
     from torch.distributed.tensor import DTensor, Partial, Shard
 
     from tensor_trace import tracer
-    from tensor_trace.exporters.reader import load_rank_file, rank_files
+    from tensor_trace.exporters.store.reader import load_rank_file, rank_files
     from tensor_trace.tracer import native
 
     monkeypatch.setenv("TENSOR_TRACE_NATIVE", "1" if use_native else "0")

@@ -102,7 +102,7 @@ def test_deferred_step_fingerprints_equal_immediate_ones():
     flush) through the one-launch table, against immediate torch reductions of the same tensors."""
     import math
 
-    from tensor_trace import schema
+    from tensor_trace.format.fingerprints import fingerprint_pairs
     from tensor_trace.tracer.fingerprint import StepFingerprints
 
     dev = torch.device("cuda")
@@ -127,7 +127,7 @@ def test_deferred_step_fingerprints_equal_immediate_ones():
         fps.finish_step(0)
         out = {}
         for _, _, first, data, indices in fps.collect(wait=True):
-            out.update({i: (s, q) for i, s, q in schema.fingerprint_pairs(first, data, indices)})
+            out.update({i: (s, q) for i, s, q in fingerprint_pairs(first, data, indices)})
         got[mode] = [(out[a], out[b]) for a, b in refs]  # KeyError: a value missing
         if mode == "deferred":  # (a mid-step flush ends the run of repeats: a new index)
             # deferred: a repeat is the same index (integers are reduced at once: a copy)

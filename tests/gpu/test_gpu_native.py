@@ -13,12 +13,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _values(fps, step):
-    from tensor_trace import schema
+    from tensor_trace.format.fingerprints import fingerprint_pairs
 
     fps.finish_step(step)
     out = {}
     for _, _, first, data, indices in fps.collect(wait=True):
-        out.update({i: (s, q) for i, s, q in schema.fingerprint_pairs(first, data, indices)})
+        out.update({i: (s, q) for i, s, q in fingerprint_pairs(first, data, indices)})
     return out
 
 

@@ -100,7 +100,7 @@ def test_missing_rank_is_a_warning(good, tmp_path):
 
 def test_random_corruption_never_crashes(good, tmp_path):
     from tensor_trace.errors import BadInput
-    from tensor_trace.exporters.merge import merge_ranks
+    from tensor_trace.exporters.pipeline import merge_ranks
 
     rng = random.Random(7)
     src = [os.path.join(good, "ranks", f) for f in sorted(os.listdir(os.path.join(good, "ranks")))]

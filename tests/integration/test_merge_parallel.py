@@ -1,4 +1,4 @@
-"""Merges with worker processes (exporters/merge_workers.py) build the store one process builds,
+"""Merges with worker processes (exporters/store/merge_workers.py) build the store one process builds,
 row for row, on real traces and damaged ones, and leave no worker or part store behind."""
 
 import os
@@ -11,8 +11,8 @@ import time
 import pytest
 
 from tensor_trace.errors import BadInput
-from tensor_trace.exporters import merge_workers
-from tensor_trace.exporters.merge import merge_ranks, store_path
+from tensor_trace.exporters.store import merge_workers
+from tensor_trace.exporters.pipeline import merge_ranks, store_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VENV_BIN = os.path.dirname(sys.executable)
@@ -161,7 +161,7 @@ def test_no_worker_outlives_a_merge_that_fails(tp3, tmp_path):
 def test_a_worker_exits_when_the_merging_process_is_killed(tp3, tmp_path):
     d = copy_ranks(tp3, tmp_path / "t")
     os.mkfifo(os.path.join(d, "ranks", "zz.ttr"))  # keeps the worker busy until it is told to stop
-    code = ("import sys; from tensor_trace.exporters.merge import merge_ranks; "
+    code = ("import sys; from tensor_trace.exporters.pipeline import merge_ranks; "
             "merge_ranks(sys.argv[1], workers=1)")
     merging = subprocess.Popen([sys.executable, "-c", code, d], stderr=subprocess.DEVNULL)
     try:

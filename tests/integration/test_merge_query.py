@@ -175,7 +175,7 @@ def test_step_option_and_staleness(trace):
     out = CliRunner().invoke(main, ["query", "placement", "--trace", str(d), "--step", "99"])
     assert out.exit_code == 1 and "not traced" in out.output
     # A rank file newer than the store makes it stale: the next query merges again.
-    from tensor_trace.exporters.merge import is_stale, store_path
+    from tensor_trace.exporters.store.merge import is_stale, store_path
 
     assert not is_stale(str(d))
     t = os.path.getmtime(store_path(str(d))) - 60

@@ -104,7 +104,7 @@ def _same_prefix(part, full):
 
 
 def test_truncated_copy_reads_as_prefix(killed_run, tmp_path):
-    from tensor_trace.exporters.reader import load_rank_file
+    from tensor_trace.exporters.store.reader import load_rank_file
 
     full = killed_run["traces"][0]
     data = open(full.path, "rb").read()
@@ -135,7 +135,7 @@ def test_truncated_copy_reads_as_prefix(killed_run, tmp_path):
 
 def test_corrupt_middle_chunk_is_skipped(killed_run, tmp_path):
     """A flipped byte in a middle chunk: that chunk is reported corrupt, the rest still reads."""
-    from tensor_trace.exporters.reader import load_rank_file
+    from tensor_trace.exporters.store.reader import load_rank_file
 
     full = killed_run["traces"][0]
     data = bytearray(open(full.path, "rb").read())

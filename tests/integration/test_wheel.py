@@ -9,8 +9,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 MODULES = ["tensor_trace.schema", "tensor_trace.cli", "tensor_trace.cli.record", "tensor_trace.cli.query",
            "tensor_trace.cli.merge", "tensor_trace.tracer.core", "tensor_trace.tracer.collectives",
-           "tensor_trace.tracer.launch", "tensor_trace.tracer.env_start", "tensor_trace.exporters.merge",
-           "tensor_trace.exporters.analysis", "tensor_trace.exporters.analysis.lineage", "tensor_trace.exporters.query", "tensor_trace.exporters.summary"]
+           "tensor_trace.tracer.launch", "tensor_trace.tracer.env_start", "tensor_trace.exporters.store.merge",
+           "tensor_trace.exporters.analysis", "tensor_trace.exporters.analysis.lineage", "tensor_trace.exporters.query", "tensor_trace.exporters.formats.summary",
+           "tensor_trace.exporters.formats.otlp", "tensor_trace.exporters.pipeline", "tensor_trace.format.points",
+           "tensor_trace.tracer.integrations", "tensor_trace.tracer.live_otlp",
+           "tensor_trace.api", "tensor_trace.progress", "tensor_trace.exporters.formats.report"]
 
 
 def test_wheel_installs_and_imports(tmp_path):
@@ -22,6 +25,7 @@ def test_wheel_installs_and_imports(tmp_path):
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"tensor_trace"}, tops  # never a top-level "tracer" or "exporters"
     assert "tensor_trace/tracer/bootstrap/sitecustomize.py" in names
+    assert "tensor_trace/exporters/formats/report.html" in names  # the report's page template
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
                     str(dist / wheel)], check=True, timeout=300)

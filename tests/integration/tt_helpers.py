@@ -133,7 +133,7 @@ def start_record(out_dir, cmd, *options, env=None, **popen_kw) -> subprocess.Pop
 
 def load_traces(out_dir) -> list:
     """Every rank file of a trace folder, resolved, sorted by rank (then pid)."""
-    from tensor_trace.exporters.reader import load_rank_file, rank_files
+    from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 
     traces = [load_rank_file(p) for p in rank_files(str(out_dir))]
     return sorted(traces, key=lambda t: (t.rank is None, t.rank or 0, t.header.get("pid", 0)))

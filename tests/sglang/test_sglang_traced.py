@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from tensor_trace.cli import main
-from tensor_trace.exporters.reader import load_rank_file, rank_files
+from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 
 import tt_sglang_server as server  # noqa: E402  (loaded by conftest.py)
 

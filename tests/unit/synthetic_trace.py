@@ -33,8 +33,10 @@ import struct
 import numpy as np
 
 from tensor_trace import schema
-from tensor_trace.exporters import merge as mg
+from tensor_trace.exporters import pipeline as mg
 from tensor_trace.exporters import query
+from tensor_trace.exporters.store.tables import SCHEMA_SQL
+from tensor_trace.format.fingerprints import FP_PAIR
 from tensor_trace.tracer.writer import RankWriter
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4}
@@ -43,7 +45,7 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8
 def store_has(table: str, column: str) -> bool:
     """Whether the merged store of this checkout has ``table.column``."""
     con = sqlite3.connect(":memory:")
-    con.executescript(mg.SCHEMA_SQL)
+    con.executescript(SCHEMA_SQL)
     cols = {r[1] for r in con.execute(f"PRAGMA table_info({table})")}
     con.close()
     return column in cols
@@ -219,7 +221,7 @@ class SyntheticTrace:
                     call = calls.get(module, -1) + 1
                     calls[module] = call
                     w.add((schema.SPAN, step, idx, parent, w.string(module), call, t0, t - t0, lay,
-                           fp_pre, fp_post, len(inputs), schema.FLAG_NO_FP if no_fp else 0))
+                           fp_pre, fp_post, len(inputs), 0))
                 else:
                     _, op, redop, group, inputs, outputs, attrs = ev
                     gid, granks = self.groups[group]
@@ -275,7 +277,7 @@ class SyntheticTrace:
 
 def _fingerprints(step, fp_rec: dict) -> tuple:
     idx = sorted(fp_rec)
-    data = b"".join(schema.FP_PAIR.pack(*fp_rec[i]) for i in idx)
+    data = b"".join(FP_PAIR.pack(*fp_rec[i]) for i in idx)
     contiguous = idx == list(range(idx[0], idx[0] + len(idx)))
     return (schema.FINGERPRINTS, step, idx[0], data, None if contiguous else struct.pack(f"<{len(idx)}I", *idx))
 

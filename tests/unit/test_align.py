@@ -4,7 +4,7 @@ import json
 import os
 
 from tensor_trace import schema
-from tensor_trace.exporters.merge import merge_ranks
+from tensor_trace.exporters.pipeline import merge_ranks
 from tensor_trace.tracer.writer import RankWriter
 
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from synthetic_trace import SyntheticTrace, arrays, gen, pos, same
 from tensor_trace.cli import main
-from tensor_trace.exporters import merge as mg
+from tensor_trace.exporters import pipeline as mg
 from tensor_trace.exporters.analysis.check import check
 from tensor_trace.exporters.analysis.compare import compare, parse_steps
 from tensor_trace.errors import BadInput

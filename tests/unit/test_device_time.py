@@ -13,8 +13,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tensor_trace import schema, tracer
 from tensor_trace.exporters import query as q
-from tensor_trace.exporters.merge import merge_ranks, open_store
-from tensor_trace.exporters.reader import load_rank_file, rank_files
+from tensor_trace.exporters.pipeline import merge_ranks, open_store
+from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 from tensor_trace.tracer import device_time
 from tensor_trace.tracer.device_time import CollectiveDeviceTimes
 

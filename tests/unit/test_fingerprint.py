@@ -5,14 +5,14 @@ import math
 import pytest
 import torch
 
-from tensor_trace import schema
+from tensor_trace.format.fingerprints import fingerprint_pairs
 from tensor_trace.tracer.fingerprint import StepFingerprints
 
 
 def _values(records):
     out = {}
     for _, step, first, data, indices in records:
-        for i, s, q in schema.fingerprint_pairs(first, data, indices):
+        for i, s, q in fingerprint_pairs(first, data, indices):
             out[(step, i)] = (s, q)
     return out
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tensor_trace import schema, tracer
-from tensor_trace.exporters.reader import load_rank_file, rank_files
+from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 from tensor_trace.tracer import functional
 
 WORLD = 4

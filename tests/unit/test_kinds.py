@@ -15,8 +15,8 @@ import torch.nn as nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tensor_trace import tracer
-from tensor_trace.exporters import merge
-from tensor_trace.exporters.reader import load_rank_file, rank_files
+from tensor_trace.exporters.store import loader, tables
+from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 
 MODES = [("call", "auto"), ("call", "deferred"), ("hooks", "auto"), ("hooks", "deferred")]
 
@@ -257,9 +257,9 @@ def test_dtensor_slots_are_local_with_their_placement(tmp_path, fake_world, inte
 
     # The merge keeps the meta: a slot's fifth element in layouts.slots, params.meta.
     con = sqlite3.connect(":memory:")
-    con.executescript(merge.SCHEMA_SQL)
-    g = merge._Globals(con)
-    merge._FileLoader(con, 0, rank_files(str(tmp_path))[0], g).load()
+    con.executescript(tables.SCHEMA_SQL)
+    g = loader.SharedIds(con)
+    loader.FileLoader(con, 0, rank_files(str(tmp_path))[0], g).load()
     g.write()
     stored = [json.loads(s) for (s,) in con.execute("SELECT slots FROM layouts")]
     assert [["output", [2, 3], "float32", "cpu", shard]] in [[e for e in s if e[0] == "output"] for s in stored]
@@ -362,9 +362,9 @@ def test_meta_written_by_hand_reads_back(tmp_path):
     assert [t.meta for t in span.tensors] == [{"kind": "complex", "fp": "view_as_real"}, dt]
     assert [(p.slot, p.meta) for p in rt.params["lin"]] == [("weight", dt), ("bias", side)]
     con = sqlite3.connect(":memory:")
-    con.executescript(merge.SCHEMA_SQL)
-    g = merge._Globals(con)
-    merge._FileLoader(con, 0, str(path), g).load()
+    con.executescript(tables.SCHEMA_SQL)
+    g = loader.SharedIds(con)
+    loader.FileLoader(con, 0, str(path), g).load()
     g.write()
     (slots,) = con.execute("SELECT slots FROM layouts").fetchone()
     assert json.loads(slots) == [["input.0", [2, 3], "complex64", "cpu", {"kind": "complex", "fp": "view_as_real"}],

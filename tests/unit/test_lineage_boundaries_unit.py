@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from tensor_trace import tracer
 from tensor_trace.exporters.analysis import lineage as lin
-from tensor_trace.exporters.merge import open_store
+from tensor_trace.exporters.pipeline import open_store
 from tensor_trace.tracer.regions import box as _box
 
 H = 4

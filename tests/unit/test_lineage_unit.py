@@ -6,7 +6,7 @@ import torch.nn as nn
 from torch.overrides import _get_current_function_mode_stack
 
 from tensor_trace import schema, tracer
-from tensor_trace.exporters.reader import iter_records, rank_files
+from tensor_trace.exporters.store.reader import iter_records, rank_files
 
 
 class Cat(nn.Module):
@@ -235,7 +235,7 @@ def test_an_output_updated_in_place_later_keeps_its_value_at_return(tmp_path, mo
             m(x)
     finally:
         tracer.stop()
-    from tensor_trace.exporters.reader import load_rank_file
+    from tensor_trace.exporters.store.reader import load_rank_file
 
     rt = load_rank_file(rank_files(str(tmp_path))[0])
     step = rt.steps[0]

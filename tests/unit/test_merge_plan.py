@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tensor_trace.exporters import merge_workers
+from tensor_trace.exporters.store import merge_workers
 
 
 def files_of(tmp_path, sizes):

@@ -7,7 +7,7 @@ import pytest
 
 from tensor_trace import schema
 from tensor_trace.errors import BadInput
-from tensor_trace.exporters.reader import ReadReport, iter_records, load_rank_file
+from tensor_trace.exporters.store.reader import ReadReport, iter_records, load_rank_file
 from tensor_trace.tracer.writer import RankWriter
 
 
@@ -122,7 +122,7 @@ def test_intern_tables_are_bounded(tmp_path):
 
 @pytest.mark.parametrize("block", [64, 1000, 1 << 22])
 def test_streaming_reader_across_block_boundaries(tmp_path, monkeypatch, block):
-    from tensor_trace.exporters import reader
+    from tensor_trace.exporters.store import reader
 
     monkeypatch.setattr(reader, "READ_BLOCK", block)
     p = tmp_path / "a.ttr"
@@ -185,7 +185,7 @@ def test_a_traced_step_is_on_disk_once_the_process_goes_idle(tmp_path):
     import torch
 
     from tensor_trace import tracer
-    from tensor_trace.exporters.reader import rank_files
+    from tensor_trace.exporters.store.reader import rank_files
 
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     tr = tracer.start(out_dir=str(tmp_path), flush_interval_s=3600, idle_flush_s=0.05, lineage=False)

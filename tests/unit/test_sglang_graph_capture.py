@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from tensor_trace import tracer
-from tensor_trace.exporters.reader import load_rank_file, rank_files
+from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 from tensor_trace.tracer.integrations.sglang import patch_graph_capture
 
 

@@ -6,7 +6,7 @@ import torch.nn as nn
 from torch.nn.modules import module as nn_module
 
 from tensor_trace import schema, tracer
-from tensor_trace.exporters.reader import load_rank_file, rank_files
+from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 
 
 class Block(nn.Module):
@@ -246,7 +246,7 @@ def test_replays_of_graphs_captured_untraced_are_counted_and_announced_once(tmp_
 def test_a_step_that_raised_is_marked_interrupted_in_the_store(tmp_path):
     import json as _json
 
-    from tensor_trace.exporters.merge import merge_ranks
+    from tensor_trace.exporters.pipeline import merge_ranks
     from tensor_trace.exporters.query import sql
 
     class Flaky(nn.Module):

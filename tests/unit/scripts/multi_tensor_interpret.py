@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from tensor_trace import schema
+from tensor_trace.format.fingerprints import fingerprint_pairs
 from tensor_trace.tracer import multi_tensor
 from tensor_trace.tracer.fingerprint import StepFingerprints
 
@@ -55,7 +55,7 @@ report["worst_sum_error_over_tolerance"] = worst
 def values(records):
     out = {}
     for _, step, first, data, indices in records:
-        out.update({(step, i): (s, q) for i, s, q in schema.fingerprint_pairs(first, data, indices)})
+        out.update({(step, i): (s, q) for i, s, q in fingerprint_pairs(first, data, indices)})
     return out
 
 

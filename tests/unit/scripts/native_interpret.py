@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from tensor_trace import schema
+from tensor_trace.format.fingerprints import fingerprint_pairs
 from tensor_trace.tracer import native
 from tensor_trace.tracer.fingerprint import StepFingerprints
 
@@ -18,7 +18,7 @@ report = {}
 def values(records):
     out = {}
     for _, step, first, data, indices in records:
-        out.update({(step, i): (s, q) for i, s, q in schema.fingerprint_pairs(first, data, indices)})
+        out.update({(step, i): (s, q) for i, s, q in fingerprint_pairs(first, data, indices)})
     return out
 
 
@@ -141,7 +141,7 @@ report["call_key"] = {
 import tempfile
 
 from tensor_trace import tracer
-from tensor_trace.exporters.reader import load_rank_file, rank_files
+from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 from tensor_trace.tracer import spans, tensor_slots
 
 tensor_slots.add_context_type(Ctx)

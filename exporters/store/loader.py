@@ -1,0 +1,445 @@
+"""The merge's loader: one rank file streamed into the store, and the ids all files share.
+
+Streaming: each file is read chunk by chunk and inserted in batches; a loader holds only one
+file's intern tables (``format.records.RecordResolver``) and one batch in memory.
+"""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+
+from tensor_trace import progress, schema
+from tensor_trace.errors import BadInput
+from tensor_trace.exporters.store.reader import ReadReport, iter_chunks
+from tensor_trace.format.records import RecordResolver
+
+BATCH = 20_000
+
+
+def _attrs_json(attrs):
+    """A collective's attributes (a dict in the rank file) as the store's JSON text."""
+    return json.dumps(attrs, sort_keys=True) if isinstance(attrs, dict) and attrs else None
+
+
+class FileLoader:
+    """Streams one rank file into the store."""
+
+    def __init__(self, con, proc, path, shared_ids):
+        self.con = con
+        self.proc = proc
+        self.path = path
+        self.g = shared_ids
+        self.resolver = RecordResolver()
+        self.strings = self.resolver.strings  # the hot loop reads it directly
+        self.layouts: dict = {}  # file layout id -> global layout id
+        self.groups: dict = {}  # file group id -> global group id
+        self.modules: dict = {}  # file string id -> module id
+        self.spans: list = []  # rows to insert, flat: SPAN_COLUMNS values per row
+        self.colls: list = []  # the same, COLLECTIVE_COLUMNS values per row
+        self.fps: list = []
+        self.steps: dict = {}
+        self.header: dict = {}
+        self.identity: dict = {}
+        self.end = None
+        self.errors: list = []
+        self.params: list = []
+        self.coll_device: list = []  # (device ns, proc, step, idx)
+        self.lineage: list = []  # LINEAGE rows
+        self.slot_sources: list = []  # SLOT_SRC rows
+        self.step_device: list = []  # (device ns, proc, step) of CUDA-graph replays
+        self.replays: list = []  # REPLAY records: (step, captured step, span base, coll base, fp base, t0, dur)
+        self.step_colls: list = []  # this step's collectives, until their modules are known
+        self.span_module: dict = {}  # this step's span index -> module id
+        self.interrupted: set = set()  # steps whose root call raised (e.g. Ctrl-C mid-forward)
+        self.summary: dict = {}  # (module, op, reduce op, group) -> count, bytes, time, per step
+        # Spans are stored in file order, so a step's spans are a run of consecutive rowids:
+        # (first, last) per step lets a query read one step without an index on spans.
+        self.span_ranges: dict = {}
+        self.span_rows = 0  # spans stored so far
+        self.report = ReadReport(path)
+
+    def module_id(self, sid):
+        mid = self.modules.get(sid)
+        if mid is None:
+            mid = self.g.module(self.strings.get(sid, "?"), None)
+            self.modules[sid] = mid
+        return mid
+
+    def flush(self, last=True):
+        """Insert the rows gathered so far; unless ``last``, spans and collectives that would not
+        fill a whole statement wait for the next flush."""
+        con = self.con
+        # Emptied in place: load() holds these lists in local variables.
+        if self.spans:
+            n = _insert_rows(con, "INSERT INTO spans", SPAN_COLUMNS, self.spans, last)
+            self.span_rows += n
+            del self.spans[:n * SPAN_COLUMNS]
+        if self.colls:
+            n = _insert_rows(con, "INSERT OR IGNORE INTO collectives", COLLECTIVE_COLUMNS, self.colls, last)
+            del self.colls[:n * COLLECTIVE_COLUMNS]
+        if self.fps:
+            con.executemany("INSERT INTO fingerprints VALUES (?,?,?,?,?)", self.fps)
+            self.fps.clear()
+        if self.lineage:
+            con.executemany("INSERT OR REPLACE INTO lineage VALUES (?,?,?,?,?,?,?)", self.lineage)
+            self.lineage.clear()
+        if self.slot_sources:
+            con.executemany("INSERT OR REPLACE INTO slot_sources VALUES (?,?,?,?,?)", self.slot_sources)
+            self.slot_sources.clear()
+
+    def _close_step(self):
+        span_module = self.span_module
+        summary = self.summary
+        colls_extend = self.colls.extend
+        for c in self.step_colls:
+            mid = c[16] = span_module.get(c[3])
+            colls_extend(c)
+            key = (mid, c[4], c[5], c[6])
+            a = summary.get(key)
+            if a is None:
+                summary[key] = a = [0, 0, 0, {}, c[1] * 1000000 + c[2]]
+            a[0] += 1
+            a[1] += c[15] or 0
+            a[2] += c[9] or 0
+            a[3][c[1]] = a[3].get(c[1], 0) + 1
+        self.step_colls.clear()
+        span_module.clear()
+
+    def _expand_replays(self, rowid: int) -> None:
+        """Give every CUDA-graph replay step the spans and collectives of the step it replays,
+        shifted by the replay's bases and flagged REPLAYED, with the replay's fingerprints (the
+        FINGERPRINTS records of the replay step, from its fingerprint base)."""
+        con, proc = self.con, self.proc
+        keep_flags = ~(schema.FLAG_CAPTURED | schema.FLAG_ERROR)
+        for step, cap, sb, cb, fb, _t0, _dur in self.replays:
+            rng = self.span_ranges.get(cap)
+            if rng is None:
+                self.report.bad_records += 1  # the captured step is not in this file
+                continue
+            fp = (f"CASE WHEN fp_pre >= 0 AND ? >= 0 THEN fp_pre + ? ELSE -1 END, "
+                  f"CASE WHEN fp_post >= 0 AND ? >= 0 THEN fp_post + ? ELSE -1 END")
+            cur = con.execute(
+                f"INSERT INTO spans SELECT proc, ?, idx + ?, CASE WHEN parent >= 0 THEN parent + ? ELSE -1 END, "
+                f"module_id, call, t0, dur, layout_id, {fp}, n_pre, (flags & ?) | ? FROM spans "
+                f"WHERE rowid BETWEEN ? AND ? AND proc = ? AND step = ? ORDER BY rowid",
+                (step, sb, sb, fb, fb, fb, fb, keep_flags, schema.FLAG_REPLAYED, rng[0], rng[1], proc, cap))
+            if cur.rowcount > 0:
+                self._add_range(step, rowid + 1, rowid + cur.rowcount)
+                rowid += cur.rowcount
+                self.span_rows += cur.rowcount
+            con.execute(
+                f"INSERT OR IGNORE INTO collectives SELECT proc, ?, idx + ?, "
+                f"CASE WHEN parent >= 0 THEN parent + ? ELSE -1 END, op, reduce_op, group_id, "
+                f"seq, t0, dur, layout_id, {fp}, n_pre, (flags & ?) | ?, bytes, module_id, NULL, attrs "
+                f"FROM collectives WHERE proc = ? AND step = ?",
+                (step, cb, sb, fb, fb, fb, fb, keep_flags, schema.FLAG_REPLAYED, proc, cap))
+        # Replayed collectives count in the per-module summary (their host time is not measured).
+        summary = self.summary
+        for mid, op, redop, gid, step, n, nbytes in con.execute(
+                "SELECT module_id, op, reduce_op, group_id, step, COUNT(*), SUM(bytes) FROM collectives "
+                "WHERE proc = ? AND (flags & ?) != 0 GROUP BY module_id, op, reduce_op, group_id, step",
+                (proc, schema.FLAG_REPLAYED)):
+            a = summary.get((mid, op, redop, gid))
+            if a is None:
+                summary[(mid, op, redop, gid)] = a = [0, 0, 0, {}, step * 1000000]
+            a[0] += n
+            a[1] += nbytes or 0
+            a[3][step] = a[3].get(step, 0) + n
+
+    def _add_range(self, step, first, last):
+        old = self.span_ranges.get(step)
+        self.span_ranges[step] = (first, last) if old is None else (min(old[0], first), max(old[1], last))
+
+    def _defined(self, rec, kind):
+        """Map a definition the resolver took in to the store's shared ids."""
+        resolver = self.resolver
+        if kind == schema.STRING:
+            self.modules.pop(rec[1], None)
+        elif kind == schema.LAYOUT:
+            slots = [[slot, shape, dtype, device, *([tensor_kind] if tensor_kind else [])]
+                     for slot, (shape, dtype, device, tensor_kind) in resolver.tensors(rec[1])]
+            self.layouts[rec[1]] = self.g.layout(slots)
+        elif kind == schema.MODULE:
+            path = resolver.string(rec[1])
+            self.modules[rec[1]] = self.g.module(path, resolver.modules[path])
+        elif kind == schema.GROUP:
+            group = resolver.groups[rec[1]]
+            self.groups[rec[1]] = self.g.group(group.name, group.ranks, group.backend, group.pg_name)
+
+    def _record(self, rec, kind):
+        """Any record but a span or a collective (definitions, steps, fingerprints, ...)."""
+        proc = self.proc
+        strings = self.strings
+        if kind == schema.COLL_DEVICE:
+            # Written once the CUDA events completed: after the collective, often after
+            # its step ended, so applied to the stored rows at the end. Index -1 is the
+            # step's CUDA-graph replay.
+            if rec[2] < 0:
+                self.step_device.append((int(rec[3]), proc, rec[1]))
+            else:
+                self.coll_device.append((int(rec[3]), proc, rec[1], rec[2]))
+        elif kind == schema.REPLAY:
+            self.replays.append(tuple(rec[1:8]))
+        elif kind == schema.LINEAGE:
+            self.lineage.append((proc, rec[1], rec[2], strings.get(rec[3], "?"),
+                                 json.dumps(rec[4]) if rec[4] else None, json.dumps(rec[5]),
+                                 json.dumps(rec[6])))
+        elif kind == schema.SLOT_SRC:
+            self.slot_sources.append((proc, rec[1], rec[2], rec[3], json.dumps(rec[4])))
+        elif self.resolver.define(rec):
+            self._defined(rec, kind)
+        elif kind == schema.PARAMS:
+            mid = self.module_id(rec[1])
+            for name, (shape, dtype, _device, tensor_kind), fp_index in self.resolver.params(rec):
+                self.params.append((proc, mid, name, json.dumps(shape), dtype, fp_index,
+                                    json.dumps(tensor_kind, sort_keys=True) if tensor_kind is not None else None))
+        elif kind == schema.FINGERPRINTS:
+            self.fps.append((proc, rec[1], rec[2], rec[3], rec[4]))
+        elif kind == schema.MODULE_ATTRS:
+            self.con.execute("INSERT OR REPLACE INTO module_attrs VALUES (?, ?)",
+                             (strings.get(rec[1], "?"), json.dumps(rec[2], sort_keys=True)))
+        elif kind == schema.CAPTURE_INFO:
+            self.con.execute("INSERT OR REPLACE INTO captures VALUES (?, ?)",
+                             (strings.get(rec[1], "?"), json.dumps(rec[2], sort_keys=True)))
+        elif kind == schema.STEP_BEGIN:
+            self.steps[rec[1]] = [strings.get(rec[2], ""), rec[3], None, 0, 0,
+                                  json.dumps(rec[4] or {}, sort_keys=True)]
+        elif kind == schema.STEP_END:
+            st = self.steps.get(rec[1])
+            if st is not None:
+                st[2], st[3], st[4] = rec[2], rec[3], rec[4]
+            self._close_step()
+        elif kind == schema.GROUP:
+            self.groups[rec[1]] = self.g.group(rec[2], rec[3], rec[4], rec[5] if len(rec) > 5 else "")
+        elif kind == schema.IDENTITY:
+            self.identity = dict(rec[1])
+        elif kind == schema.HEADER:
+            self.header = dict(rec[1])
+        elif kind == schema.ERROR:
+            self.errors.append((proc, rec[1], rec[2], rec[3]))
+        elif kind == schema.END:
+            self.end = dict(rec[1])
+
+    def load(self):
+        # The hot loop: spans and collectives are nearly every record, handled inline with
+        # everything they touch in local variables; other kinds go to _record.
+        proc = self.proc
+        strings = self.strings
+        spans = self.spans
+        spans_extend = spans.extend
+        colls = self.colls
+        layouts = self.layouts
+        groups = self.groups
+        module_id = self.module_id
+        span_module = self.span_module
+        step_colls = self.step_colls
+        modules = self.modules
+        interrupted = self.interrupted
+        add_range = self._add_range
+        other = self._record
+        report = self.report
+        S_SPAN, S_COLL, FLAG_ERROR = schema.SPAN, schema.COLLECTIVE, schema.FLAG_ERROR
+        # The k-th row of spans will be stored at rowid base + k + 1 (rowids count up from the
+        # table's end).
+        start = self.con.execute("SELECT COALESCE(MAX(rowid), 0) FROM spans").fetchone()[0]
+        base = start
+        cur_step, cur_first = None, base + 1
+        for records in _chunks(self.path, report):
+            for rec in records:
+                try:
+                    kind = rec[0]
+                    if kind == S_SPAN:
+                        mid = modules.get(rec[4])
+                        if mid is None:
+                            mid = module_id(rec[4])
+                        if len(rec) != 13:
+                            raise IndexError("span record of another length")
+                        # The record becomes the row: its type slot takes the process id and the
+                        # file's ids become the store's (no new object per span).
+                        rec[0] = proc
+                        rec[4] = mid
+                        rec[8] = layouts.get(rec[8])
+                        spans_extend(rec)
+                        if rec[1] != cur_step:
+                            row = base + len(spans) // SPAN_COLUMNS
+                            if cur_step is not None:
+                                add_range(cur_step, cur_first, row - 1)
+                            cur_step, cur_first = rec[1], row
+                        if rec[3] == -1 and rec[12] & FLAG_ERROR:
+                            interrupted.add(rec[1])  # the step's root call raised
+                        span_module[rec[2]] = mid
+                    elif kind == S_COLL:
+                        # The issuing module's span ends after its collectives: resolved at STEP_END.
+                        step_colls.append([proc, rec[1], rec[2], rec[3], strings.get(rec[4]),
+                                           strings.get(rec[5]) if rec[5] >= 0 else None,
+                                           groups.get(rec[6]), rec[7], rec[8], rec[9], layouts.get(rec[10]),
+                                           rec[11], rec[12], rec[13], rec[14], rec[15], None, None,
+                                           _attrs_json(rec[16]) if len(rec) > 16 else None])
+                    else:
+                        other(rec, kind)
+                except (IndexError, TypeError, ValueError, AttributeError):
+                    report.bad_records += 1
+            # Batches end at chunk ends: a chunk's records are in memory anyway.
+            if len(spans) // SPAN_COLUMNS + len(colls) // COLLECTIVE_COLUMNS + len(step_colls) >= BATCH:
+                self.flush(last=False)
+                base = start + self.span_rows
+        self._close_step()
+        if cur_step is not None:
+            self._add_range(cur_step, cur_first, base + len(spans) // SPAN_COLUMNS)
+        self.flush()
+        if self.replays:
+            self._expand_replays(start + self.span_rows)
+        self._finish()
+
+    def _finish(self):
+        """The file's per-step and per-file rows, once all its records are read."""
+        proc = self.proc
+        ranges = self.span_ranges
+        if not self.header:
+            raise BadInput(f"{self.path}: no header (damaged at its start)")
+        steps = self.steps
+        for step in ranges:
+            steps.setdefault(step, ["", None, None, 0, 0, "{}"])
+        self.con.executemany("INSERT INTO steps VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                             [(proc, k, *v, *ranges.get(k, (None, None)),
+                               int(k in self.interrupted or v[2] is None), None) for k, v in sorted(steps.items())])
+        if self.step_device:
+            self.con.executemany("UPDATE steps SET device_ns=? WHERE proc=? AND step=?", self.step_device)
+        self.con.executemany("INSERT INTO collective_summary VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", [
+            (mid, op, redop, gid, proc, a[0], a[1], a[2], json.dumps(sorted(a[3].items())), a[4], None, 0)
+            for (mid, op, redop, gid), a in self.summary.items()])
+        if self.coll_device:
+            self.con.executemany("UPDATE collectives SET device_ns=? WHERE proc=? AND step=? AND idx=?",
+                                 self.coll_device)
+            self.con.execute(
+                "UPDATE collective_summary SET (device_ns, device_count) = ("
+                "SELECT SUM(c.device_ns), COUNT(c.device_ns) FROM collectives c "
+                "WHERE c.proc = collective_summary.proc AND c.module_id IS collective_summary.module_id "
+                "AND c.op = collective_summary.op AND c.reduce_op IS collective_summary.reduce_op "
+                "AND c.group_id = collective_summary.group_id) WHERE proc = ?", (proc,))
+        if self.errors:
+            self.con.executemany("INSERT INTO errors VALUES (?,?,?,?)", self.errors)
+        if self.params:
+            self.con.executemany("INSERT INTO params VALUES (?,?,?,?,?,?,?)", self.params)
+
+
+SPAN_COLUMNS = 13
+COLLECTIVE_COLUMNS = 19
+_MAX_VARIABLES = 999  # bound parameters per statement: the lowest limit SQLite builds have
+
+
+def _insert_rows(con, insert: str, ncols: int, flat: list, last: bool = True) -> int:
+    """``insert`` (``INSERT ... INTO table``) the rows of ``flat``, ``ncols`` values each, one
+    after the other, many rows per statement (about two thirds of the cost of executemany's
+    statement per row); return the number of rows inserted: all, or unless ``last`` only those
+    that fill whole statements (a statement of another length is compiled anew)."""
+    one = "(" + ",".join("?" * ncols) + ")"
+    per = _MAX_VARIABLES // ncols
+    step = per * ncols
+    full = len(flat) - len(flat) % step
+    if full:
+        sql = f"{insert} VALUES " + ",".join([one] * per)
+        for i in range(0, full, step):
+            con.execute(sql, flat[i:i + step])
+    if last and full < len(flat):
+        con.execute(f"{insert} VALUES " + ",".join([one] * ((len(flat) - full) // ncols)), flat[full:])
+        full = len(flat)
+    return full // ncols
+
+
+def _chunks(path, report):
+    """The records of every intact chunk of a rank file, one decoded chunk (a list) at a time
+    (iter_records without its per-record checks: a malformed record is caught by the loader)."""
+    unpackb = msgpack.unpackb
+    for payload in iter_chunks(path, report):
+        try:
+            records = unpackb(payload, raw=False, strict_map_key=False)
+        except Exception:
+            report.corrupt_chunks += 1
+            continue
+        if isinstance(records, list):
+            report.records += len(records)
+            yield records
+        else:
+            report.corrupt_chunks += 1
+
+
+class SharedIds:
+    """Ids shared by all files of the store: modules, layouts, groups."""
+
+    def __init__(self, con):
+        self.con = con
+        self.modules: dict = {}
+        self.layouts: dict = {}
+        self.groups: dict = {}
+
+    def module(self, path, cls):
+        entry = self.modules.get(path)
+        if entry is None:
+            mid = len(self.modules)
+            self.modules[path] = [mid, cls]
+            return mid
+        if cls and not entry[1]:
+            entry[1] = cls
+        return entry[0]
+
+    def layout(self, slots):
+        return self.layout_key(json.dumps(slots, separators=(",", ":")))
+
+    def layout_key(self, key):
+        lid = self.layouts.get(key)
+        if lid is None:
+            lid = len(self.layouts)
+            self.layouts[key] = lid
+        return lid
+
+    def group(self, name, ranks, backend, pg_name):
+        key = (pg_name, json.dumps(ranks))
+        entry = self.groups.get(key)
+        if entry is None:
+            entry = (len(self.groups), name, json.dumps(ranks), backend, pg_name)
+            self.groups[key] = entry
+        return entry[0]
+
+    def write(self):
+        con = self.con
+        con.executemany("INSERT INTO modules VALUES (?,?,?)",
+                        [(mid, path, cls) for path, (mid, cls) in self.modules.items()])
+        con.executemany("INSERT INTO layouts VALUES (?,?,?)", [
+            (lid, k, json.dumps([[s[1], s[2]] for s in json.loads(k)], separators=(",", ":")))
+            for k, lid in self.layouts.items()])
+        con.executemany("INSERT INTO groups VALUES (?,?,?,?,?)", list(self.groups.values()))
+
+
+# Tables a rank file's rows go to (the loader's), in the order a worker's part is copied.
+FILE_TABLES = ("spans", "collectives", "fingerprints", "steps", "errors", "params", "lineage", "slot_sources",
+               "collective_summary", "module_attrs", "captures")
+
+
+class FileResult:
+    """What loading one rank file gave (picklable: a worker sends it back): its header, identity
+    and END record, the read report and the spans it left in the store, or ``skipped``, why the
+    file was left out (it left no rows)."""
+
+    def __init__(self, proc, path, loader=None, skipped=None):
+        self.proc, self.path, self.skipped = proc, path, skipped
+        self.header = loader.header if loader else {}
+        self.identity = loader.identity if loader else {}
+        self.end = loader.end if loader else None
+        self.report = loader.report if loader else None
+        self.span_rows = loader.span_rows if loader else 0
+
+
+def load_file(con, proc: int, path: str, g) -> FileResult:
+    """Load one rank file into ``con``; a file that cannot be read leaves no rows."""
+    loader = FileLoader(con, proc, path, g)
+    try:
+        loader.load()
+    except BadInput as exc:
+        for table in ("spans", "collectives", "fingerprints", "steps", "errors", "params", "lineage",
+                      "slot_sources"):
+            con.execute(f"DELETE FROM {table} WHERE proc=?", (proc,))
+        return FileResult(proc, path, skipped=str(exc))
+    return FileResult(proc, path, loader)

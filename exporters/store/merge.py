@@ -1,0 +1,172 @@
+"""merge_ranks: every rank file of a run into one indexed SQLite store (``DIR/merged.sqlite``).
+
+Streaming: each file is read chunk by chunk and inserted in batches (``loader``); the merge holds
+only one file's intern tables and one batch in memory, whatever the size of the trace. With more than one
+core, worker processes load groups of files at the same time (``merge_workers``) and their rows
+are copied in; the store is the same row for row. The store is built in a temporary file and
+renamed, so a reader never sees half a store, and merging twice gives the same store (files are
+taken in sorted order; nothing depends on the time of the merge or on the number of workers).
+
+After loading, the merge (1) matches collectives across ranks by (group, sequence number) and
+records ranks that skipped one or issued a different one, (2) estimates clock offsets between
+processes from matched blocking collectives (both ``merge_align``), and (3) runs the caller's
+analysis on the store (``tensor_trace.exporters.pipeline`` computes the placement and reduction
+verdicts of every capture point there). The tables (``tables``) are documented in
+``docs/store-schema.md``; ``tensor-trace query sql`` exposes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sqlite3
+import sys
+
+from tensor_trace import progress, schema
+from tensor_trace.errors import BadInput
+from tensor_trace.exporters.store import merge_workers
+from tensor_trace.exporters.store.loader import FILE_TABLES, SharedIds, load_file
+from tensor_trace.exporters.store.merge_align import align_collectives, check_missing_ranks, estimate_clock_offsets
+from tensor_trace.exporters.store.reader import rank_files
+from tensor_trace.exporters.store.tables import INDEX_SQL, STORE_NAME, STORE_VERSION, open_new_store
+
+
+def store_path(trace_dir: str) -> str:
+    return os.path.join(trace_dir, STORE_NAME)
+
+
+def is_stale(trace_dir: str) -> bool:
+    """True when the store is missing, of another version, or older than a rank file."""
+    path = store_path(trace_dir)
+    if not os.path.exists(path):
+        return True
+    mtime = os.path.getmtime(path)
+    if any(os.path.getmtime(f) > mtime for f in rank_files(trace_dir)):
+        return True
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        row = con.execute("SELECT value FROM meta WHERE key='store_version'").fetchone()
+        con.close()
+        return row is None or int(row[0]) != STORE_VERSION
+    except sqlite3.Error:
+        return True
+
+def _load_rank_files(con, files, g, tmp, workers, report, warn):
+    """Load every rank file into ``con``; yield their results in file order. The first group of
+    files is loaded here while worker processes load the others (``merge_workers``); closing
+    this generator stops them."""
+    groups = merge_workers.plan(files, workers)
+    if len(groups) == 1:
+        for proc, path in groups[0]:
+            yield load_file(con, proc, path, g)
+        return
+    with merge_workers.Pool(groups[1:], tmp) as pool:
+        for proc, path in groups[0]:
+            yield load_file(con, proc, path, g)
+        report["workers"] = []
+        for group, part, failure in pool.parts():
+            data = None
+            if failure is None:
+                try:
+                    data = merge_workers.read_part(part)
+                except (sqlite3.Error, OSError, TypeError, pickle.UnpicklingError) as exc:
+                    failure = f"its part store is unreadable: {exc}"
+            if data is None:
+                # Nothing of the group is in the store yet: this process loads it instead.
+                msg = f"a merge worker failed ({failure}); loaded its {len(group)} rank file(s) here"
+                warn(msg)
+                report["problems"].append(msg)
+                for proc, path in group:
+                    yield load_file(con, proc, path, g)
+                continue
+            merge_workers.copy_part(con, part, data, g, FILE_TABLES)
+            report["workers"].append(data["stats"])
+            yield from data["results"]
+
+
+def merge_ranks(trace_dir: str, warn=None, workers: int | None = None, analyse=None) -> dict:
+    """Merge every rank file of ``trace_dir`` into ``trace_dir/merged.sqlite``; return a report.
+
+    ``workers``: processes that load rank files besides this one (``merge_workers``); None
+    chooses from the cores and the trace's size (``TENSOR_TRACE_MERGE_WORKERS`` overrides), 0
+    loads every file here. The store is the same either way. ``analyse(con)``, if given, runs
+    on the loaded store before it is committed (the placement verdicts: ``pipeline.merge_ranks``);
+    what it returns is the report's ``points``."""
+    warn = warn or (lambda msg: sys.stderr.write(f"tensor-trace: warning: {msg}\n"))
+    if not os.path.isdir(trace_dir):
+        raise BadInput(f"{trace_dir}: no such trace folder")
+    files = rank_files(trace_dir)
+    if not files:
+        raise BadInput(f"{trace_dir}: no rank files (expected {trace_dir}/ranks/*.ttr from tensor-trace record)")
+    run_id = None
+    run_file = os.path.join(trace_dir, "run.json")
+    if os.path.exists(run_file):
+        try:
+            with open(run_file) as f:
+                run_id = json.load(f).get("run_id")
+        except (OSError, ValueError):
+            warn(f"{run_file} is unreadable; taking the run id from the rank files")
+    final = store_path(trace_dir)
+    tmp = final + ".tmp"
+    for old in [tmp, *merge_workers.part_paths(tmp)]:
+        if os.path.exists(old):
+            os.remove(old)
+    con = open_new_store(tmp)
+    g = SharedIds(con)
+    report = dict(files=len(files), processes=0, problems=[])
+    loading = _load_rank_files(con, files, g, tmp, workers, report, warn)
+    bar = progress.Task.open("merge: rank files", len(files))
+    try:
+        for res in loading:
+            bar.advance()
+            path = res.path
+            if res.skipped:
+                warn(f"skipping {res.skipped}")
+                report["problems"].append(res.skipped)
+                continue
+            file_run = res.header.get("run_id")
+            if run_id is None:
+                run_id = file_run
+            elif file_run != run_id:
+                raise BadInput(f"{os.path.basename(path)} belongs to run {file_run}, not to this folder's "
+                               f"run {run_id}: move it out, or record again with --replace")
+            ident = res.identity
+            hdr = res.header
+            rep = res.report
+            for p in rep.problems():
+                warn(f"{os.path.basename(path)}: {p}; read what came before")
+                report["problems"].append(f"{os.path.basename(path)}: {p}")
+            con.execute("INSERT INTO processes VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", (
+                res.proc, os.path.relpath(path, trace_dir), file_run, hdr.get("host"), hdr.get("pid"),
+                ident.get("rank"), ident.get("world_size"), ident.get("local_rank"), ident.get("tp_rank"),
+                ident.get("tp_size"), json.dumps(ident.get("tp_ranks")) if ident.get("tp_ranks") else None,
+                ident.get("device"), hdr.get("mono_ns"), hdr.get("wall_ns"), hdr.get("clock_offset_ns", 0),
+                None, 0, rep.records,
+                rep.corrupt_chunks, rep.skipped_bytes, int(rep.truncated_tail),
+                (res.end or {}).get("reason"), json.dumps(ident, sort_keys=True)))
+            report["processes"] += 1
+        if not report["processes"]:
+            raise BadInput(f"{trace_dir}: none of its {len(files)} rank file(s) could be read")
+        bar.stage("merge: collectives, clocks and verdicts")
+        g.write()
+        con.executemany("INSERT INTO meta VALUES (?,?)", [
+            ("store_version", str(STORE_VERSION)), ("run_id", run_id or ""),
+            ("format_version", str(schema.FORMAT_VERSION))])
+        con.executescript(INDEX_SQL)
+        check_missing_ranks(con, warn, report)
+        report["collective_issues"] = align_collectives(con)
+        report["clocks"] = estimate_clock_offsets(con)
+        if analyse is not None:
+            report["points"] = analyse(con)
+        con.commit()
+    except BaseException:
+        loading.close()
+        con.close()
+        os.remove(tmp)
+        raise
+    finally:
+        bar.close()
+    con.close()
+    os.replace(tmp, final)
+    return report

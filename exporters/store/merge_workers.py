@@ -1,0 +1,281 @@
+"""Parallel loading for ``merge_ranks``: worker processes read groups of rank files into part stores.
+
+Decoding a rank file and inserting its rows is CPU-bound Python, so on a machine with more than
+one core the rank files are split into contiguous groups: the merging process loads the first
+group straight into the store while one worker process per other group loads its group into a
+part store of its own (the same schema, ``merged.sqlite.tmp.partK``). Each part is then copied
+into the store in file order by ``INSERT ... SELECT`` (SQLite does that in C), with the part's
+module, layout and group ids mapped to the store's and its span rowids shifted to follow the
+rows already there. Ids are given in first-seen order across files in sorted order and rows are
+copied in that order, so the store is the one a single process would build, row for row.
+
+A worker never outlives the merge: the merging process kills and reaps every worker when it
+leaves (error, Ctrl-C included), and a worker exits on its own once the merging process is gone
+(it watches a pipe that only that process holds open). If a worker fails, the merging process
+loads that group itself, so the store is complete either way.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pickle
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+from tensor_trace import schema
+from tensor_trace.exporters.store.loader import SharedIds, load_file
+from tensor_trace.exporters.store.tables import open_new_store
+
+ENV_WORKERS = "TENSOR_TRACE_MERGE_WORKERS"  # worker processes besides the merging one; 0 = none
+PARALLEL_MIN_BYTES = 8 << 20  # below this (about 150,000 span records) starting a worker does not pay
+MAX_WORKERS = 3  # the copying of parts is serial: more workers help less and hold more memory
+PARENT_SHARE = 0.9  # of an equal share: the merging process also copies the parts afterwards
+
+# Columns holding ids that each process gives out on its own, by name wherever they occur, and
+# the SharedIds table each maps through.
+ID_COLUMNS = {"module_id": "modules", "layout_id": "layouts", "group_id": "groups"}
+SPAN_ROWID_COLUMNS = ("span_first", "span_last")  # steps: rowids of the step's spans
+REPLACED_TABLES = ("module_attrs", "captures")  # keyed by name: a later file's row wins
+
+# Run in the worker: put the merging process's import path first, so the worker imports the
+# same tensor_trace, wherever it came from.
+_BOOT = ("import json, sys; spec = json.loads(sys.argv[1]); "
+         "sys.path[:0] = [p for p in spec['path'] if p not in sys.path]; "
+         "from tensor_trace.exporters.store.merge_workers import worker_main; worker_main(spec)")
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def plan(files: list, workers: int | None) -> list:
+    """Split the rank files into contiguous groups of ``(proc, path)``: the first for the merging
+    process, one per worker after it. ``workers`` None: as many as the usable cores allow (at
+    most MAX_WORKERS), and none for a small trace or when ``TENSOR_TRACE_MERGE_WORKERS`` says 0."""
+    procs = list(enumerate(files))
+    if workers is None:
+        env = os.environ.get(ENV_WORKERS, "").strip()
+        if env:
+            try:
+                workers = max(0, int(env))
+            except ValueError:
+                workers = None
+    sizes = []
+    for f in files:
+        try:
+            sizes.append(os.path.getsize(f))
+        except OSError:
+            sizes.append(0)
+    if workers is None:
+        if sum(sizes) < PARALLEL_MIN_BYTES:
+            return [procs]
+        workers = min(_usable_cpus() - 1, MAX_WORKERS)
+    if not sys.executable or getattr(sys, "frozen", False):  # no interpreter to start workers with
+        return [procs]
+    n = min(workers + 1, len(files))
+    if n < 2:
+        return [procs]
+    # Cut where the running byte count comes nearest to each group's target end.
+    weights = sizes if sum(sizes) else [1] * len(files)
+    cum = [0]
+    for w in weights:
+        cum.append(cum[-1] + w)
+    first = PARENT_SHARE / n
+    cuts = [0]
+    for k in range(n - 1):
+        target = cum[-1] * (first + k * (1 - first) / (n - 1))
+        lo, hi = cuts[-1] + 1, len(files) - (n - 1 - k)  # every group keeps at least one file
+        cuts.append(min(range(lo, hi + 1), key=lambda j: abs(cum[j] - target)))
+    cuts.append(len(files))
+    return [procs[cuts[k]:cuts[k + 1]] for k in range(n)]
+
+
+def part_paths(store_tmp: str) -> list:
+    """Part stores (and their logs) a killed merge may have left next to the store."""
+    return glob.glob(glob.escape(store_tmp) + ".part*")
+
+
+class Pool:
+    """Worker processes, one per group, started at once; a context manager that stops and reaps
+    every worker still running and removes the part stores when it exits."""
+
+    def __init__(self, groups: list, store_tmp: str):
+        self.workers = []  # (group, part path, Popen, log path)
+        try:
+            for k, group in enumerate(groups, 1):
+                part = f"{store_tmp}.part{k}"
+                log = part + ".log"
+                for p in (part, log):
+                    if os.path.exists(p):
+                        os.remove(p)
+                spec = dict(part=part, files=group, path=[p for p in sys.path if isinstance(p, str)])
+                env = dict(os.environ)
+                env.pop(schema.ENV_DIR, None)  # a merge run inside a traced program: never traced itself
+                with open(log, "wb") as err:
+                    proc = subprocess.Popen([sys.executable, "-c", _BOOT, json.dumps(spec)], env=env,
+                                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err,
+                                            close_fds=True)
+                self.workers.append((group, part, proc, log))
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def close(self) -> None:
+        for _group, part, proc, log in self.workers:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            if proc.stdin:
+                proc.stdin.close()
+            for p in (part, log):
+                try:
+                    os.remove(p)
+                except OSError:
+                    pass
+        self.workers = []
+
+    def parts(self):
+        """Yield ``(group, part path, failure)`` in file order, once each worker has finished;
+        failure is None, or why the worker gave no part (the caller then loads the group)."""
+        for group, part, proc, log in self.workers:
+            status = proc.wait()
+            failure = None
+            if status != 0:
+                failure = f"exit status {status}"
+                try:
+                    with open(log, "rb") as f:
+                        tail = f.read()[-600:].decode("utf-8", "replace").strip()
+                    if tail:
+                        failure += f": {tail.splitlines()[-1]}"
+                except OSError:
+                    pass
+            yield group, part, failure
+
+
+def _map_expr(column: str, mapping: list, con, name: str) -> str:
+    """SQL for the store's id of a part's id in ``column`` (mapping[part id] = store id)."""
+    if all(g == i for i, g in enumerate(mapping)):
+        return column
+    shift = {g - i for i, g in enumerate(mapping)}
+    if len(shift) == 1:
+        return f"({column} + {shift.pop()})"
+    con.execute(f"CREATE TEMP TABLE IF NOT EXISTS {name}(l INTEGER PRIMARY KEY, g INTEGER)")
+    con.execute(f"DELETE FROM temp.{name}")
+    con.executemany(f"INSERT INTO temp.{name} VALUES (?, ?)", enumerate(mapping))
+    return f"(SELECT g FROM temp.{name} WHERE l = {column})"
+
+
+def read_part(part: str) -> dict:
+    """What a worker saved with its part store: its files' load results and the ids it gave."""
+    con = sqlite3.connect(f"file:{part}?mode=ro", uri=True)
+    try:
+        return pickle.loads(con.execute("SELECT data FROM part_result").fetchone()[0])
+    finally:
+        con.close()
+
+
+def copy_part(con, part: str, data: dict, g, tables) -> None:
+    """Copy a worker's part store into the store (``con``, whose ids ``g`` gives out), the
+    tables in the order given, rows in rowid order."""
+    con.commit()  # ATTACH is refused inside a transaction
+    con.execute("ATTACH DATABASE ? AS part", (part,))
+    try:
+        maps = {"modules": [g.module(path, cls) for path, cls in data["modules"]],
+                "layouts": [g.layout_key(key) for key in data["layouts"]],
+                "groups": [g.group(*args) for args in data["groups"]]}
+        exprs = {col: _map_expr(col, maps[kind], con, f"part_{kind}") for col, kind in ID_COLUMNS.items()}
+        # Spans keep their order: a part's rowids shifted by the store's last rowid. They run
+        # 1, 2, ... without gaps (a skipped file's rows are the part's last ones, and the next
+        # file reuses their rowids): the last is the number of spans its files left. Then,
+        # appended in order, they get exactly those (the faster insert); otherwise each row is
+        # given its rowid.
+        offset = con.execute("SELECT COALESCE(MAX(rowid), 0) FROM main.spans").fetchone()[0]
+        last = con.execute("SELECT COALESCE(MAX(rowid), 0) FROM part.spans").fetchone()[0]
+        dense = last == sum(r.span_rows for r in data["results"])
+        for table in tables:
+            cols = [r[1] for r in con.execute(f"PRAGMA main.table_info({table})")]
+            sel = []
+            for c in cols:
+                if c in exprs:
+                    sel.append(exprs[c])
+                elif table == "steps" and c in SPAN_ROWID_COLUMNS:
+                    sel.append(f"{c} + {offset}")
+                else:
+                    sel.append(c)
+            if table == "spans" and not dense:
+                con.execute(f"INSERT INTO main.spans(rowid, {', '.join(cols)}) SELECT rowid + {offset}, "
+                            f"{', '.join(sel)} FROM part.spans ORDER BY rowid")
+                continue
+            verb = "INSERT OR REPLACE" if table in REPLACED_TABLES else "INSERT"
+            order = "" if _without_rowid(con, table) else " ORDER BY rowid"
+            con.execute(f"{verb} INTO main.{table}({', '.join(cols)}) SELECT {', '.join(sel)} "
+                        f"FROM part.{table}{order}")
+        con.commit()
+    finally:
+        con.execute("DETACH DATABASE part")
+
+
+def _without_rowid(con, table: str) -> bool:
+    sql = con.execute("SELECT sql FROM main.sqlite_master WHERE type = 'table' AND name = ?", (table,)).fetchone()
+    return bool(sql) and "WITHOUT ROWID" in sql[0].upper()
+
+
+def _exit_with_parent() -> None:
+    """End this worker once the merging process is gone: it holds the only writer of our stdin."""
+    try:
+        sys.stdin.buffer.read()
+    except Exception:
+        pass
+    os._exit(3)
+
+
+def _status_kb(key: str) -> int | None:
+    """A /proc/self/status figure (VmHWM: peak RSS, VmRSS: now) in kB, where there is one."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def worker_main(spec: dict) -> None:
+    """A worker: load ``spec['files']`` into the part store ``spec['part']``, then save the
+    per-file results and the ids given out, for ``copy_part``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the merging process, which stops us
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    c0, rss0 = time.process_time(), _status_kb("VmRSS")
+    con = open_new_store(spec["part"])
+    g = SharedIds(con)
+    results = [load_file(con, proc, path, g) for proc, path in spec["files"]]
+    data = dict(results=results,
+                modules=[(path, cls) for path, (_mid, cls) in sorted(g.modules.items(), key=lambda e: e[1][0])],
+                layouts=[key for key, _lid in sorted(g.layouts.items(), key=lambda e: e[1])],
+                groups=[(name, json.loads(ranks), backend, pg_name)
+                        for _gid, name, ranks, backend, pg_name in sorted(g.groups.values())],
+                stats=dict(files=len(spec["files"]), peak_rss_kb=_status_kb("VmHWM"), rss_start_kb=rss0,
+                           cpu_s=time.process_time() - c0))
+    con.execute("CREATE TABLE part_result(data BLOB)")
+    con.execute("INSERT INTO part_result VALUES (?)", (pickle.dumps(data),))
+    con.commit()
+    con.close()
+    sys.stdout.flush()
+    os._exit(0)

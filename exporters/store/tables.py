@@ -1,0 +1,81 @@
+"""The SQL store's tables (``DIR/merged.sqlite``), documented in docs/store-schema.md."""
+
+from __future__ import annotations
+
+import sqlite3
+
+STORE_NAME = "merged.sqlite"
+STORE_VERSION = 11
+
+SCHEMA_SQL = """
+CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE processes(
+    proc INTEGER PRIMARY KEY, file TEXT, run_id TEXT, host TEXT, pid INTEGER, rank INTEGER,
+    world_size INTEGER, local_rank INTEGER, tp_rank INTEGER, tp_size INTEGER, tp_ranks TEXT,
+    device TEXT, mono_anchor_ns INTEGER, wall_anchor_ns INTEGER, clock_offset_ns INTEGER,
+    clock_residual_ns INTEGER, clock_matches INTEGER, records INTEGER, corrupt_chunks INTEGER,
+    skipped_bytes INTEGER, truncated INTEGER, end_reason TEXT, identity TEXT);
+CREATE TABLE modules(module_id INTEGER PRIMARY KEY, path TEXT UNIQUE, class TEXT);
+CREATE TABLE layouts(layout_id INTEGER PRIMARY KEY, slots TEXT UNIQUE, signature TEXT);
+CREATE TABLE groups(group_id INTEGER PRIMARY KEY, name TEXT, ranks TEXT, backend TEXT, pg_name TEXT,
+    UNIQUE(pg_name, ranks));
+CREATE TABLE steps(proc INTEGER, step INTEGER, root TEXT, t_begin INTEGER, t_end INTEGER,
+    n_spans INTEGER, n_collectives INTEGER, attrs TEXT, span_first INTEGER, span_last INTEGER,
+    interrupted INTEGER, device_ns INTEGER, PRIMARY KEY(proc, step));
+CREATE TABLE spans(proc INTEGER, step INTEGER, idx INTEGER, parent INTEGER, module_id INTEGER,
+    call INTEGER, t0 INTEGER, dur INTEGER, layout_id INTEGER, fp_pre INTEGER, fp_post INTEGER,
+    n_pre INTEGER, flags INTEGER);
+CREATE TABLE collective_summary(module_id INTEGER, op TEXT, reduce_op TEXT, group_id INTEGER,
+    proc INTEGER, count INTEGER, bytes INTEGER, dur_ns INTEGER, per_step TEXT, first INTEGER,
+    device_ns INTEGER, device_count INTEGER);
+CREATE TABLE collectives(proc INTEGER, step INTEGER, idx INTEGER, parent INTEGER, op TEXT,
+    reduce_op TEXT, group_id INTEGER, seq INTEGER, t0 INTEGER, dur INTEGER, layout_id INTEGER,
+    fp_pre INTEGER, fp_post INTEGER, n_pre INTEGER, flags INTEGER, bytes INTEGER, module_id INTEGER,
+    device_ns INTEGER, attrs TEXT, PRIMARY KEY(proc, step, idx)) WITHOUT ROWID;
+CREATE TABLE fingerprints(proc INTEGER, step INTEGER, first INTEGER, data BLOB, indices BLOB);
+CREATE TABLE params(proc INTEGER, module_id INTEGER, name TEXT, shape TEXT, dtype TEXT, fp_index INTEGER,
+    meta TEXT);
+CREATE TABLE captures(point TEXT PRIMARY KEY, info TEXT);
+CREATE TABLE lineage(proc INTEGER, step INTEGER, node INTEGER, op TEXT, attrs TEXT, inputs TEXT, shape TEXT,
+    PRIMARY KEY(proc, step, node)) WITHOUT ROWID;
+CREATE TABLE slot_sources(proc INTEGER, step INTEGER, span INTEGER, slot INTEGER, ref TEXT,
+    PRIMARY KEY(proc, step, span, slot)) WITHOUT ROWID;
+CREATE TABLE module_attrs(module TEXT PRIMARY KEY, attrs TEXT);
+CREATE TABLE errors(proc INTEGER, t INTEGER, location TEXT, message TEXT);
+CREATE TABLE collective_issues(group_id INTEGER, seq INTEGER, kind TEXT, ranks TEXT, detail TEXT);
+CREATE TABLE points(point TEXT PRIMARY KEY, module TEXT, call INTEGER, slot TEXT, placement TEXT,
+    reduction TEXT, shapes TEXT, dtype TEXT, dtypes TEXT, steps INTEGER, evidence TEXT,
+    collective TEXT, fingerprint TEXT, semantics TEXT, sort_key INTEGER, rule TEXT, evidence_items TEXT,
+    grouping TEXT);
+"""
+
+INDEX_SQL = """
+CREATE INDEX collectives_by_seq ON collectives(group_id, seq);
+CREATE INDEX collectives_by_module ON collectives(module_id, proc, step);
+CREATE INDEX fingerprints_by_step ON fingerprints(step, proc);
+CREATE INDEX points_by_module ON points(module, call);
+CREATE VIEW span_view AS
+    SELECT s.proc, p.rank, s.step, s.idx, s.parent, m.path AS module, m.class, s.call,
+           st.t_begin + s.t0 + COALESCE(p.clock_offset_ns, 0) AS start_ns, s.dur AS dur_ns,
+           l.slots AS tensors, s.flags
+    FROM spans s JOIN modules m USING(module_id) JOIN processes p USING(proc)
+    JOIN steps st ON st.proc = s.proc AND st.step = s.step
+    LEFT JOIN layouts l USING(layout_id);
+CREATE VIEW collective_view AS
+    SELECT c.proc, p.rank, c.step, c.idx, m.path AS module, c.op, c.reduce_op, g.name AS grp,
+           g.ranks AS group_ranks, c.seq, st.t_begin + c.t0 + COALESCE(p.clock_offset_ns, 0) AS start_ns,
+           c.dur AS dur_ns, c.device_ns, c.bytes, l.slots AS tensors, c.flags, c.attrs
+    FROM collectives c JOIN processes p USING(proc) JOIN groups g USING(group_id)
+    JOIN steps st ON st.proc = c.proc AND st.step = c.step
+    LEFT JOIN modules m ON m.module_id = c.module_id
+    LEFT JOIN layouts l ON l.layout_id = c.layout_id;
+"""
+
+
+def open_new_store(path: str) -> sqlite3.Connection:
+    """A new store with the schema and no rows (built in one go: no journal, no syncs)."""
+    con = sqlite3.connect(path)
+    con.execute("PRAGMA journal_mode=OFF")
+    con.execute("PRAGMA synchronous=OFF")
+    con.executescript(SCHEMA_SQL)
+    return con

@@ -1,0 +1,47 @@
+"""FINGERPRINTS records: one blob of values per step (``schema.FINGERPRINTS``).
+
+``data`` is packed little-endian float32 pairs (sum, sum of squares) per tensor; ``indices`` is
+None when the pairs' indices run ``first``, ``first + 1``, ..., else packed little-endian u32
+indices, one per pair. A NaN sum of squares means the tensor has only a sum.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+FP_PAIR = struct.Struct("<ff")
+
+
+def encode_values(sums_and_squares) -> bytes:
+    """The ``data`` blob of a flat sequence ``sum0, sumsq0, sum1, sumsq1, ...``."""
+    return struct.pack(f"<{len(sums_and_squares)}f", *sums_and_squares)
+
+
+def encode_indices(indices) -> bytes:
+    """The ``indices`` blob of a sequence of fingerprint indices."""
+    return struct.pack(f"<{len(indices)}I", *indices)
+
+
+def fingerprint_pairs(first: int, data: bytes, indices):
+    """The (index, sum, sum of squares) of a FINGERPRINTS record's values, raw (a NaN sum of
+    squares stays NaN). Bytes past the last whole pair are ignored."""
+    n = len(data) // FP_PAIR.size
+    idx = range(first, first + n) if indices is None else struct.unpack(f"<{n}I", indices[:4 * n])
+    return ((i, s, q) for i, (s, q) in zip(idx, FP_PAIR.iter_unpack(data[:n * FP_PAIR.size])))
+
+
+def decode_fingerprints(first: int, data: bytes, indices, into: dict, key=None) -> dict:
+    """Add a FINGERPRINTS record's values to ``into``: index (or ``key(index)``) -> (sum, sum of
+    squares or None); return ``into``."""
+    isnan = math.isnan
+    for i, s, q in fingerprint_pairs(first, data, indices):
+        into[i if key is None else key(i)] = (s, None if isnan(q) else q)
+    return into
+
+
+def fingerprint_refs(n: int, n_pre: int, fp_pre: int, fp_post: int) -> list:
+    """The fingerprint index of each of a span's ``n`` tensors (-1: none): the first ``n_pre``
+    count from ``fp_pre``, the others from ``fp_post``; a base of -1 means none."""
+    return [(fp_pre + i if fp_pre >= 0 else -1) if i < n_pre else (fp_post + i - n_pre if fp_post >= 0 else -1)
+            for i in range(n)]
