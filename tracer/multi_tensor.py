@@ -14,7 +14,7 @@ squares into a ``[k, 2]`` fp32 buffer with atomics. No copy, one launch per dtyp
   over its own elements, tensors of every size and layout in one launch. Measured on the H200
   inside a graph (Llama-8B-shaped decode step, 416 MiB of bf16 at batch 64): 151 us, against
   251 us for per-size-class launches with stacked views and 118 us for one ``torch.sum`` over
-  the same bytes (bench/fp_kernel_probe.py).
+  the same bytes (a probe since removed: ``git show f326002:bench/fp_kernel_probe.py``).
 
 Eagerly the table is copied from pinned memory without waiting (the caching host allocator keeps
 the pinned block until the copy has run). While a CUDA graph is captured, a host-to-device copy
@@ -279,7 +279,7 @@ class TableFill:
             self.done = None
 
 
-# Measured on the H200 inside a graph (bench/fp_kernel_probe.py, 416 MiB of bf16 in 481 tensors,
+# Measured on the H200 inside a graph (f326002:bench/fp_kernel_probe.py, 416 MiB of bf16 in 481 tensors,
 # chunk / block / warps): 65536/4096/8 147 us, 32768/4096/8 155, 131072/4096/8 154, 65536/2048/4
 # 148, 65536/8192/8 256, 65536/4096/4 215, 262144/8192/8 230; a ``range`` loop instead of
 # ``while`` 146. At 52 MiB (batch 8): 28 us, 32768 chunks 27.5, torch.sum 20.

@@ -5,7 +5,7 @@
 
 - ``pair_key(a, b)``: the layout key of the common span (one tensor in, one out) as one int,
   read from the TensorImpls, instead of six attribute reads and a tuple hash in Python
-  (about 0.75 of a traced call's 3.2 us on a CPU; bench/hook_cost.py).
+  (about 0.75 of a traced call's 3.2 us on a CPU; ``bench/overhead.py --workload linear-chain``).
 - ``Table``: the eager fingerprint path's deferred tensors. A traced eager GPU step holds a few
   hundred tensors for its fingerprint kernel; in Python each costs a dozen tensor attribute
   reads in the hook and again at the step's end, when they are cold in the CPU's caches. The
@@ -25,8 +25,8 @@ untraced child process of its own session: a traced process that exits first doe
 build with it, and the next one loads the finished build at once. Ranks building at once wait
 for one another (an flock, which a killed holder releases). The process uses the Python path
 until the build is ready; any failure is reported once on stderr and leaves the Python path in
-place. Measured in bench/RESULTS.md (``bench/fp_ab.py``, ``bench/hook_cost.py``,
-``bench/native_proxy.py``).
+place. Measured in bench/RESULTS.md (``bench/fp_ab.py``, its ``--cpu-model``, and
+``bench/overhead.py --workload linear-chain``).
 """
 
 from __future__ import annotations

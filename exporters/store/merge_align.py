@@ -101,7 +101,8 @@ def estimate_clock_offsets(con) -> list:
     if not procs:
         return []
     # Before estimation the column holds the shift a test injected into a process's clock
-    # (TENSOR_TRACE_CLOCK_OFFSET_NS): such a process is its own clock domain.
+    # (its header's clock_offset_ns: a test's clock shift, tests/integration/clock_shift): such a
+    # process is its own clock domain.
     injected = {proc: off or 0 for proc, off in con.execute("SELECT proc, clock_offset_ns FROM processes")}
     domains = {}
     ref = procs[0]
