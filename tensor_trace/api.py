@@ -236,10 +236,11 @@ class Recording:
 
 
 @contextlib.contextmanager
-def trace(out_dir: str = DEFAULT_DIR, **options):
+def trace(out_dir: str = DEFAULT_DIR, replace: bool = False, **options):
     """Trace this process's module calls inside the block (each outermost module call is a
     step); ``options`` are ``TraceConfig`` fields (``modules``, ``steps``, ``fingerprint``...).
-    The rank file is complete when the block ends::
+    A folder that already holds a run is refused, as ``tensor-trace record`` refuses it, unless
+    ``replace=True`` (which removes that run first). The rank file is complete when the block ends::
 
         with tensor_trace.trace(out_dir="my-trace") as rec:
             model(x)
@@ -250,6 +251,9 @@ def trace(out_dir: str = DEFAULT_DIR, **options):
     if tracer.current() is not None:
         raise BadInput("a tracer is already running in this process (tensor-trace record, or another "
                        "tensor_trace.trace block)")
+    from tensor_trace.tracer.launch import prepare_out_dir
+
+    prepare_out_dir(str(out_dir), replace, how="pass replace=True to overwrite it, or another out_dir")
     tracer.start(out_dir=str(out_dir), **options)
     try:
         yield Recording(str(out_dir))

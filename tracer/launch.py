@@ -22,14 +22,14 @@ from tensor_trace.tracer.config import TraceConfig
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
 
 
-def prepare_out_dir(out_dir: str, replace: bool) -> None:
-    """Refuse to mix two runs in one folder unless ``replace``."""
+def prepare_out_dir(out_dir: str, replace: bool, how: str = "use --replace to overwrite it or -o to choose "
+                    "another folder") -> None:
+    """Refuse to mix two runs in one folder unless ``replace``; ``how`` says how to get past it."""
     ranks = os.path.join(out_dir, "ranks")
     existing = os.path.isdir(ranks) and any(f.endswith(schema.RANK_FILE_SUFFIX) for f in os.listdir(ranks))
     if existing or os.path.exists(os.path.join(out_dir, "run.json")):
         if not replace:
-            raise BadInput(f"{out_dir} already holds a recorded run; use --replace to overwrite it "
-                           "or -o to choose another folder")
+            raise BadInput(f"{out_dir} already holds a recorded run; {how}")
         shutil.rmtree(ranks, ignore_errors=True)
         for name in os.listdir(out_dir):
             if name == "run.json" or name.startswith("merged."):

@@ -2,6 +2,7 @@
 read back as plain Python objects with the keys of the CLI's --json."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -140,3 +141,19 @@ def test_a_second_tracer_in_the_process_is_refused(tmp_path):
         with pytest.raises(BadInput, match="already running"):
             with tensor_trace.trace(out_dir=str(tmp_path / "b")):
                 pass
+
+
+def test_a_folder_holding_a_run_is_refused_unless_replace(tmp_path):
+    out = str(tmp_path / "t")
+    model = Model()
+    with tensor_trace.trace(out_dir=out):
+        model(torch.randn(2, 8))
+    with pytest.raises(BadInput, match="replace=True"):
+        with tensor_trace.trace(out_dir=out):
+            model(torch.randn(2, 8))
+    with tensor_trace.trace(out_dir=out, replace=True):
+        for _ in range(3):
+            model(torch.randn(2, 8))
+    # One run in the folder, the second block's: its three steps and nothing of the first.
+    assert len(os.listdir(os.path.join(out, "ranks"))) == 1
+    assert tensor_trace.open(out).sql("SELECT COUNT(*) AS n FROM steps")[0]["n"] == 3
