@@ -2,7 +2,7 @@
 
 Needs the SGLang venv (`bash tests/sglang/setup.sh`); skipped without it. The server loads the
 seeded tiny Llama checkpoint (see server.make_seeded_checkpoint), so TP=1 and TP=2 serve the
-same model and must give the same tokens, traced or not.
+same model and must give the tokens transformers gives (server.SEEDED_REFERENCE_TOKENS), traced.
 """
 
 from __future__ import annotations
@@ -42,12 +42,12 @@ def _serve(tp, model, log, prefix=()):
 
 @pytest.fixture(scope="module")
 def traced(seeded_model, tmp_path_factory):
-    """TP=2 traced, and TP=2 untraced for comparison."""
+    """TP=2 traced. No untraced server for comparison: the seeded model's tokens are known
+    (SEEDED_REFERENCE_TOKENS, from transformers), so the traced run is held against them."""
     d = tmp_path_factory.mktemp("sglang-tp2")
     out = d / "trace"
     tokens, srv = _serve(2, seeded_model, d / "traced.log", [TT, "record", "-o", str(out), "--"])
-    plain, _ = _serve(2, seeded_model, d / "plain.log")
-    return dict(out=str(out), tokens=tokens, plain=plain, exit=srv.exit_code)
+    return dict(out=str(out), tokens=tokens, exit=srv.exit_code)
 
 
 def q(*args):
@@ -57,7 +57,7 @@ def q(*args):
 
 
 def test_both_ranks_traced_and_tokens_unchanged(traced):
-    assert traced["tokens"] == traced["plain"] == server.SEEDED_REFERENCE_TOKENS
+    assert traced["tokens"] == server.SEEDED_REFERENCE_TOKENS
     assert traced["exit"] == 130  # SIGINT, forwarded by record, propagated
     traces = [load_rank_file(f) for f in rank_files(traced["out"])]
     ranks = sorted(t.identity.get("rank") for t in traces if t.steps)
