@@ -40,8 +40,11 @@ class ExampleTraces:
         return self.recorded[key]
 
     def copy(self, tp: int, dest, options=EXAMPLE_OPTIONS) -> str:
-        """A fresh trace folder at ``dest`` with the recording's run.json and rank files."""
-        shutil.copytree(self.original(tp, options), dest, ignore=shutil.ignore_patterns("merged.sqlite*"))
+        """A fresh trace folder at ``dest`` with the recording's run.json and rank files, written
+        now (not copying their times: a store is stale when a rank file is newer, as after a
+        recording, and test_merge_query.py moves a store's time back a minute to make it so)."""
+        shutil.copytree(self.original(tp, options), dest, ignore=shutil.ignore_patterns("merged.sqlite*"),
+                        copy_function=shutil.copyfile)
         return str(dest)
 
 
