@@ -30,6 +30,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import random
 import shlex
 import signal
 import socket
@@ -73,7 +74,20 @@ def venv_ready() -> tuple[bool, str]:
     return True, ""
 
 
-def free_port() -> int:
+def free_port(low: int = 30000, high: int = 32500) -> int:
+    """A free port below the kernel's ephemeral range (32768 up by default), which outgoing
+    connections take their ports from: the server binds it about a minute after it is chosen,
+    and meanwhile the connections of other servers starting at the same time (gloo, the
+    TCPStore) could take an ephemeral one (EADDRINUSE seen with three at once). 30000-32500:
+    above SGLang's own choice for its NCCL port (22000-29999), and DP attention's ports (the
+    server's + 233 to 240) stay under 32768."""
+    for port in random.sample(range(low, high + 1), 64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
