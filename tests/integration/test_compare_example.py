@@ -6,25 +6,22 @@ import json
 
 import pytest
 
-from tt_helpers import SMALL_MODEL, TENSOR_TRACE, TORCHRUN, TP_LLAMA, record_distributed, run_cmd
+from tt_helpers import SMALL_MODEL, TENSOR_TRACE, run_cmd
 
 STEPS = ["--steps", "2"]
 # Five recorded runs in one module fixture: more than the default per-test limit on a busy host.
 pytestmark = pytest.mark.timeout(1500)
 
 
-def _record(out, tp, *extra):
-    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(tp), TP_LLAMA, *SMALL_MODEL, *STEPS, *extra]
-    record_distributed(out, cmd, timeout=240)
-    return str(out)
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(example_traces, tmp_path_factory):
+    # Recorded once per session (test_merge_query.py's diff reads the same clean TP-2 run).
     d = tmp_path_factory.mktemp("compare")
-    return dict(tp1=_record(d / "tp1", 1), tp2=_record(d / "tp2", 2), tp3=_record(d / "tp3", 3),
-                double=_record(d / "double", 2, "--bug-double-reduce", "1"),
-                aux=_record(d / "aux", 2, "--bug-aux-before-reduce"))
+    return dict(tp1=example_traces.copy(1, d / "tp1", (*SMALL_MODEL, *STEPS)),
+                tp2=example_traces.copy(2, d / "tp2", (*SMALL_MODEL, *STEPS)),
+                tp3=example_traces.copy(3, d / "tp3", (*SMALL_MODEL, *STEPS)),
+                double=example_traces.copy(2, d / "double", (*SMALL_MODEL, *STEPS, "--bug-double-reduce", "1")),
+                aux=example_traces.copy(2, d / "aux", (*SMALL_MODEL, *STEPS, "--bug-aux-before-reduce")))
 
 
 def tt_json(*args, code):

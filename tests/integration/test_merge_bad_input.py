@@ -27,8 +27,8 @@ def record(out, tp=2, env=None, steps=3):
 
 
 @pytest.fixture(scope="module")
-def good(tmp_path_factory):
-    return record(tmp_path_factory.mktemp("good") / "t", steps=12)
+def good(example_traces, tmp_path_factory):
+    return example_traces.copy(2, tmp_path_factory.mktemp("good") / "t")
 
 
 def copy(src, dst):
@@ -81,9 +81,9 @@ def test_truncated_and_corrupt_files_give_partial_answers(good, tmp_path):
     assert any(p["point"] == "model.layers.0.self_attn.qkv_proj:output" for p in rows)
 
 
-def test_rank_file_from_another_run_is_refused(good, tmp_path):
+def test_rank_file_from_another_run_is_refused(good, example_traces, tmp_path):
     d = copy(good, tmp_path / "t")
-    other = record(tmp_path / "other", steps=1)
+    other = str(example_traces.original(3))
     shutil.copy(sorted(os.listdir(os.path.join(other, "ranks")))[0] and
                 os.path.join(other, "ranks", sorted(os.listdir(os.path.join(other, "ranks")))[0]),
                 os.path.join(d, "ranks", "zz-other.ttr"))

@@ -14,23 +14,12 @@ from tensor_trace.errors import BadInput
 from tensor_trace.exporters.store import merge_workers
 from tensor_trace.exporters.pipeline import merge_ranks, store_path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-VENV_BIN = os.path.dirname(sys.executable)
 linux_only = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds processes through /proc")
 
 
-def record(out, tp, steps=4):
-    cmd = [os.path.join(VENV_BIN, "tensor-trace"), "record", "-o", str(out), "--",
-           os.path.join(VENV_BIN, "torchrun"), "--standalone", "--nproc-per-node", str(tp),
-           os.path.join(ROOT, "examples", "tp_llama.py"), "--layers", "2", "--steps", str(steps)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return str(out)
-
-
 @pytest.fixture(scope="module")
-def tp3(tmp_path_factory):
-    return record(tmp_path_factory.mktemp("tp3") / "t", 3)
+def tp3(example_traces, tmp_path_factory):
+    return example_traces.copy(3, tmp_path_factory.mktemp("tp3") / "t")
 
 
 def copy_ranks(src, dst, names=None):
@@ -144,10 +133,10 @@ def test_a_failed_worker_is_replaced_by_the_merging_process(tp3, tmp_path, monke
 
 
 @linux_only
-def test_no_worker_outlives_a_merge_that_fails(tp3, tmp_path):
+def test_no_worker_outlives_a_merge_that_fails(tp3, example_traces, tmp_path):
     d = copy_ranks(tp3, tmp_path / "t")
     os.mkfifo(os.path.join(d, "ranks", "zz.ttr"))  # the worker reading it waits for a writer: still busy
-    other = record(tmp_path / "other", 2, steps=1)  # sorted first: the merging process meets it first
+    other = str(example_traces.original(2))  # copied as aa.ttr, sorted first: the merging process meets it first
     name = sorted(os.listdir(os.path.join(other, "ranks")))[0]
     with open(os.path.join(other, "ranks", name), "rb") as f, open(os.path.join(d, "ranks", "aa.ttr"), "wb") as g:
         g.write(f.read())

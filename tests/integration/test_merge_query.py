@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from tensor_trace.cli import main
+from tt_helpers import SMALL_MODEL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VENV_BIN = os.path.dirname(sys.executable)
@@ -26,8 +27,8 @@ def record(out, tp, *extra, layers=2, steps=3):
 
 
 @pytest.fixture(scope="module", params=[2, 3])
-def trace(request, tmp_path_factory):
-    return record(tmp_path_factory.mktemp(f"tp{request.param}") / "t", request.param), request.param
+def trace(request, example_traces, tmp_path_factory):
+    return example_traces.copy(request.param, tmp_path_factory.mktemp(f"tp{request.param}") / "t"), request.param
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +148,8 @@ def test_sql_and_merge_twice_is_identical(trace):
     assert dump() == first
 
 
-def test_diff_names_the_aux_capture_difference(tmp_path):
-    a = record(tmp_path / "a", 2, "--aux-layer-ids", "0,1", steps=2)
+def test_diff_names_the_aux_capture_difference(example_traces, tmp_path):
+    a = example_traces.copy(2, tmp_path / "a", (*SMALL_MODEL, "--steps", "2"))  # test_compare_example.py's tp2
     b = record(tmp_path / "b", 2, "--aux-layer-ids=-1,0", steps=2)
     d = json.loads(q("diff", a, b, "--json"))
     changed = {c["point"]: c for c in d["changed"]}

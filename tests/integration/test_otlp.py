@@ -21,13 +21,8 @@ VENV_BIN = os.path.dirname(sys.executable)
 
 
 @pytest.fixture(scope="module")
-def trace(tmp_path_factory):
-    out = tmp_path_factory.mktemp("otlp") / "trace"
-    cmd = [os.path.join(VENV_BIN, "tensor-trace"), "record", "-o", str(out), "--",
-           os.path.join(VENV_BIN, "torchrun"), "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "examples", "tp_llama.py"), "--layers", "2", "--steps", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def trace(example_traces, tmp_path_factory):
+    out = example_traces.copy(2, tmp_path_factory.mktemp("otlp") / "trace")
     r = CliRunner().invoke(main, ["query", "sql", "SELECT p.rank, s.step, s.n_spans + s.n_collectives AS n "
                                   "FROM steps s JOIN processes p USING(proc)", "--trace", str(out), "--json"])
     expected = {(row["rank"], row["step"]): row["n"] for row in json.loads(r.stdout)}
@@ -51,11 +46,11 @@ def test_spans_reach_a_real_receiver(trace, protocol):
         assert res["service.name"] == "tensor-trace" and res["tensor_trace.world_size"] == 2
         assert res["host.name"] and res["process.pid"] > 0 and res["tensor_trace.run_id"]
         assert s["scope"] == "tensor-trace" and s["end"] >= s["start"] > 1.6e18  # wall-clock ns
-    # One trace per step, shared by both ranks.
+    # One trace per step, shared by both ranks (the example's 3 steps, conftest.EXAMPLE_OPTIONS).
     by_step = collections.defaultdict(set)
     for s in spans:
         by_step[s["attrs"]["step"]].add(s["trace_id"])
-    assert all(len(ids) == 1 for ids in by_step.values()) and len({next(iter(v)) for v in by_step.values()}) == 2
+    assert all(len(ids) == 1 for ids in by_step.values()) and len({next(iter(v)) for v in by_step.values()}) == 3
     # Parent/child: every parent is a span of the same rank and trace; one root per rank and step.
     ids = {(s["resource"]["tensor_trace.rank"], s["trace_id"], s["span_id"]): s for s in spans}
     roots = [s for s in spans if not s["parent"]]

@@ -4,30 +4,19 @@ import collections
 import gzip
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from click.testing import CliRunner
 
 from tensor_trace.cli import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-VENV_BIN = os.path.dirname(sys.executable)
-
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    d = tmp_path_factory.mktemp("perfetto")
-    out = d / "trace"
-    cmd = [os.path.join(VENV_BIN, "tensor-trace"), "record", "-o", str(out), "--",
-           os.path.join(VENV_BIN, "torchrun"), "--standalone", "--nproc-per-node", "3",
-           os.path.join(ROOT, "examples", "tp_llama.py"), "--layers", "2", "--steps", "3"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def exported(example_traces, tmp_path_factory):
+    out = example_traces.copy(3, tmp_path_factory.mktemp("perfetto") / "trace")
     r = CliRunner().invoke(main, ["export", "perfetto", "--trace", str(out)])
     assert r.exit_code == 0, r.output
-    path = out / "trace.perfetto.json.gz"
+    path = os.path.join(out, "trace.perfetto.json.gz")
     with gzip.open(path, "rt") as f:
         return json.load(f)["traceEvents"]
 

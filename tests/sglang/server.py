@@ -27,8 +27,10 @@ every process of the tree (collected from /proc while it was still a tree).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
+import random
 import shlex
 import signal
 import socket
@@ -72,7 +74,20 @@ def venv_ready() -> tuple[bool, str]:
     return True, ""
 
 
-def free_port() -> int:
+def free_port(low: int = 30000, high: int = 32500) -> int:
+    """A free port below the kernel's ephemeral range (32768 up by default), which outgoing
+    connections take their ports from: the server binds it about a minute after it is chosen,
+    and meanwhile the connections of other servers starting at the same time (gloo, the
+    TCPStore) could take an ephemeral one (EADDRINUSE seen with three at once). 30000-32500:
+    above SGLang's own choice for its NCCL port (22000-29999), and DP attention's ports (the
+    server's + 233 to 240) stay under 32768."""
+    for port in random.sample(range(low, high + 1), 64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -355,6 +370,17 @@ class SGLangServer:
         except OSError:
             return f"(no log at {self.log_path})"
         return f"---- last {min(lines, len(text))} lines of {self.log_path} ----\n" + "\n".join(text[-lines:])
+
+
+def at_once(*calls):
+    """Run each call (a function of no arguments, e.g. one that serves a server and returns its
+    tokens) in a thread of its own, all started together; their results, in order. A starting
+    TP=2 server keeps about one of two cores busy (42 CPU-seconds for the tiny Llama, which is
+    up in about 40 s on an idle 2-core machine), so two started together are up well before two
+    in a row. Every call ends (its server stopped) before the first exception is raised."""
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+    return [f.result() for f in futures]
 
 
 # ---------------------------------------------------------------- a seeded real checkpoint

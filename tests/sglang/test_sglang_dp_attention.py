@@ -2,10 +2,10 @@
 
 Needs the SGLang venv (`bash tests/sglang/setup.sh`); skipped without it. Stand-ins: wide_dummy
 (shards differ, so partial sums are visible) and dp_attention (the torch_native backend's missing
-``get_cpu_graph_seq_len_fill_value``). One traced and one untraced server, the same requests:
-one prompt alone (one DP rank runs it, the other is idle: tokens [n, 0]), then two prompts of
-different lengths at once (round robin: one per DP rank; here they run in different forward
-passes, each while the other DP rank is idle).
+``get_cpu_graph_seq_len_fill_value``). One traced and one untraced server, started together,
+the same requests: one prompt alone (one DP rank runs it, the other is idle: tokens [n, 0]),
+then two prompts of different lengths at once (round robin: one per DP rank; here they run in
+different forward passes, each while the other DP rank is idle).
 
 At TP=2 with two attention-DP ranks each attention-TP group has one rank: attention, norms and
 the residual stream hold each DP rank's own tokens (nothing to compare across ranks, a data
@@ -55,8 +55,8 @@ def _serve(log, prefix=()):
 def traced(tmp_path_factory):
     d = tmp_path_factory.mktemp("sglang-dp-attention")
     out = d / "trace"
-    tokens = _serve(d / "traced.log", [TT, "record", "-o", str(out), "--"])
-    plain = _serve(d / "plain.log")
+    tokens, plain = server.at_once(lambda: _serve(d / "traced.log", [TT, "record", "-o", str(out), "--"]),
+                                   lambda: _serve(d / "plain.log"))
     return dict(out=str(out), tokens=tokens, plain=plain)
 
 

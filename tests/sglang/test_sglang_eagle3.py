@@ -8,8 +8,8 @@ as the engineer would, in two commands: what feeds the draft's ``fc``
 (``query lineage`` / ``contract save`` on the right run) and what changed
 (``contract check`` on the miswired run).
 
-Three servers, one per configuration (module-scoped fixtures): plain decoding untraced (the
-reference tokens), and EAGLE-3 traced with each draft. Weights: ``wide_dummy`` (per-shard
+Three servers, one per configuration, started together (module-scoped fixtures): plain
+decoding untraced (the reference tokens), and EAGLE-3 traced with each draft. Weights: ``wide_dummy`` (per-shard
 draws wide enough that greedy decoding meets no near-ties), the EAGLE-3 stand-ins ``eagle3``.
 """
 
@@ -28,8 +28,8 @@ from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 import tt_sglang_server as server  # noqa: E402  (loaded by conftest.py)
 
 _ready, _why = server.venv_ready()
-# The first test starts all three servers (about 40 s each on an idle 2-core machine, over ten
-# minutes each on a shared one).
+# The first test starts all three servers at once (about 40 s each alone on an idle 2-core
+# machine, over ten minutes each on a shared one).
 pytestmark = [pytest.mark.sglang, pytest.mark.skipif(not _ready, reason=f"no SGLang venv: {_why}"),
               pytest.mark.timeout(4800)]
 
@@ -67,19 +67,29 @@ def workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain(workdir):
+def served(workdir):
+    """The three servers, started together (server.at_once)."""
+    plain, wired, miswired = server.at_once(
+        lambda: _serve(workdir, "plain", traced=False),
+        lambda: _serve(workdir, "wired-012", _eagle3_args("eagle3-draft-012")),
+        lambda: _serve(workdir, "miswired-m101", _eagle3_args("eagle3-draft-m101")))
+    return dict(plain=plain, wired=wired, miswired=miswired)
+
+
+@pytest.fixture(scope="module")
+def plain(served):
     """Plain decoding of the same target, untraced: the tokens speculative decoding must give."""
-    return _serve(workdir, "plain", traced=False)
+    return served["plain"]
 
 
 @pytest.fixture(scope="module")
-def wired(workdir):
-    return _serve(workdir, "wired-012", _eagle3_args("eagle3-draft-012"))
+def wired(served):
+    return served["wired"]
 
 
 @pytest.fixture(scope="module")
-def miswired(workdir):
-    return _serve(workdir, "miswired-m101", _eagle3_args("eagle3-draft-m101"))
+def miswired(served):
+    return served["miswired"]
 
 
 def q(*args, ok=True):

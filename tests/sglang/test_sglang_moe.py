@@ -1,7 +1,7 @@
 """MoE models and expert parallel in real SGLang 0.5.23 on CPU, traced at TP=2 (issue #19).
 
-Each configuration is served twice, traced and untraced, by one module-scoped fixture: the
-tokens must be equal. Dummy weights are redrawn per shard (the ``wide_dummy`` stand-in), so the
+Each configuration is served twice at once, traced and untraced, by one module-scoped fixture:
+the tokens must be equal. Dummy weights are redrawn per shard (the ``wide_dummy`` stand-in), so the
 ranks' partial sums differ and a partial is told from a replicated value by its values, not
 only by its collectives. Stand-ins of tests/sglang/shims/tt_sglang_standins make the models run
 on CPU (``mla_backend``: DeepSeek's MLA with torch_native; ``ep_ids``: router ids of experts
@@ -50,8 +50,9 @@ def _traced_and_plain(name, model, extra, tmp_path_factory):
     d.mkdir(parents=True, exist_ok=True)
     out = d / "trace"
     t0 = time.monotonic()
-    tokens, srv = _serve(2, model, extra, d / "traced.log", [TT, "record", "--replace", "-o", str(out), "--"])
-    plain, _ = _serve(2, model, extra, d / "plain.log")
+    (tokens, srv), (plain, _) = server.at_once(
+        lambda: _serve(2, model, extra, d / "traced.log", [TT, "record", "--replace", "-o", str(out), "--"]),
+        lambda: _serve(2, model, extra, d / "plain.log"))
     return dict(out=str(out), tokens=tokens, plain=plain, exit=srv.exit_code, wall_s=time.monotonic() - t0)
 
 

@@ -21,6 +21,51 @@ def _build_env():
     return env
 
 
+@pytest.fixture
+def cold_build(tmp_path, monkeypatch):
+    """TORCH_EXTENSIONS_DIR for a cold build: the session's (tests/conftest.py), where nothing is
+    built yet when this module's first test runs (the tests after it then load that build);
+    a fresh folder if something was built there already."""
+    from tensor_trace.tracer import native
+
+    if native._built(native.build_directory()):
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    return native.build_directory()
+
+
+# First in this module: its build is the one the other tests of the run load.
+def test_a_build_begun_by_a_process_that_exits_at_once_finishes_for_the_next(cold_build):
+    """A short traced run starts the build and exits: the compiler runs detached, so the build
+    finishes and the next process loads it without compiling."""
+    env = _build_env()
+    if not (shutil.which("ninja", path=env["PATH"]) and (shutil.which("c++") or shutil.which("g++"))):
+        pytest.skip("no C++ compiler or ninja to build the extension")
+    import time
+
+    from tensor_trace.tracer import native
+
+    folder = cold_build
+    # A traced process has imported torch before its first step starts the build (the build
+    # thread needs torch to find its folder, and a cold import can take longer than the 3 s):
+    # gone long before a compile could end.
+    short = ("import os, time\nimport torch\nfrom tensor_trace.tracer import native\nnative.ensure()\n"
+             "time.sleep(3)\nos._exit(0)\n")
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", short], env=env, timeout=120, check=True)
+    assert time.monotonic() - t0 < 60 and not native._built(folder)
+    deadline = time.monotonic() + 600
+    while not native._built(folder) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert native._built(folder), open(os.path.join(folder, "tensor_trace.build.log")).read()[-2000:]
+    code = ("import time\nfrom tensor_trace.tracer import native\nt0 = time.monotonic()\n"
+            "native.ensure(block=True, timeout=600)\n"
+            "print(native.pair_key() is not None, round(time.monotonic() - t0, 1))\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=700)
+    ok, seconds = proc.stdout.split()
+    assert ok == "True" and float(seconds) < 15, proc.stdout + proc.stderr[-2000:]
+
+
 def test_native_table_equals_the_python_path():
     pytest.importorskip("triton", reason="Triton is in the dev extra on Linux x86-64 only")
     env = _build_env()
@@ -111,37 +156,3 @@ def test_a_build_lock_left_by_a_killed_process_does_not_stop_later_builds(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[0] == "True", proc.stdout + proc.stderr[-2000:]
     assert not os.path.exists(os.path.join(folder, "lock"))
-
-
-def test_a_build_begun_by_a_process_that_exits_at_once_finishes_for_the_next(tmp_path, monkeypatch):
-    """A short traced run starts the build and exits: the compiler runs detached, so the build
-    finishes and the next process loads it without compiling."""
-    env = _build_env()
-    if not (shutil.which("ninja", path=env["PATH"]) and (shutil.which("c++") or shutil.which("g++"))):
-        pytest.skip("no C++ compiler or ninja to build the extension")
-    import time
-
-    from tensor_trace.tracer import native
-
-    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", env["TORCH_EXTENSIONS_DIR"])
-    folder = native.build_directory()
-    # A traced process has imported torch before its first step starts the build (the build
-    # thread needs torch to find its folder, and a cold import can take longer than the 3 s):
-    # gone long before a compile could end.
-    short = ("import os, time\nimport torch\nfrom tensor_trace.tracer import native\nnative.ensure()\n"
-             "time.sleep(3)\nos._exit(0)\n")
-    t0 = time.monotonic()
-    subprocess.run([sys.executable, "-c", short], env=env, timeout=120, check=True)
-    assert time.monotonic() - t0 < 60 and not native._built(folder)
-    deadline = time.monotonic() + 600
-    while not native._built(folder) and time.monotonic() < deadline:
-        time.sleep(1)
-    assert native._built(folder), open(os.path.join(folder, "tensor_trace.build.log")).read()[-2000:]
-    code = ("import time\nfrom tensor_trace.tracer import native\nt0 = time.monotonic()\n"
-            "native.ensure(block=True, timeout=600)\n"
-            "print(native.pair_key() is not None, round(time.monotonic() - t0, 1))\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=700)
-    ok, seconds = proc.stdout.split()
-    assert ok == "True" and float(seconds) < 15, proc.stdout + proc.stderr[-2000:]
