@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 
 from tensor_trace.exporters.analysis.evidence import item
+from tensor_trace.exporters.analysis.rules import NONFINITE_RULE
 
 DP_LOCAL_GROUP = "attn_tp"
 
@@ -107,7 +108,10 @@ def dp_local_points(view, counts: dict, verdicts: dict) -> set:
                 parent = owner[2]
         if says is False or False in chain:
             continue
-        if says or (says is None and any(chain)):
+        # A point whose values are not finite cannot show that it meets a collective of the TP
+        # group (the MoE block's gathered input, padded with uninitialised rows): its rows alone
+        # place it, never the call around it.
+        if says or (says is None and any(chain) and (verdicts.get(key) or {}).get("rule") != NONFINITE_RULE):
             local.add(key)
     return local
 

@@ -100,9 +100,17 @@ def shapes(j, pt):
     return _decide(pt, "divergent", "unknown", "shapes-disagree")
 
 
+NONFINITE_RULE = "non-finite-values"
+
+
 def fingerprints(j, pt):
     if all(t.fp is not None for t in pt.ts):
         return None
+    bad = [p for p, t in zip(pt.procs, pt.ts) if t.nonfinite]
+    if bad:
+        pt.items.append(item("values", f"non-finite values (NaN or inf) on ranks {j.ranks(bad)}: "
+                                       "their sums say nothing (uninitialised padding?); placement needs values"))
+        return _decide(pt, "unknown", "unknown", NONFINITE_RULE)
     kinds = sorted({(t.meta or {}).get("kind") for t in pt.ts if t.fp is None} - {None})
     why = (f"no fingerprint ({', '.join(kinds)})" if kinds else
            "no fingerprints for these values (recorded with --no-fingerprint or in a CUDA-graph capture)")

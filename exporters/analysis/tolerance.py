@@ -14,19 +14,26 @@ from __future__ import annotations
 
 import math
 
+_finite = math.isfinite
 EPS = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10, "float32": 2.0 ** -20, "float64": 2.0 ** -40}
 
 
 class Observed:
     """One tensor seen on one rank: its local shape, dtype, fingerprint and, for a tensor
-    subclass such as a DTensor, what the tracer recorded about it (``meta``)."""
+    subclass such as a DTensor, what the tracer recorded about it (``meta``).
 
-    __slots__ = ("shape", "dtype", "fp", "numel", "meta")
+    A fingerprint with a NaN or infinite sum (or sum of squares) says nothing about the values:
+    it is dropped (``fp`` None) and ``nonfinite`` set. Such sums are what uninitialised memory
+    gives, e.g. the padding rows of a gathered buffer that SGLang allocates with ``torch.empty``
+    under DP attention: compared as numbers they would read as values that differ."""
+
+    __slots__ = ("shape", "dtype", "fp", "numel", "meta", "nonfinite")
 
     def __init__(self, shape, dtype, fp, meta=None):
         self.shape = tuple(shape)
         self.dtype = dtype
-        self.fp = fp
+        self.nonfinite = fp is not None and not (_finite(fp[0]) and (fp[1] is None or _finite(fp[1])))
+        self.fp = None if self.nonfinite else fp
         self.numel = math.prod(self.shape) if self.shape else 1
         self.meta = meta
 

@@ -170,13 +170,20 @@ def compute_verdicts(con) -> int:
     rows = []
     for key, verdicts in per_point.items():
         module, call, slot = key
-        counts = collections.Counter((v["placement"], v["reduction"]) for v in verdicts)
+        # A step without the evidence to judge the point (no usable fingerprints there) does not
+        # vote against the steps that had it; it is named.
+        blind = [v for v in verdicts if v["placement"] == "unknown" and v["reduction"] == "unknown"]
+        voting = [v for v in verdicts if v not in blind] or verdicts
+        counts = collections.Counter((v["placement"], v["reduction"]) for v in voting)
         (placement, reduction), _ = counts.most_common(1)[0]
-        chosen = next(v for v in verdicts if (v["placement"], v["reduction"]) == (placement, reduction))
+        chosen = next(v for v in voting if (v["placement"], v["reduction"]) == (placement, reduction))
         items = list(chosen["items"])
         if module in captures and captures[module].get("what"):
             items.insert(0, item("capture", f"captures the {captures[module]['what']}"))
         items.append(item("sampling", f"steps sampled: {sorted({v['step'] for v in verdicts})}"))
+        if blind and len(voting) < len(verdicts):
+            items.append(item("sampling", f"unknown in steps {sorted({v['step'] for v in blind})} (not enough "
+                                          "evidence there): not counted"))
         if len(counts) > 1:
             items.append(item("sampling", "other steps disagree: " + ", ".join(
                 f"{p}/{r} in {n}" for (p, r), n in counts.items() if (p, r) != (placement, reduction))))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from synthetic_trace import SyntheticTrace, arrays, check, gen, point, pos, same, store_has
+from tensor_trace.exporters import query
 
 needs_coll_attrs = pytest.mark.skipif(not store_has("collectives", "attrs"), reason="no collective attrs")
 R = [0, 1]
@@ -93,3 +94,46 @@ def test_without_declared_groups_the_split_is_judged_over_the_tp_group(tmp_path)
     _dp_step(tr, gen(3), (3, 0))
     p = point(tr.merge(tmp_path), "model.embed_tokens:output")
     assert p["placement"] == "shard(0)" and "group" not in p
+
+
+def _padded_step_with_garbage(tr, rng, tokens):
+    """SGLang's padded DP gather (all_gather_into_tensor of max(tokens) rows per DP rank, then
+    reduce_scatter): the idle DP rank's padding rows are uninitialised memory, here NaN, so the
+    MoE block's gathered input and its partial sums have NaN sums on every rank."""
+    width = max(tokens)
+    n = width * len(R)
+    per_rank = {r: dict(tokens=tokens[r], batch_size=1 if tokens[r] else 0, dp_tokens=list(tokens)) for r in R}
+    with tr.step(dict(forward_mode="extend"), per_rank=per_rank):
+        own = {r: np.full((width, H), np.nan, np.float32) for r in R}
+        for r in R:
+            own[r][:tokens[r]] = pos(rng, tokens[r], H)
+        with tr.call("model.embed_tokens", arrays({r: np.arange(width, dtype=np.int64) for r in R})) as c:
+            c.returns(arrays(own))
+        gathered = np.concatenate([own[r] for r in R])
+        tr.coll("all_gather_into_tensor", [arrays(own)], [same(gathered, R)])
+        parts = {r: pos(rng, n, H) * gathered[:, :1] for r in R}
+        with tr.call("model.layers.0.mlp", same(gathered, R)) as c:
+            c.returns(arrays(parts))
+        tr.coll("reduce_scatter_tensor", [arrays(parts)],
+                [arrays({r: (parts[0] + parts[1])[r * width:(r + 1) * width] for r in R})])
+
+
+def test_nan_padding_is_no_evidence_and_does_not_outvote_the_steps_that_have_it(tmp_path):
+    """A step whose MoE points hold NaN garbage judges them unknown (not DP-local, not values
+    that differ), and the steps with finite values decide the point."""
+    rng = gen(5)
+    tr = SyntheticTrace(2, tp_ranks=R, identity={r: _groups(r) for r in R})
+    _padded_step_with_garbage(tr, rng, (1, 0))
+    _dp_step(tr, rng, (3, 0))
+    _padded_step_with_garbage(tr, rng, (1, 0))
+    _dp_step(tr, rng, (2, 1))
+    con = tr.merge(tmp_path)
+    p = point(con, "model.layers.0.mlp:output")
+    check(p, "partial", "pre-reduction", "reduction-input")
+    assert p["group"] == dict(name="tp", size=2, ranks=[[0, 1]]) and p["data_split"] is None, p
+    assert not any("other steps disagree" in e for e in p["evidence"]), p["evidence"]
+    assert any("unknown in steps [0, 2]" in e for e in p["evidence"]), p["evidence"]
+    (nan_step,) = query.placement(con, "model.layers.0.mlp:output", step=0)
+    assert (nan_step["placement"], nan_step["rule"]) == ("unknown", "non-finite-values"), nan_step["evidence"]
+    assert nan_step.get("data_split") is None, nan_step
+    assert any("non-finite values (NaN or inf) on ranks [0, 1]" in e for e in nan_step["evidence"])
