@@ -218,6 +218,7 @@ class RankWriter:
         stop, wake, clock = self._stop, self._wake, time.monotonic
         due = clock() + self.flush_interval_s
         while not stop.is_set():
+            idle_chunk = False
             if wake.wait(max(0.0, due - clock())) and not stop.is_set():
                 wake.clear()
                 buf = self.pending
@@ -227,11 +228,12 @@ class RankWriter:
                 idle = self.pending is buf and len(buf) == n
                 if not idle and clock() < due:
                     continue  # records keep coming: the periodic flush takes them
-                if idle:
-                    self.idle_flushes += bool(n)
+                idle_chunk = idle and n > 0
             if stop.is_set():
                 return
             self.flush()
+            # Counted once written: whoever sees the count sees the chunk on disk.
+            self.idle_flushes += idle_chunk
             due = clock() + self.flush_interval_s
 
     def before_fork(self) -> None:

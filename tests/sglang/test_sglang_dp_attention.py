@@ -25,8 +25,7 @@ from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 
 import tt_sglang_server as server  # noqa: E402  (loaded by conftest.py)
 
-_ready, _why = server.venv_ready()
-pytestmark = [pytest.mark.sglang, pytest.mark.skipif(not _ready, reason=f"no SGLang venv: {_why}")]
+pytestmark = [pytest.mark.sglang]
 
 TT = str(server.VENV / "bin" / "tensor-trace")
 MODEL = server.REPO_ROOT / "tests" / "data" / "sglang-models" / "qwen3-moe"

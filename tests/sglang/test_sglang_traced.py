@@ -17,8 +17,7 @@ from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 
 import tt_sglang_server as server  # noqa: E402  (loaded by conftest.py)
 
-_ready, _why = server.venv_ready()
-pytestmark = [pytest.mark.sglang, pytest.mark.skipif(not _ready, reason=f"no SGLang venv: {_why}")]
+pytestmark = [pytest.mark.sglang]
 
 LAYERS = 2  # tests/data/tiny-llama/config.json
 MAX_NEW_TOKENS = 8  # of the traced fixture's request
