@@ -133,3 +133,13 @@ def paired_median(times: dict, a: str, b: str) -> float:
 def paired_ratio(times: dict, a: str, b: str) -> float:
     """The median over rounds of ``a``'s time over ``b``'s."""
     return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+
+def synthetic_trace_options(parser, per_trace: str = "") -> None:
+    """The options of a benchmark over bench/synth.py's synthetic TP=8 trace (compare, report):
+    its size, the repetitions, the work folder and where the figures go."""
+    parser.add_argument("--steps", type=int, default=None, help=f"default: ~2 million span records{per_trace}")
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed at the end)")
+    parser.add_argument("--json", metavar="PATH", help="write the figures here")

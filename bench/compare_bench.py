@@ -27,7 +27,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import header  # noqa: E402  (date, host, cpu, git commit, command)
+from common import header, synthetic_trace_options  # noqa: E402  (header: date, host, cpu, git commit, command)
 
 TARGET_S = 30.0
 BIN = os.path.dirname(sys.executable)
@@ -53,13 +53,9 @@ def timed_child(cmd: list, env=None) -> tuple:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=None, help="default: ~2 million span records per trace")
-    p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed at the end)")
+    synthetic_trace_options(p, " per trace")
     p.add_argument("--keep", action="store_true")
     p.add_argument("--reuse", action="store_true", help="with --dir: keep DIR/a if an earlier run generated it")
-    p.add_argument("--json", metavar="PATH", help="write the figures here")
     args = p.parse_args(argv)
     info = header(sys.argv)
     work = args.dir or tempfile.mkdtemp(prefix="tt-compare-bench-")

@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from compare_bench import timed_child  # noqa: E402  (wall, CPU, peak RSS of a child)
-from common import header  # noqa: E402  (date, host, cpu, git commit, command)
+from common import header, synthetic_trace_options  # noqa: E402  (header: date, host, cpu, git commit, command)
 
 TARGET_S = 20.0
 TARGET_BYTES = 5 * 1024 * 1024
@@ -64,13 +64,9 @@ def _page_counts(page: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=None, help="default: ~2 million span records")
-    p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed at the end)")
+    synthetic_trace_options(p)
     p.add_argument("--reuse", action="store_true", help="with --dir: keep DIR/a if an earlier run merged it")
     p.add_argument("--with-compare", action="store_true", help="also time report --compare against a copy")
-    p.add_argument("--json", metavar="PATH", help="write the figures here")
     args = p.parse_args(argv)
     info = header(sys.argv)
     work = args.dir or tempfile.mkdtemp(prefix="tt-report-bench-")
