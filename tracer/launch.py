@@ -22,15 +22,6 @@ from tensor_trace.tracer.config import TraceConfig
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
 
 
-def recorded_run_id(out_dir: str) -> str | None:
-    """The run id of the run recorded in ``out_dir`` (its run.json), or None."""
-    try:
-        with open(os.path.join(out_dir, "run.json")) as f:
-            return json.load(f).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
 def prepare_out_dir(out_dir: str, replace: bool, how: str = "use --replace to overwrite it or -o to choose "
                     "another folder", run_id: str | None = None) -> None:
     """Refuse to mix two runs in one folder unless ``replace``; ``how`` says how to get past it.
@@ -40,7 +31,7 @@ def prepare_out_dir(out_dir: str, replace: bool, how: str = "use --replace to ov
     ranks = os.path.join(out_dir, "ranks")
     existing = os.path.isdir(ranks) and any(f.endswith(schema.RANK_FILE_SUFFIX) for f in os.listdir(ranks))
     if existing or os.path.exists(os.path.join(out_dir, "run.json")):
-        if run_id is not None and not replace and recorded_run_id(out_dir) == run_id:
+        if run_id is not None and not replace and schema.read_run_id(out_dir) == run_id:
             os.makedirs(ranks, exist_ok=True)
             return
         if not replace:

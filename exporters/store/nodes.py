@@ -13,29 +13,21 @@ import json
 import os
 import shutil
 
+from tensor_trace import schema
 from tensor_trace.errors import BadInput
 from tensor_trace.exporters.store.reader import rank_files
-
-
-def folder_run_id(trace_dir: str) -> str | None:
-    """The run id in ``trace_dir/run.json`` (written by ``record``), or None."""
-    try:
-        with open(os.path.join(trace_dir, "run.json")) as f:
-            return json.load(f).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def gather_nodes(target: str, others: list[str]) -> int:
     """Link or copy the rank files of ``others`` into ``target/ranks``; return how many were added.
 
     Refuses (BadInput) a folder that is missing or records another run than ``target``."""
-    run_id = folder_run_id(target)
+    run_id = schema.read_run_id(target)
     for d in [target, *others]:
         if not os.path.isdir(d):
             raise BadInput(f"{d}: no such trace folder")
     for d in others:
-        other_id = folder_run_id(d)
+        other_id = schema.read_run_id(d)
         if run_id is None:
             run_id = other_id
         elif other_id is not None and other_id != run_id:
@@ -58,7 +50,7 @@ def gather_nodes(target: str, others: list[str]) -> int:
             except OSError:
                 shutil.copy2(src, dst)
             added += 1
-    if folder_run_id(target) is None and run_id is not None:
+    if schema.read_run_id(target) is None and run_id is not None:
         with open(os.path.join(target, "run.json"), "w") as f:
             json.dump(dict(run_id=run_id, gathered_from=others), f, indent=1)
     return added
