@@ -22,6 +22,8 @@ be aligned later. Within a step, span times are offsets in ns from the step's st
 
 from __future__ import annotations
 
+import json
+import os
 import struct
 import zlib
 
@@ -106,3 +108,12 @@ ENV_DIR = "TENSOR_TRACE_DIR"
 ENV_RUN_ID = "TENSOR_TRACE_RUN_ID"
 ENV_CONFIG = "TENSOR_TRACE_CONFIG"  # JSON: modules, exclude, steps, fingerprint, otlp_endpoint, ...
 ENV_BOOTSTRAP = "TENSOR_TRACE_BOOTSTRAP"  # the bootstrap folder, so it can find the next sitecustomize
+
+
+def read_run_id(trace_dir: str) -> str | None:
+    """The run id in ``trace_dir/run.json`` (written by ``record`` next to the rank files), or None."""
+    try:
+        with open(os.path.join(trace_dir, "run.json")) as f:
+            return json.load(f).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None

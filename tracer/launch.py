@@ -23,11 +23,17 @@ BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootst
 
 
 def prepare_out_dir(out_dir: str, replace: bool, how: str = "use --replace to overwrite it or -o to choose "
-                    "another folder") -> None:
-    """Refuse to mix two runs in one folder unless ``replace``; ``how`` says how to get past it."""
+                    "another folder", run_id: str | None = None) -> None:
+    """Refuse to mix two runs in one folder unless ``replace``; ``how`` says how to get past it.
+
+    A folder whose run.json names ``run_id`` is joined: the nodes of one multi-node run
+    (``record --run-id``) may write their rank files into one shared folder."""
     ranks = os.path.join(out_dir, "ranks")
     existing = os.path.isdir(ranks) and any(f.endswith(schema.RANK_FILE_SUFFIX) for f in os.listdir(ranks))
     if existing or os.path.exists(os.path.join(out_dir, "run.json")):
+        if run_id is not None and not replace and schema.read_run_id(out_dir) == run_id:
+            os.makedirs(ranks, exist_ok=True)
+            return
         if not replace:
             raise BadInput(f"{out_dir} already holds a recorded run; {how}")
         shutil.rmtree(ranks, ignore_errors=True)
@@ -46,6 +52,14 @@ def child_env(config: TraceConfig, base: dict | None = None) -> dict:
     return env
 
 
+def _write_run_file(run_file: str, run: dict) -> None:
+    # Written whole then renamed: another node's record joining the folder reads it meanwhile.
+    tmp = f"{run_file}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(run, f, indent=1)
+    os.replace(tmp, run_file)
+
+
 def run_traced(cmd: list[str], config: TraceConfig) -> int:
     """Run ``cmd`` traced; return its exit code (128 + N when it died of signal N)."""
     run_file = os.path.join(config.out_dir, "run.json")
@@ -57,8 +71,7 @@ def run_traced(cmd: list[str], config: TraceConfig) -> int:
         raise BadInput(f"command not found: {cmd[0]}")
     except PermissionError:
         raise BadInput(f"command not executable: {cmd[0]}")
-    with open(run_file, "w") as f:  # only once something runs: a failed start leaves no run
-        json.dump(run, f, indent=1)
+    _write_run_file(run_file, run)  # only once something runs: a failed start leaves no run
     received: list[int] = []
 
     def forward(signum, frame):
@@ -80,6 +93,5 @@ def run_traced(cmd: list[str], config: TraceConfig) -> int:
         for s, h in previous.items():
             signal.signal(s, h)
     run.update(exit_code=code, ended_wall_ns=time.time_ns(), signals_forwarded=received)
-    with open(run_file, "w") as f:
-        json.dump(run, f, indent=1)
+    _write_run_file(run_file, run)
     return 128 - code if code < 0 else code

@@ -148,6 +148,8 @@ def merge_ranks(trace_dir: str, warn=None, workers: int | None = None, analyse=N
             report["processes"] += 1
         if not report["processes"]:
             raise BadInput(f"{trace_dir}: none of its {len(files)} rank file(s) could be read")
+        report["hosts"] = [h for (h,) in con.execute("SELECT DISTINCT host FROM processes WHERE host IS NOT NULL "
+                                                     "ORDER BY host")]
         bar.stage("merge: collectives, clocks and verdicts")
         g.write()
         con.executemany("INSERT INTO meta VALUES (?,?)", [

@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import uuid
 
 import click
 
 from tensor_trace.errors import BadInput
+
+
+def launcher_run_id(cmd) -> str | None:
+    """The launcher's run id: torchrun's ``--rdzv-id`` in CMD, else ``TORCHELASTIC_RUN_ID`` when
+    the user exported it (torchrun sets it in its workers only); torchrun's default "none" is no id."""
+    value = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    for i, arg in enumerate(cmd):
+        name, eq, given = arg.partition("=")
+        if name in ("--rdzv-id", "--rdzv_id"):
+            value = given if eq else (cmd[i + 1] if i + 1 < len(cmd) else "")
+            break
+    value = value.strip()
+    return value if value and value != "none" else None
 
 
 @click.command(context_settings=dict(ignore_unknown_options=True, allow_interspersed_args=False))
@@ -26,10 +40,13 @@ from tensor_trace.errors import BadInput
               help="How module calls are seen: 'call' wraps torch.nn.Module.__call__ while steps are "
                    "traced (cheapest); 'hooks' registers global forward pre/post hooks instead.")
 @click.option("--otlp-endpoint", default=None, help="Also stream spans live to this OTLP endpoint.")
+@click.option("--run-id", default=None,
+              help="Run id shared by the nodes of one multi-node run (default: $TORCHELASTIC_RUN_ID when "
+                   "exported, else a new one); a folder already holding this run is joined.")
 @click.option("--replace", is_flag=True, help="Overwrite a run already recorded in the folder.")
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED, required=True)
 def record(out_dir, modules, exclude, steps, no_fingerprint, no_lineage, lineage_every, intercept,
-           otlp_endpoint, replace, cmd):
+           otlp_endpoint, run_id, replace, cmd):
     """Run CMD with every Python process it starts traced; print a summary; exit with CMD's code."""
     from tensor_trace.exporters.formats.summary import format_summary, summarize
     from tensor_trace.tracer.config import TraceConfig, parse_steps
@@ -44,11 +61,12 @@ def record(out_dir, modules, exclude, steps, no_fingerprint, no_lineage, lineage
         window = parse_steps(steps)
     except ValueError as exc:
         raise BadInput(str(exc))
-    config = TraceConfig(out_dir=out_dir, run_id=uuid.uuid4().hex[:16], modules=list(modules),
+    shared_id = run_id or launcher_run_id(cmd)
+    config = TraceConfig(out_dir=out_dir, run_id=shared_id or uuid.uuid4().hex[:16], modules=list(modules),
                          exclude=list(exclude), steps=window, fingerprint=not no_fingerprint,
                          lineage=not no_lineage, lineage_every=lineage_every,
                          intercept=intercept, otlp_endpoint=otlp_endpoint)
-    prepare_out_dir(out_dir, replace)
+    prepare_out_dir(out_dir, replace, run_id=shared_id)
     code = run_traced(list(cmd), config)
     click.echo(format_summary(summarize(out_dir)), err=True)
     sys.exit(code)
