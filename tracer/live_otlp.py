@@ -8,6 +8,15 @@ never waits for the network. A daemon thread resolves the records (the format la
 with opentelemetry-sdk's OTLP exporter.
 What was sent and dropped is reported once at exit and kept in the rank file's END record.
 
+Streaming policy (``StreamPolicy``): a GPU decode server makes about 420 module spans per 8 ms
+step per rank (~52k spans/s), several times what one process can encode and send. So collective
+spans always stream, and module spans stream for sampled steps only: the first ``STREAM_FIRST``
+steps of each kind (root module, forward mode, draft flag, as lineage's schedule in
+tracer/steps.py) and then every ``TraceConfig.otlp_module_every``-th step of that kind (1 = every
+step). What the policy leaves out is counted (``live_otlp_left_out``) and reported at exit apart
+from drops; the rank file still holds every span, and ``export otlp`` sends them all. A streamed
+collective of an unsampled step names a parent span that was not streamed.
+
 The mapping (``tensor_trace.format.otlp_spans``: a resource per process, one trace per step from
 the run id and the step, a span per module call and per collective) is the one of ``tensor-trace
 export otlp``, ids and attributes alike; what needs the merged store (placement verdicts, a
@@ -29,11 +38,48 @@ from tensor_trace.format.records import RecordResolver, decode
 
 QUEUE_BATCHES = 64  # flushed batches waiting for the network; past that they are dropped
 SEND_BATCH = 512
+STREAM_FIRST = 2  # steps of each kind whose module spans always stream
+
+
+class StreamPolicy:
+    """Which spans of a flushed batch stream: collectives always, module spans of sampled steps."""
+
+    def __init__(self, module_every: int = 1):
+        self.module_every = module_every
+        self.steps_of_kind: dict = {}
+        self.sampled: set = set()  # steps whose module spans stream
+        self.left_out = 0
+
+    def filter(self, records: list) -> list:
+        if self.module_every <= 1:
+            return records
+        out = []
+        for rec in records:
+            kind = rec[0]
+            if kind == schema.SPAN:
+                if rec[1] not in self.sampled:
+                    self.left_out += 1
+                    continue
+            elif kind == schema.STEP_BEGIN:
+                self._begin(rec)
+            out.append(rec)
+        return out
+
+    def _begin(self, rec) -> None:
+        begin = decode(rec)
+        attrs = begin.attrs or {}
+        kind = (begin.root, attrs.get("forward_mode"), attrs.get("draft"))
+        n = self.steps_of_kind.get(kind, 0)
+        self.steps_of_kind[kind] = n + 1
+        if n < STREAM_FIRST or n % self.module_every == 0:
+            self.sampled.add(begin.step)
+        else:
+            self.sampled.discard(begin.step)
 
 
 class LiveOTLP:
     def __init__(self, endpoint: str, run_id: str, header: dict, protocol: str | None = None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, module_every: int = 1):
         self.endpoint = endpoint
         self.run_id = run_id
         self.protocol = protocol or _protocol_from_env()
@@ -51,10 +97,12 @@ class LiveOTLP:
         self.identity: dict = {}
         self.resolver = RecordResolver()
         self.steps: dict = {}  # step -> (mono_ns at its start, its span attributes)
+        self.policy = StreamPolicy(module_every)
 
     # -- hot side: called from the writer, never blocks ---------------------------------------
     def offer(self, records: list) -> None:
         with self.cond:
+            records = self.policy.filter(records)
             if len(self.queue) >= QUEUE_BATCHES or self.failed:
                 self.dropped += sum(1 for r in records if r[0] in (schema.SPAN, schema.COLLECTIVE))
                 # Definitions must still reach the resolver, or later spans would not resolve.
@@ -199,9 +247,12 @@ class LiveOTLP:
                 self._exporter.shutdown()
         except Exception:
             pass
-        stats = dict(live_otlp_sent=self.sent, live_otlp_dropped=self.dropped)
+        left_out = self.policy.left_out
+        stats = dict(live_otlp_sent=self.sent, live_otlp_dropped=self.dropped, live_otlp_left_out=left_out)
         try:
             msg = f"tensor-trace: live OTLP to {self.endpoint}: {self.sent} spans sent, {self.dropped} dropped"
+            if left_out:
+                msg += f", {left_out} module spans left out by the policy (every {self.policy.module_every}th step)"
             if self.error:
                 msg += f" ({self.error})"
             sys.stderr.write(msg + "\n")
