@@ -28,7 +28,7 @@ def _value(v) -> AnyValue:
     return AnyValue(array_value=ArrayValue(values=[_value(x) for x in v]))
 
 
-_CACHE_MAX = 200_000
+_CACHE_MAX = 50_000  # bounds the memory a traced rank spends on it
 _encoded: dict = {}  # (key, value's type, value or its str) -> KeyValue
 
 
