@@ -1,7 +1,8 @@
 """Export throughput: the synthetic 2-million-span trace (bench/synth.py) through the Perfetto
-exporter, plain and gzip, timed in this process.
+exporter, plain and gzip, timed in this process; OTLP export into a loopback receiver; live OTLP
+at a decode server's span rate (bench/live_stream.py) with the streaming policy and without it.
 
-    OMP_NUM_THREADS=1 python bench/export_bench.py [--steps N] [--dir DIR]
+    OMP_NUM_THREADS=1 python bench/export_bench.py [--steps N] [--dir DIR] [--live-only]
 """
 
 import argparse
@@ -14,6 +15,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import live_stream  # noqa: E402
 import synth  # noqa: E402
 from common import header, header_line  # noqa: E402
 
@@ -26,10 +28,40 @@ def main():
     ap.add_argument("--steps", type=int, default=None, help="default: about 2,000,000 span records")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--otlp-steps", type=int, default=16, help="steps of the trace sent over OTLP")
+    ap.add_argument("--live-seconds", type=int, default=10, help="live OTLP streaming time")
+    ap.add_argument("--live-only", action="store_true", help="only the live OTLP figures")
     a = ap.parse_args()
     work = a.dir or tempfile.mkdtemp(prefix="tt-export-bench-")
-    steps = a.steps or synth.steps_for(2_000_000, 8)
     print(header_line("export_bench", header(sys.argv)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "tests", "integration"))
+    live(work, a.live_seconds)
+    if not a.live_only:
+        exports(work, a)
+    if not a.dir:
+        shutil.rmtree(work)
+
+
+def live(work, seconds):
+    """Live OTLP of one TP-8 rank at a decode server's rate, policy (default every 16th step's
+    module spans) and no policy (every span) side by side: the zero-drop target is the policy's."""
+    from otlp_receiver import GrpcReceiver
+    from tensor_trace.tracer.config import TraceConfig
+
+    records, template = live_stream.rank_records(os.path.join(work, "live"))
+    for every in (TraceConfig.otlp_module_every, 1):
+        with GrpcReceiver() as rcv:
+            r = live_stream.stream(f"http://127.0.0.1:{rcv.port}", records, template, seconds, every)
+        got = sum(len(ss.spans) for req in rcv.requests for rs in req.resource_spans for ss in rs.scope_spans)
+        verdict = ("PASS" if r["dropped"] == 0 else "FAIL") if every > 1 else "(reference)"
+        print(f"live otlp module_every={every:<3d} {r['offered']:>9,} spans offered ({r['offered_per_s']:,.0f}/s "
+              f"for {seconds} s)  {r['sent']:>9,} streamed ({got:,} received)  {r['left_out']:>9,} left out  "
+              f"{r['dropped']:>9,} dropped  {r['sent'] / r['wall']:,.0f} streamed/s  "
+              f"backlog at end {r['backlog']:,} (drained in {r['drain']:.1f} s)  {verdict} (0 dropped)")
+
+
+def exports(work, a):
+    steps = a.steps or synth.steps_for(2_000_000, 8)
     trace = os.path.join(work, "t")
     info = synth.generate(trace, steps, 8, 0, "realistic", log=lambda m: None)
     t = time.perf_counter()
@@ -46,8 +78,6 @@ def main():
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
     # OTLP into a real receiver on loopback (the test one, from opentelemetry-proto's services),
     # on a smaller trace: the receiver decodes every span in this same process.
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                    "tests", "integration"))
     from otlp_receiver import GrpcReceiver, HttpReceiver
     from tensor_trace.exporters.formats.otlp import export_otlp
 
@@ -61,9 +91,8 @@ def main():
             wall = time.perf_counter() - t0
         got = sum(len(ss.spans) for req in rcv.requests for rs in req.resource_spans for ss in rs.scope_spans)
         print(f"otlp {protocol:5s} {r['spans']:>10,} spans ({got:,} received)  {wall:6.1f} s wall  "
-              f"{r['spans'] / wall:,.0f} spans/s  ({a.otlp_steps} steps x 8 ranks)")
-    if not a.dir:
-        shutil.rmtree(work)
+              f"{r['spans'] / wall:,.0f} spans/s  ({a.otlp_steps} steps x 8 ranks; "
+              f"2,000,000 spans at this rate: {2e6 * wall / r['spans']:,.0f} s, target < 60 s)")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,10 @@ class TraceConfig:
     # ``Module._call_impl`` alone costs more per call than everything the wrapper does.
     intercept: str = "call"
     otlp_endpoint: str | None = None
+    # Live OTLP streams every collective span but module spans only of the first steps of each
+    # kind and then of every Nth step of that kind (tracer/live_otlp.py, StreamPolicy): a decode
+    # server makes more module spans than one process can send. 1 = every step.
+    otlp_module_every: int = 16
     flush_interval_s: float = 1.0
     # After a step ends, the rank file is written once no record has come for this long (the
     # process went idle: a server after its last request, which may be SIGKILLed next).

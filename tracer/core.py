@@ -186,7 +186,8 @@ class Tracer:
         if cfg.otlp_endpoint:
             from tensor_trace.tracer.live_otlp import LiveOTLP
 
-            self.live = LiveOTLP(cfg.otlp_endpoint, cfg.run_id, header).start()
+            self.live = LiveOTLP(cfg.otlp_endpoint, cfg.run_id, header,
+                                 module_every=cfg.otlp_module_every).start()
             self.writer.listeners.append(self.live.offer)
         self.written_groups = set()  # GROUP records are per file
         if self.identity:

@@ -4,9 +4,19 @@ The rank file stays the record of truth; this is a copy for the team's tracing b
 writer hands each flushed batch of records (once a second) to ``LiveOTLP.offer``, which only
 appends to a bounded queue and, when it is full, drops the batch and counts its spans: a forward
 never waits for the network. A daemon thread resolves the records (the format layer's
-``RecordResolver``, as the reader and the merge use it) into OpenTelemetry spans and sends them
-with opentelemetry-sdk's OTLP exporter.
+``RecordResolver``, as the reader and the merge use it) into OTLP protobuf spans, built in
+batches (``format/otlp_encode.py``, no SDK span objects), and sends them with opentelemetry-sdk's
+OTLP exporter.
 What was sent and dropped is reported once at exit and kept in the rank file's END record.
+
+Streaming policy (``StreamPolicy``): a GPU decode server makes about 420 module spans per 8 ms
+step per rank (~52k spans/s), several times what one process can encode and send. So collective
+spans always stream, and module spans stream for sampled steps only: the first ``STREAM_FIRST``
+steps of each kind (root module, forward mode, draft flag, as lineage's schedule in
+tracer/steps.py) and then every ``TraceConfig.otlp_module_every``-th step of that kind (1 = every
+step). What the policy leaves out is counted (``live_otlp_left_out``) and reported at exit apart
+from drops; the rank file still holds every span, and ``export otlp`` sends them all. A streamed
+collective of an unsampled step names a parent span that was not streamed.
 
 The mapping (``tensor_trace.format.otlp_spans``: a resource per process, one trace per step from
 the run id and the step, a span per module call and per collective) is the one of ``tensor-trace
@@ -24,16 +34,54 @@ import threading
 
 from tensor_trace import schema
 from tensor_trace.format import otlp_spans
+from tensor_trace.format.otlp_encode import SpanBatch, SpanRow
 from tensor_trace.format.otlp_spans import COLLECTIVE_SPAN, MODULE_SPAN
 from tensor_trace.format.records import RecordResolver, decode
 
 QUEUE_BATCHES = 64  # flushed batches waiting for the network; past that they are dropped
 SEND_BATCH = 512
+STREAM_FIRST = 2  # steps of each kind whose module spans always stream
+
+
+class StreamPolicy:
+    """Which spans of a flushed batch stream: collectives always, module spans of sampled steps."""
+
+    def __init__(self, module_every: int = 1):
+        self.module_every = module_every
+        self.steps_of_kind: dict = {}
+        self.sampled: set = set()  # steps whose module spans stream
+        self.left_out = 0
+
+    def filter(self, records: list) -> list:
+        if self.module_every <= 1:
+            return records
+        out = []
+        for rec in records:
+            kind = rec[0]
+            if kind == schema.SPAN:
+                if rec[1] not in self.sampled:
+                    self.left_out += 1
+                    continue
+            elif kind == schema.STEP_BEGIN:
+                self._begin(rec)
+            out.append(rec)
+        return out
+
+    def _begin(self, rec) -> None:
+        begin = decode(rec)
+        attrs = begin.attrs or {}
+        kind = (begin.root, attrs.get("forward_mode"), attrs.get("draft"))
+        n = self.steps_of_kind.get(kind, 0)
+        self.steps_of_kind[kind] = n + 1
+        if n < STREAM_FIRST or n % self.module_every == 0:
+            self.sampled.add(begin.step)
+        else:
+            self.sampled.discard(begin.step)
 
 
 class LiveOTLP:
     def __init__(self, endpoint: str, run_id: str, header: dict, protocol: str | None = None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, module_every: int = 1):
         self.endpoint = endpoint
         self.run_id = run_id
         self.protocol = protocol or _protocol_from_env()
@@ -51,10 +99,14 @@ class LiveOTLP:
         self.identity: dict = {}
         self.resolver = RecordResolver()
         self.steps: dict = {}  # step -> (mono_ns at its start, its span attributes)
+        self.policy = StreamPolicy(module_every)
+        self.pending = SpanBatch("tensor-trace", "live")  # encoded, not yet sent
+        self._res = None
 
     # -- hot side: called from the writer, never blocks ---------------------------------------
     def offer(self, records: list) -> None:
         with self.cond:
+            records = self.policy.filter(records)
             if len(self.queue) >= QUEUE_BATCHES or self.failed:
                 self.dropped += sum(1 for r in records if r[0] in (schema.SPAN, schema.COLLECTIVE))
                 # Definitions must still reach the resolver, or later spans would not resolve.
@@ -79,7 +131,6 @@ class LiveOTLP:
 
     # -- worker --------------------------------------------------------------------------------
     def _run(self) -> None:
-        pending = []
         while True:
             with self.cond:
                 while not self.queue and not self._closing:
@@ -88,16 +139,19 @@ class LiveOTLP:
                     break
                 batch = self.queue.popleft()
             try:
-                pending.extend(self._spans(batch))
+                rows = self.rows(batch)
             except Exception as exc:  # a record this resolver cannot read: skip the batch
                 self.error = f"{type(exc).__name__}: {exc}"
-            while len(pending) >= SEND_BATCH or (pending and self._closing):
-                chunk, pending = pending[:SEND_BATCH], pending[SEND_BATCH:]
-                self._send(chunk)
-        if pending:
-            self._send(pending)
+                continue
+            for row in rows:
+                self.pending.add(row)
+                if len(self.pending) >= SEND_BATCH:
+                    self._send()
+        if len(self.pending):
+            self._send()
 
-    def _send(self, spans) -> None:
+    def _send(self) -> None:
+        spans, self.pending = self.pending, SpanBatch("tensor-trace", "live")
         if self.failed:
             self.dropped += len(spans)
             return
@@ -116,24 +170,14 @@ class LiveOTLP:
             while self.queue:
                 self.dropped += sum(1 for r in self.queue.popleft() if r[0] in (schema.SPAN, schema.COLLECTIVE))
 
-    def _spans(self, records) -> list:
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import ReadableSpan
-        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-        from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
-
+    def rows(self, records) -> list:
+        """The spans of ``records`` (``SpanRow``), resolving what they define."""
         out = []
-        flags = TraceFlags(TraceFlags.SAMPLED)
         to_wall = (self.header.get("wall_ns") or 0) - (self.header.get("mono_ns") or 0)
-        scope = InstrumentationScope("tensor-trace", "live")
         resolver, steps, run_id = self.resolver, self.steps, self.run_id
         host, pid = self.header.get("host"), self.header.get("pid")
         strings = resolver.strings
-        resource = self._resource(Resource)
-
-        def context(step, kind, index):
-            return SpanContext(otlp_spans.trace_id(run_id, step),
-                               otlp_spans.span_id(run_id, host, pid, step, kind, index), False, flags)
+        trace_id, span_id = otlp_spans.trace_id, otlp_spans.span_id
 
         def tensors(layout_id):
             return [(slot, meta.shape, meta.dtype) for slot, meta in resolver.tensors(layout_id)]
@@ -149,19 +193,18 @@ class LiveOTLP:
                     path = strings.get(r.path, "?")
                     name, attrs = otlp_spans.module_span(path, resolver.modules.get(path), r.call, r.flags,
                                                          tensors(r.layout), begin[1])
-                    ctx = context(r.step, MODULE_SPAN, r.index)
+                    sid = span_id(run_id, host, pid, r.step, MODULE_SPAN, r.index)
                 else:
                     group = resolver.groups.get(r.group)
                     name, attrs = otlp_spans.collective_span(
                         strings.get(r.op, "?"), strings.get(r.reduce_op, "?") if r.reduce_op >= 0 else None,
                         group.name if group else "?", group.ranks if group else [], r.seq, r.bytes,
                         tensors(r.layout), begin[1])
-                    ctx = context(r.step, COLLECTIVE_SPAN, r.index)
+                    sid = span_id(run_id, host, pid, r.step, COLLECTIVE_SPAN, r.index)
                 start = begin[0] + to_wall + r.t0
-                out.append(ReadableSpan(name=name, context=ctx,
-                                        parent=context(r.step, MODULE_SPAN, r.parent) if r.parent >= 0 else None,
-                                        resource=resource, attributes=attrs, kind=SpanKind.INTERNAL,
-                                        start_time=start, end_time=start + r.dur, instrumentation_scope=scope))
+                parent = span_id(run_id, host, pid, r.step, MODULE_SPAN, r.parent) if r.parent >= 0 else None
+                out.append(SpanRow(self._resource(), name, trace_id(run_id, r.step), sid, parent,
+                                   start, start + r.dur, attrs))
             elif resolver.define(rec):
                 pass
             elif kind == schema.STEP_BEGIN:
@@ -169,16 +212,16 @@ class LiveOTLP:
                 steps[begin.step] = (begin.mono_ns, otlp_spans.step_attributes(begin.step, begin.attrs or {}))
             elif kind == schema.IDENTITY:
                 self.identity = dict(rec[1])
-                resource = self._resource(Resource, refresh=True)
+                self._resource(refresh=True)
         return out
 
-    def _resource(self, resource_cls, refresh: bool = False):
-        if refresh or not hasattr(self, "_res"):
+    def _resource(self, refresh: bool = False) -> tuple:
+        """This process's resource attributes, as SpanBatch keys them."""
+        if refresh or self._res is None:
             ident = self.identity
-            attrs = otlp_spans.resource_attributes(
+            self._res = tuple(otlp_spans.resource_attributes(
                 self.run_id, self.header.get("host") or socket.gethostname(), self.header.get("pid") or os.getpid(),
-                ident.get("rank"), ident.get("tp_rank"), ident.get("world_size"))
-            self._res = resource_cls(attrs)  # not .create(): its detectors need a thread pool, gone at exit
+                ident.get("rank"), ident.get("tp_rank"), ident.get("world_size")).items())
         return self._res
 
     # -- end -----------------------------------------------------------------------------------
@@ -199,9 +242,12 @@ class LiveOTLP:
                 self._exporter.shutdown()
         except Exception:
             pass
-        stats = dict(live_otlp_sent=self.sent, live_otlp_dropped=self.dropped)
+        left_out = self.policy.left_out
+        stats = dict(live_otlp_sent=self.sent, live_otlp_dropped=self.dropped, live_otlp_left_out=left_out)
         try:
             msg = f"tensor-trace: live OTLP to {self.endpoint}: {self.sent} spans sent, {self.dropped} dropped"
+            if left_out:
+                msg += f", {left_out} module spans left out by the policy (every {self.policy.module_every}th step)"
             if self.error:
                 msg += f" ({self.error})"
             sys.stderr.write(msg + "\n")
@@ -235,14 +281,28 @@ def make_exporter(endpoint: str, protocol: str, timeout_s: float | None = None):
         timeout_s = 30.0
     kwargs = {"timeout": timeout_s} if timeout_s is not None else {}
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
 
-        return OTLPSpanExporter(endpoint=endpoint, insecure=url.scheme == "http", **kwargs), endpoint
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        class GrpcBatches(Grpc):
+            def _translate_data(self, data):  # a SpanBatch is sent as the request it built
+                return data.request() if isinstance(data, SpanBatch) else super()._translate_data(data)
+
+        return GrpcBatches(endpoint=endpoint, insecure=url.scheme == "http", **kwargs), endpoint
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    class HttpBatches(Http):
+        def export(self, spans):
+            if not isinstance(spans, SpanBatch):
+                return super().export(spans)
+            if self._shutdown:
+                return SpanExportResult.FAILURE
+            ok = self._client.export(spans.request().SerializePartialToString()).success
+            return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
 
     if url.path in ("", "/"):
         endpoint = endpoint.rstrip("/") + "/v1/traces"
-    return OTLPSpanExporter(endpoint=endpoint, **kwargs), endpoint
+    return HttpBatches(endpoint=endpoint, **kwargs), endpoint
 
 
 def export_ok(exporter, spans) -> bool:

@@ -1,6 +1,7 @@
 """OTLP export: the merged trace into any OpenTelemetry backend (Jaeger, Tempo, a Collector).
 
-Spans go through opentelemetry-sdk's own OTLP exporters (gRPC or HTTP/protobuf), so the standard
+Spans are encoded in batches straight into OTLP protobuf (``format/otlp_encode.py``) and go
+through opentelemetry-sdk's own OTLP exporters (gRPC or HTTP/protobuf), so the standard
 ``OTEL_EXPORTER_OTLP_*`` variables (headers, timeout, compression, certificates) apply as they
 do to any OpenTelemetry program; ``--endpoint`` gives the endpoint.
 
@@ -41,7 +42,7 @@ def _package_version() -> str:
 
 
 class OTLPExporter(SpanExporter):
-    """Sends ``ReadableSpan`` batches through the SDK's OTLP exporter; failures are reported
+    """Sends ``SpanBatch``es through the SDK's OTLP exporter; failures are reported
     (``last_error``), never raised."""
 
     def __init__(self, endpoint: str, protocol: str = "grpc", timeout_s: float | None = None):
@@ -73,14 +74,12 @@ class OTLPExporter(SpanExporter):
         self._exporter.shutdown()
 
 
-def readable_spans(con):
-    """The store as ReadableSpan objects, one step of one process at a time."""
+def span_rows(con):
+    """The store as ``SpanRow``s, one step of one process at a time."""
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import ReadableSpan
-    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-    from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 
-    scope = InstrumentationScope("tensor-trace", _package_version())
+    from tensor_trace.format.otlp_encode import SpanRow
+
     run_id = (con.execute("SELECT value FROM meta WHERE key='run_id'").fetchone() or [""])[0]
     procs = con.execute("SELECT proc, rank, tp_rank, world_size, host, pid, COALESCE(clock_offset_ns, 0), "
                         "mono_anchor_ns, wall_anchor_ns FROM processes ORDER BY rank IS NULL, rank, proc").fetchall()
@@ -107,19 +106,18 @@ def readable_spans(con):
     for module, call, placement, reduction in con.execute(
             f"SELECT module, call, placement, reduction FROM points WHERE {OUTPUTS_SQL} ORDER BY sort_key"):
         verdicts.setdefault((module, call), (placement, reduction))
-    flags = TraceFlags(TraceFlags.SAMPLED)
     for proc, rank, tp_rank, world, host, pid, offset, _, _ in procs:
-        resource = Resource.create(otlp_spans.resource_attributes(run_id, host, pid, rank, tp_of.get(proc, tp_rank),
-                                                                  world))
+        resource = tuple(Resource.create(otlp_spans.resource_attributes(
+            run_id, host, pid, rank, tp_of.get(proc, tp_rank), world)).attributes.items())
 
-        def context(step, kind, idx):
-            return SpanContext(otlp_spans.trace_id(run_id, step),
-                               otlp_spans.span_id(run_id, host, pid, step, kind, idx), False, flags)
+        def span_id(step, kind, idx):
+            return otlp_spans.span_id(run_id, host, pid, step, kind, idx)
 
         for step, first, last, t_begin, step_attrs in con.execute(
                 "SELECT step, span_first, span_last, t_begin, attrs FROM steps WHERE proc=? AND t_begin IS NOT NULL "
                 "AND span_first IS NOT NULL ORDER BY step", (proc,)).fetchall():
             base = t_begin + offset + to_wall
+            trace_id = otlp_spans.trace_id(run_id, step)
             sattrs = otlp_spans.step_attributes(step, json.loads(step_attrs or "{}"))
             rows = con.execute("SELECT idx, parent, module_id, call, t0, dur, layout_id, flags FROM spans "
                                "WHERE rowid BETWEEN ? AND ? AND step=?", (first, last, step)).fetchall()
@@ -129,10 +127,9 @@ def readable_spans(con):
                 v = verdicts.get((path, call))
                 if v is not None:
                     a["tensor.placement"], a["tensor.reduction"] = v
-                yield ReadableSpan(name=name, context=context(step, MODULE_SPAN, idx),
-                                   parent=context(step, MODULE_SPAN, parent) if parent >= 0 else None,
-                                   resource=resource, attributes=a, kind=SpanKind.INTERNAL, start_time=base + t0,
-                                   end_time=base + t0 + dur, instrumentation_scope=scope)
+                yield SpanRow(resource, name, trace_id, span_id(step, MODULE_SPAN, idx),
+                              span_id(step, MODULE_SPAN, parent) if parent >= 0 else None,
+                              base + t0, base + t0 + dur, a)
             for idx, parent, op, redop, gid, seq, t0, dur, lid, nbytes, mid, dev in con.execute(
                     "SELECT idx, parent, op, reduce_op, group_id, seq, t0, dur, layout_id, bytes, module_id, "
                     "device_ns FROM collectives WHERE proc=? AND step=? ORDER BY idx", (proc, step)).fetchall():
@@ -141,10 +138,9 @@ def readable_spans(con):
                 a["module.path"] = modules.get(mid) or ""
                 if dev is not None:
                     a["collective.device_time_ns"] = dev
-                yield ReadableSpan(name=name, context=context(step, COLLECTIVE_SPAN, idx),
-                                   parent=context(step, MODULE_SPAN, parent) if parent >= 0 else None,
-                                   resource=resource, attributes=a, kind=SpanKind.INTERNAL, start_time=base + t0,
-                                   end_time=base + t0 + dur, instrumentation_scope=scope)
+                yield SpanRow(resource, name, trace_id, span_id(step, COLLECTIVE_SPAN, idx),
+                              span_id(step, MODULE_SPAN, parent) if parent >= 0 else None,
+                              base + t0, base + t0 + dur, a)
 
 
 
@@ -158,20 +154,23 @@ def export_otlp(trace_dir: str, endpoint: str, protocol: str = "grpc", batch: in
 
 def _export_otlp(trace_dir, endpoint, protocol, batch, timeout_s) -> dict:
     exporter = OTLPExporter(endpoint, protocol, timeout_s)
+    from tensor_trace.format.otlp_encode import SpanBatch  # after the exporter: the otlp extra is there
+
+    version = _package_version()
     con = open_store(trace_dir)
-    pending: list = []
+    pending = SpanBatch("tensor-trace", version)
     sent = 0
     bar = progress.Task.open("export otlp: spans")
     try:
-        for span in readable_spans(con):
-            pending.append(span)
+        for row in span_rows(con):
+            pending.add(row)
             if len(pending) >= batch:
                 if exporter.export(pending) is not ExportResult.SUCCESS:
                     raise BadInput(f"OTLP endpoint {exporter.endpoint} ({protocol}) did not accept the spans "
                                    f"(down, refusing, or no answer within the timeout); {sent} spans sent")
                 sent += len(pending)
                 bar.advance(len(pending))
-                pending = []
+                pending = SpanBatch("tensor-trace", version)
         if pending:
             if exporter.export(pending) is not ExportResult.SUCCESS:
                 raise BadInput(f"OTLP endpoint {exporter.endpoint} ({protocol}) did not accept the spans "

@@ -94,10 +94,14 @@ def _record(out, *extra, env=None):
     return proc, time.monotonic() - t
 
 
-def _expected(out):
-    r = CliRunner().invoke(main, ["query", "sql", "SELECT p.rank, s.step, s.n_spans + s.n_collectives AS n "
+def _expected(out, module_steps=None):
+    """{(rank, step): spans}; with ``module_steps``, module spans only of those steps (the live
+    streaming policy's sampled steps) and collectives of all."""
+    r = CliRunner().invoke(main, ["query", "sql", "SELECT p.rank, s.step, s.n_spans, s.n_collectives "
                                   "FROM steps s JOIN processes p USING(proc)", "--trace", str(out), "--json"])
-    return {(row["rank"], row["step"]): row["n"] for row in json.loads(r.stdout)}
+    return {(row["rank"], row["step"]): row["n_collectives"]
+            + (row["n_spans"] if module_steps is None or row["step"] in module_steps else 0)
+            for row in json.loads(r.stdout)}
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
@@ -108,8 +112,13 @@ def test_live_streaming_while_recording(tmp_path, protocol):
                           env={"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc" if protocol == "grpc" else "http/protobuf"})
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert "live OTLP:" in proc.stderr and " 0 dropped" in proc.stderr
+    # The policy streams module spans of the first STREAM_FIRST steps (0, 1) of the one kind,
+    # then of every 16th: step 2's are left out, counted, and still in the rank files.
+    every, sampled = _expected(tmp_path / "t"), _expected(tmp_path / "t", module_steps={0, 1})
+    for rank in (0, 1):
+        assert f" {every[rank, 2] - sampled[rank, 2]} module spans left out by the policy" in proc.stderr
     spans = flatten(receiver.requests)
-    expected = _expected(tmp_path / "t")  # the rank files are still written
+    expected = sampled
     counts = collections.Counter((s["resource"]["tensor_trace.rank"], s["attrs"]["step"]) for s in spans)
     assert dict(counts) == expected
     by_step = collections.defaultdict(set)
@@ -117,7 +126,8 @@ def test_live_streaming_while_recording(tmp_path, protocol):
         by_step[s["attrs"]["step"]].add(s["trace_id"])
     assert all(len(ids) == 1 for ids in by_step.values())
     ids = {(s["resource"]["tensor_trace.rank"], s["span_id"]) for s in spans}
-    assert all((s["resource"]["tensor_trace.rank"], s["parent"]) in ids for s in spans if s["parent"])
+    assert all((s["resource"]["tensor_trace.rank"], s["parent"]) in ids
+               for s in spans if s["parent"] and s["attrs"]["step"] < 2)
     ar = next(s for s in spans if s["name"] == "all_reduce")
     assert ar["attrs"]["collective.group.ranks"] == [0, 1] and ar["attrs"]["tensor.dtype"] == ["float32", "float32"]
 

@@ -163,33 +163,62 @@ def test_point_names_parse_and_glob():
 
 def test_export_and_live_streaming_give_a_span_the_same_ids_and_attributes(traced):
     pytest.importorskip("opentelemetry.sdk")
-    from tensor_trace.exporters.formats.otlp import readable_spans
+    from tensor_trace.exporters.formats.otlp import span_rows
     from tensor_trace.exporters.pipeline import open_store
     from tensor_trace.tracer.live_otlp import LiveOTLP
 
     path = rank_files(str(traced))[0]
     records = list(iter_records(path))
     header = next(r[1] for r in records if r[0] == schema.HEADER)
-    live = LiveOTLP("http://127.0.0.1:9", header["run_id"], header)._spans(records)
+    live = LiveOTLP("http://127.0.0.1:9", header["run_id"], header).rows(records)
     con = open_store(str(traced))
-    exported = list(readable_spans(con))
+    exported = list(span_rows(con))
     con.close()
     assert len(live) == len(exported) == 2 * (1 + 2 * 3 + 2)  # root, 2 x (block, up, down), 2 all_reduce
 
     def key(span):
-        return (span.context.trace_id, span.context.span_id)
+        return (span.trace_id, span.span_id)
 
     by_id = {key(s): s for s in exported}
     assert len(by_id) == len(exported)
     export_only = {"tensor.placement", "tensor.reduction", "module.path", "collective.device_time_ns"}
     for s in live:
         e = by_id[key(s)]
-        assert (s.name, s.parent and s.parent.span_id) == (e.name, e.parent and e.parent.span_id)
-        assert dict(s.attributes) == {k: v for k, v in e.attributes.items()
-                                      if k not in export_only or (k == "module.path" and "module.call" in e.attributes)}
-        assert s.resource.attributes["tensor_trace.run_id"] == e.resource.attributes["tensor_trace.run_id"] == "fmt-run"
+        assert (s.name, s.parent_id) == (e.name, e.parent_id)
+        assert s.attrs == {k: v for k, v in e.attrs.items()
+                           if k not in export_only or (k == "module.path" and "module.call" in e.attrs)}
+        assert dict(s.resource)["tensor_trace.run_id"] == dict(e.resource)["tensor_trace.run_id"] == "fmt-run"
     up = next(s for s in live if s.name == "layers.0.up")
-    assert up.attributes["module.class"] == "Linear" and list(up.attributes["tensor.slot"]) == ["output"]
-    assert json.loads(up.attributes["tensor.shape"][0]) == [3, 8]
+    assert up.attrs["module.class"] == "Linear" and list(up.attrs["tensor.slot"]) == ["output"]
+    assert json.loads(up.attrs["tensor.shape"][0]) == [3, 8]
     ar = next(s for s in live if s.name == "all_reduce")
-    assert by_id[key(ar)].parent.span_id == next(s for s in live if s.name == "layers.0").context.span_id
+    assert by_id[key(ar)].parent_id == next(s for s in live if s.name == "layers.0").span_id
+
+
+def test_batch_encoding_equals_the_sdk_encoder():
+    """SpanBatch builds the very request opentelemetry-sdk's encoder makes of the same spans."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+    from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
+
+    from tensor_trace.format.otlp_encode import SpanBatch, SpanRow
+
+    resources = [{"service.name": "tensor-trace", "tensor_trace.rank": r} for r in (0, 1)]
+    attrs = [{"module.path": "m", "module.call": 2, "f": 1.5, "b": True, "shape": ["[3, 8]"], "ranks": [0, 1]},
+             {"module.call": 1, "b": 1, "ranks": [True, False], "x": 1.0}]  # 1 and True are not one value
+    rows = [SpanRow(tuple(res.items()), f"s{i}", 7 + i, 100 + i, 90 if i % 2 else None, 5 * i, 5 * i + 3, a)
+            for i, (res, a) in enumerate((res, a) for res in resources for a in attrs * 2)]
+    flags = TraceFlags(TraceFlags.SAMPLED)
+    scope = InstrumentationScope("tensor-trace", "v")
+    sdk = [ReadableSpan(name=r.name, context=SpanContext(r.trace_id, r.span_id, False, flags),
+                        parent=SpanContext(r.trace_id, r.parent_id, False, flags) if r.parent_id else None,
+                        resource=Resource(dict(r.resource)), attributes=r.attrs, kind=SpanKind.INTERNAL,
+                        start_time=r.start_ns, end_time=r.end_ns, instrumentation_scope=scope) for r in rows]
+    for _ in range(2):  # the second time from the encoded-pair cache
+        batch = SpanBatch("tensor-trace", "v")
+        for r in rows:
+            batch.add(r)
+        assert len(batch) == len(rows) and batch.request() == encode_spans(sdk)
