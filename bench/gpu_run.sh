@@ -37,8 +37,9 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/tt-ext} MAX_JOBS=${MAX_
 cd "$PKG"
 
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-# the commit in every header: git's, or (a copy without .git) the one the caller names
-export BENCH_COMMIT=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo "${BENCH_COMMIT:-?}")
+# the commit in every header: the one the caller names, else git's. The device tool's copy of the
+# working tree can carry a .git whose HEAD is not the tree that travelled: name the commit there.
+export BENCH_COMMIT=${BENCH_COMMIT:-$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo "?")}
 echo "# gpu_run | $(date -u +%FT%TZ) | host $(hostname) | commit $BENCH_COMMIT | $(nproc) cpus | parts: $PARTS"
 python3 -c "import torch, triton, tensor_trace.tracer.core; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
