@@ -64,6 +64,8 @@ class StreamPolicy:
                     continue
             elif kind == schema.STEP_BEGIN:
                 self._begin(rec)
+            elif kind == schema.STEP_END:
+                self.sampled.discard(rec[1])  # its spans came before it: a long run keeps no step numbers
             out.append(rec)
         return out
 
@@ -105,8 +107,10 @@ class LiveOTLP:
 
     # -- hot side: called from the writer, never blocks ---------------------------------------
     def offer(self, records: list) -> None:
+        # The policy is the writer's alone (offer is called under its lock): filter before taking
+        # the worker's lock, which the worker holds to pop batches.
+        records = self.policy.filter(records)
         with self.cond:
-            records = self.policy.filter(records)
             if len(self.queue) >= QUEUE_BATCHES or self.failed:
                 self.dropped += sum(1 for r in records if r[0] in (schema.SPAN, schema.COLLECTIVE))
                 # Definitions must still reach the resolver, or later spans would not resolve.

@@ -63,3 +63,11 @@ def test_left_out_is_reported_at_exit_apart_from_drops(capsys):
     assert stats == dict(live_otlp_sent=0, live_otlp_dropped=0, live_otlp_left_out=15)
     err = capsys.readouterr().err
     assert "0 dropped, 15 module spans left out by the policy (every 4th step)" in err
+
+
+def test_an_ended_step_leaves_no_state_behind():
+    # A server runs for millions of steps: the policy keeps no step number once a step has ended.
+    policy = StreamPolicy(module_every=4)
+    for s in range(40):
+        policy.filter(_step(s) + [(schema.STEP_END, s, 1000 * s + 500, 3, 1)])
+    assert policy.sampled == set() and policy.left_out == 3 * (40 - (2 + 9))
