@@ -110,10 +110,16 @@ ENV_CONFIG = "TENSOR_TRACE_CONFIG"  # JSON: modules, exclude, steps, fingerprint
 ENV_BOOTSTRAP = "TENSOR_TRACE_BOOTSTRAP"  # the bootstrap folder, so it can find the next sitecustomize
 
 
-def read_run_id(trace_dir: str) -> str | None:
-    """The run id in ``trace_dir/run.json`` (written by ``record`` next to the rank files), or None."""
+def read_run_id(trace_dir: str, warn=None) -> str | None:
+    """The run id in ``trace_dir/run.json`` (written by ``record`` next to the rank files), or
+    None; ``warn`` (if given) is told when the file is there but unreadable."""
+    path = os.path.join(trace_dir, "run.json")
     try:
-        with open(os.path.join(trace_dir, "run.json")) as f:
+        with open(path) as f:
             return json.load(f).get("run_id")
+    except FileNotFoundError:
+        return None
     except (OSError, ValueError, AttributeError):
+        if warn is not None:
+            warn(f"{path} is unreadable; taking the run id from the rank files")
         return None

@@ -99,14 +99,7 @@ def merge_ranks(trace_dir: str, warn=None, workers: int | None = None, analyse=N
     files = rank_files(trace_dir)
     if not files:
         raise BadInput(f"{trace_dir}: no rank files (expected {trace_dir}/ranks/*.ttr from tensor-trace record)")
-    run_id = None
-    run_file = os.path.join(trace_dir, "run.json")
-    if os.path.exists(run_file):
-        try:
-            with open(run_file) as f:
-                run_id = json.load(f).get("run_id")
-        except (OSError, ValueError):
-            warn(f"{run_file} is unreadable; taking the run id from the rank files")
+    run_id = schema.read_run_id(trace_dir, warn)
     final = store_path(trace_dir)
     tmp = final + ".tmp"
     for old in [tmp, *merge_workers.part_paths(tmp)]:
