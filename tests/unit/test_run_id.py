@@ -37,3 +37,15 @@ def test_a_folder_of_the_same_run_is_joined_another_refused(tmp_path):
             prepare_out_dir(str(d), replace=False, run_id=other)
     prepare_out_dir(str(d), replace=True, run_id="job42")
     assert not (d / "run.json").exists() and not list((d / "ranks").iterdir())
+
+
+def test_an_unreadable_run_file_is_no_run_id_and_is_said(tmp_path):
+    from tensor_trace import schema
+
+    said = []
+    assert schema.read_run_id(str(tmp_path), said.append) is None and said == []  # no file: nothing to say
+    (tmp_path / "run.json").write_text("{not json")
+    assert schema.read_run_id(str(tmp_path), said.append) is None
+    assert len(said) == 1 and "run.json is unreadable" in said[0]
+    (tmp_path / "run.json").write_text('{"run_id": "job7"}')
+    assert schema.read_run_id(str(tmp_path)) == "job7"
