@@ -143,3 +143,14 @@ def synthetic_trace_options(parser, per_trace: str = "") -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed at the end)")
     parser.add_argument("--json", metavar="PATH", help="write the figures here")
+
+
+def synthetic_trace_work(args, name: str) -> tuple:
+    """(header, work folder, environment of the timed children) of such a benchmark: the folder
+    ``--dir`` names or a new temporary one; children run on one thread unless told otherwise."""
+    import tempfile
+
+    info = header(sys.argv)
+    work = args.dir or tempfile.mkdtemp(prefix=f"tt-{name}-bench-")
+    os.makedirs(work, exist_ok=True)
+    return info, work, dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))

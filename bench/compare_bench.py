@@ -27,7 +27,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import header, synthetic_trace_options  # noqa: E402  (header: date, host, cpu, git commit, command)
+from common import synthetic_trace_options, synthetic_trace_work  # noqa: E402
 
 TARGET_S = 30.0
 BIN = os.path.dirname(sys.executable)
@@ -57,10 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--keep", action="store_true")
     p.add_argument("--reuse", action="store_true", help="with --dir: keep DIR/a if an earlier run generated it")
     args = p.parse_args(argv)
-    info = header(sys.argv)
-    work = args.dir or tempfile.mkdtemp(prefix="tt-compare-bench-")
-    os.makedirs(work, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    info, work, env = synthetic_trace_work(args, "compare")
     a, b = os.path.join(work, "a"), os.path.join(work, "b")
     try:
         t = time.perf_counter()

@@ -23,14 +23,13 @@ import sqlite3
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from compare_bench import timed_child  # noqa: E402  (wall, CPU, peak RSS of a child)
-from common import header, synthetic_trace_options  # noqa: E402  (header: date, host, cpu, git commit, command)
+from common import synthetic_trace_options, synthetic_trace_work  # noqa: E402
 
 TARGET_S = 20.0
 TARGET_BYTES = 5 * 1024 * 1024
@@ -68,10 +67,7 @@ def main(argv=None) -> int:
     p.add_argument("--reuse", action="store_true", help="with --dir: keep DIR/a if an earlier run merged it")
     p.add_argument("--with-compare", action="store_true", help="also time report --compare against a copy")
     args = p.parse_args(argv)
-    info = header(sys.argv)
-    work = args.dir or tempfile.mkdtemp(prefix="tt-report-bench-")
-    os.makedirs(work, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    info, work, env = synthetic_trace_work(args, "report")
     trace = os.path.join(work, "a")
     page = os.path.join(work, "report.html")
     try:
