@@ -21,7 +21,8 @@ import time
 import torch
 from torch.nn.modules import module as _nn_module
 
-from tensor_trace.tracer import naming, steps
+from tensor_trace import schema
+from tensor_trace.tracer import naming, native, spans, steps
 from tensor_trace.tracer.spans import (CONTEXT_TYPES, F_MODULE, PLAIN, flatten_args, open_span,
                                        pop_record, record_tensors, span_one_tensor)
 
@@ -67,6 +68,14 @@ def set_quiet_hooks(t, quiet: bool) -> None:
         if h_post.id in _nn_module._global_forward_hooks:
             _nn_module._global_forward_hooks[h_post.id] = post
     t.quiet_hooks = quiet
+
+
+def use_native_call(t) -> None:
+    """tracer/native.py is ready (its layout keys taken): the call wrapper's C version in place
+    of the Python one, if that is what intercepts calls now."""
+    for h in t.global_handles:
+        if isinstance(h, CallWrapper):
+            h.use_native()
 
 
 def remove_global_hooks(t) -> None:
@@ -246,11 +255,13 @@ class CallWrapper:
     Removal puts torch's function back if the wrapper is still the one installed; if someone
     patched ``__call__`` on top of it since, it stays in their chain as a pass-through."""
 
-    __slots__ = ("tracer", "active")
+    __slots__ = ("tracer", "active", "python_call", "native_call")
 
     def __init__(self, tracer):
         self.tracer = tracer
         self.active = True
+        self.python_call = None  # the wrapper function
+        self.native_call = None  # its C version, once tracer/native.py is built (use_native)
 
     @classmethod
     def install(cls, tracer) -> "CallWrapper":
@@ -326,29 +337,53 @@ class CallWrapper:
                 except BaseException:
                     t.post_fn(module, args, None)  # the error path, as always_call hooks get it
                     raise
-            # A call of tensors and plain values whose frame is on top (left by global_pre, or
-            # above): recorded here as global_post would (its own checks already known true),
-            # else through it.
-            stack = t.stack
-            if len(stack) > 1 and not t.quiet_hooks:
-                frame = stack[-1]
-                if frame[F_MODULE] is module and frame[8] and type(frame[6]) is tuple:
-                    try:
-                        if record_tensors(t, frame, frame[6], kwargs, result):
-                            return result
-                    except Exception as exc:
-                        t.on_error("forward hook", exc)
-                        return result
-            t.post_fn(module, args, kwargs, result)
+            finish_call(t, module, args, kwargs, result)
             return result
 
         __call__.__wrapped__ = inner
         __call__._tensor_trace_wrapper = handle
+        handle.python_call = __call__
         torch.nn.Module.__call__ = __call__
+        handle.use_native()
         return handle
+
+    def use_native(self) -> bool:
+        """Put tracer/native_call.py's ``TracedCall`` in the Python wrapper's place, once
+        tracer/native.py is built and spans' layouts are keyed by it (the same keys): whether
+        it is (or already was) installed. ``torch.nn.Module.__call__`` still reads as the
+        Python wrapper (its ``__get__``)."""
+        make = native.traced_call()
+        if not self.active or make is None or spans.uses_python_keys():
+            return False
+        if self.native_call is None:
+            self.native_call = make(self.python_call, self.python_call.__wrapped__, self.tracer, _Tensor,
+                                    vars(torch.compiler), span_one_tensor, finish_call, CONTEXT_TYPES,
+                                    schema.SPAN)
+        if vars(torch.nn.Module)["__call__"] is self.python_call:
+            torch.nn.Module.__call__ = self.native_call
+        return vars(torch.nn.Module)["__call__"] is self.native_call
 
     def remove(self) -> None:
         self.active = False
-        fn = torch.nn.Module.__call__
+        if self.native_call is not None:
+            self.native_call.close()
+        fn = torch.nn.Module.__call__  # (the Python wrapper, also where TracedCall is installed)
         if getattr(fn, "_tensor_trace_wrapper", None) is self:
             torch.nn.Module.__call__ = fn.__wrapped__
+
+
+def finish_call(t, module, args, kwargs, result) -> None:
+    """The end of a wrapped call whose frame is on top (left by global_pre, the inline path, or
+    tracer/native_call.py): recorded here as global_post would (its own checks already known
+    true), else through it."""
+    stack = t.stack
+    if len(stack) > 1 and not t.quiet_hooks:
+        frame = stack[-1]
+        if frame[F_MODULE] is module and frame[8] and type(frame[6]) is tuple:
+            try:
+                if record_tensors(t, frame, frame[6], kwargs, result):
+                    return
+            except Exception as exc:
+                t.on_error("forward hook", exc)
+                return
+    t.post_fn(module, args, kwargs, result)

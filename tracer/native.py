@@ -35,9 +35,13 @@ import os
 import sys
 import threading
 
+from tensor_trace.tracer import native_call
+
 SOURCE = r"""
 #include <torch/extension.h>
+#include <structmember.h>
 #include <algorithm>
+#include <ctime>
 #include <cstring>
 #include <string>
 #include <unordered_map>
@@ -94,13 +98,13 @@ int64_t id_of(std::unordered_map<std::vector<int64_t>, int64_t, KeyHash>* ids) {
 
 // pair_key(a, b): an int (>= 0) standing for a's and b's (shape, dtype, device), or -1 for a
 // tensor it does not read (a subclass, nested, symbolic sizes, not a tensor). Under the GIL.
+int64_t pair_id(PyObject* a, PyObject* b) {
+  key_buf.clear();
+  return put_meta(a) && put_meta(b) ? id_of(pair_ids) : -1;
+}
+
 PyObject* pair_key(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  int64_t id = -1;
-  if (nargs == 2) {
-    key_buf.clear();
-    if (put_meta(args[0]) && put_meta(args[1])) id = id_of(pair_ids);
-  }
-  return PyLong_FromLongLong(id);
+  return PyLong_FromLongLong(nargs == 2 ? pair_id(args[0], args[1]) : -1);
 }
 
 // What spans.record_tensors skips: None, int, float, str (bool is an int) and the
@@ -128,26 +132,32 @@ int put_argument(int64_t tag, PyObject* x, PyObject* context) {
 // call_key(args, kwargs, result, context): an int (>= 0) standing for the layout that
 // spans.record_tensors would build for this call, or -1 where it would not record it
 // (another kind of argument or result) or a tensor is not read here: the caller's Python then
-// decides. Under the GIL.
+// decides. Under the GIL. call_id: the same as a C value, -2 for an error (raised).
+int64_t call_id(PyObject* args, PyObject* kwargs, PyObject* result, PyObject* context);
+
 PyObject* call_key(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   if (nargs != 4 || !PyTuple_Check(a[0]) || !PySet_Check(a[3])) return PyLong_FromLongLong(-1);
-  PyObject *args = a[0], *kwargs = a[1], *result = a[2], *context = a[3];
+  int64_t id = call_id(a[0], a[1], a[2], a[3]);
+  return id == -2 ? nullptr : PyLong_FromLongLong(id);
+}
+
+int64_t call_id(PyObject* args, PyObject* kwargs, PyObject* result, PyObject* context) {
   key_buf.clear();
   Py_ssize_t n = PyTuple_GET_SIZE(args);
   for (Py_ssize_t i = 0; i < n; ++i) {
     int r = put_argument(i, PyTuple_GET_ITEM(args, i), context);
-    if (r < 0) return nullptr;
-    if (r == 0) return PyLong_FromLongLong(-1);
+    if (r < 0) return -2;
+    if (r == 0) return -1;
   }
   if (kwargs != Py_None) {
-    if (!PyDict_Check(kwargs)) return PyLong_FromLongLong(-1);
+    if (!PyDict_Check(kwargs)) return -1;
     PyObject *k, *v;
     Py_ssize_t pos = 0;
     while (PyDict_Next(kwargs, &pos, &k, &v)) {
-      if (!PyUnicode_Check(k)) return PyLong_FromLongLong(-1);
+      if (!PyUnicode_Check(k)) return -1;
       Py_ssize_t len;
       const char* name = PyUnicode_AsUTF8AndSize(k, &len);
-      if (name == nullptr) return nullptr;
+      if (name == nullptr) return -2;
       std::string s(name, static_cast<size_t>(len));
       auto it = kw_ids->find(s);
       int64_t kid;
@@ -158,15 +168,15 @@ PyObject* call_key(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
         kid = it->second;
       }
       int r = put_argument(kKeyword - kid, v, context);
-      if (r < 0) return nullptr;
-      if (r == 0) return PyLong_FromLongLong(-1);
+      if (r < 0) return -2;
+      if (r == 0) return -1;
     }
   }
   if (result != Py_None) {
     key_buf.push_back(-1);
     if (!put_meta(result)) {
       key_buf.pop_back();
-      if (!PyTuple_CheckExact(result) && !PyList_CheckExact(result)) return PyLong_FromLongLong(-1);
+      if (!PyTuple_CheckExact(result) && !PyList_CheckExact(result)) return -1;
       PyObject* seq = result;
       Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
       for (Py_ssize_t j = 0; j < m; ++j) {
@@ -175,11 +185,11 @@ PyObject* call_key(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
         if (put_meta(r)) continue;
         key_buf.pop_back();
         if (!(r == Py_None || PyLong_Check(r) || PyFloat_Check(r) || PyUnicode_Check(r)))
-          return PyLong_FromLongLong(-1);
+          return -1;
       }
     }
   }
-  return PyLong_FromLongLong(id_of(call_ids));
+  return id_of(call_ids);
 }
 
 PyMethodDef pair_key_def = {"pair_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(pair_key)),
@@ -346,9 +356,12 @@ PyObject* hold_in(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
 PyMethodDef hold_in_def = {"hold_in", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(hold_in)),
                            METH_FASTCALL, "hold_in(slot, t, i) -> int: Table.hold of the table in that slot"};
 
+"""  # the source goes on after tracer/native_call.py's part
+_SOURCE_END = r"""
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  if (!ready_traced_call()) throw py::error_already_set();
   py::class_<Table>(m, "Table")
       .def(py::init<int64_t, c10::Device>())
       .def("hold", &Table::hold)
@@ -361,10 +374,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("hold_in") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&hold_in_def, nullptr, nullptr));
   m.attr("pair_key") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&pair_key_def, nullptr, nullptr));
   m.attr("call_key") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&call_key_def, nullptr, nullptr));
+  m.attr("traced_call") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&traced_call_def, nullptr, nullptr));
 }
 """
+SOURCE = SOURCE + native_call.SOURCE + _SOURCE_END
 
-_state: dict = {"table": None, "hold_in": None, "pair_key": None, "call_key": None, "started": False, "error": None}
+_state: dict = {"table": None, "hold_in": None, "pair_key": None, "call_key": None, "traced_call": None,
+                "started": False, "error": None}
 _lock = threading.Lock()
 _done = threading.Event()  # set when a build or load has finished, either way
 
@@ -412,6 +428,12 @@ def call_key():
     """The compiled ``call_key(args, kwargs, result, context)`` (an int standing for the layout
     of a call of tensors and plain values, -1 where the caller's Python decides), or None."""
     return _state["call_key"]
+
+
+def traced_call():
+    """The compiled ``traced_call(...)``, which makes tracer/native_call.py's ``TracedCall``
+    (``torch.nn.Module.__call__`` in C for a traced step's common calls), or None."""
+    return _state["traced_call"]
 
 
 def error():
@@ -529,6 +551,7 @@ def _build() -> None:
                 pass
         module = _load(folder)
         _state["call_key"] = module.call_key
+        _state["traced_call"] = module.traced_call
         _state["hold_in"] = module.hold_in
         _state["pair_key"] = module.pair_key
         _state["table"] = module.Table

@@ -1,0 +1,459 @@
+"""C++ for the traced module call: ``torch.nn.Module.__call__`` as a C object (tracer/native.py
+builds it with the rest of the extension; tracer/intercept.py installs it).
+
+``TracedCall`` does in C what tracer/intercept.py's Python wrapper does for the common calls of
+a traced step without fingerprints or lineage: it opens the call's frame on ``Tracer.stack``
+(the same list, item for item), calls torch's own ``Module.__call__``, and appends the same
+SPAN tuple to the writer's ``pending`` list that tracer/spans.py would, for a call of one plain
+tensor in and one out (``span_one_tensor``) and for a call whose layout tracer/native.py's
+``call_key`` already knows (``record_tensors``). Anything else goes to the Python code that
+handles it today, so there is one definition of every other case:
+
+- before the call (not the step's thread, the root, a module not yet named in this rank file,
+  a shared module, past ``max_spans``, fingerprints or lineage on, torch compiling): the whole
+  call goes to the Python wrapper;
+- after it (a layout not known yet, a result of another kind): ``intercept.finish_call``, with
+  the frame left on top as the Python wrapper leaves it; an exception: the post hook body, as
+  the Python wrapper calls it.
+
+It reads the tracer's state from its ``__dict__`` (interned names, no attribute look-up
+machinery), so the Python code that sets those attributes needs no change.
+
+A method descriptor (``Py_TPFLAGS_METHOD_DESCRIPTOR``): a module call finds it on the class and
+calls it with the module first, with no bound method made. Anything that reads the attribute
+(``torch.nn.Module.__call__``, ``module.__call__``: torch.compile's tracing, code that patches
+``__call__`` in a chain) gets the Python wrapper instead (``__get__``), which passes through
+under ``torch.compile`` and behaves the same.
+"""
+
+SOURCE = r"""
+// ---------------------------------------------------------------- TracedCall: see tracer/native_call.py
+enum Name {
+  kActiveThread, kQuietHooks, kFpNow, kStepRoot, kIds, kWriter, kGeneration, kSpanCount,
+  kMaxSpans, kStack, kCalls, kStep, kStepT0Raw, kSpanFlags, kLayouts, kOne, kByCallKey,
+  kPending, kMaxBuffered, kFlush, kPostFn, kOnError, kCompilingFlag, kNames
+};
+const char* const kNameText[kNames] = {
+  "active_thread", "quiet_hooks", "fp_now", "step_root", "ids", "writer", "generation",
+  "span_count", "max_spans", "stack", "calls", "step", "step_t0_raw", "span_flags", "layouts",
+  "one", "by_call_key", "pending", "max_buffered", "flush", "post_fn", "on_error",
+  "_is_compiling_flag"};
+PyObject* names[kNames];
+
+bool intern_names() {
+  for (int i = 0; i < kNames; ++i) {
+    names[i] = PyUnicode_InternFromString(kNameText[i]);
+    if (names[i] == nullptr) return false;
+  }
+  return true;
+}
+
+struct TracedCall {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  PyObject* python_call;  // the Python wrapper: every other call, and what __get__ hands out
+  PyObject* inner;        // torch's own Module.__call__
+  PyObject* tracer;
+  PyObject* state;        // tracer.__dict__
+  PyObject* tensor_type;  // torch.Tensor (a call's tensors must be exactly that)
+  PyObject* compiler;     // torch.compiler's module __dict__
+  PyObject* span_one;     // spans.span_one_tensor
+  PyObject* finish;       // intercept.finish_call
+  PyObject* context;      // tensor_slots.CONTEXT_TYPES (a set)
+  PyObject* span_tag;     // schema.SPAN
+  int active;
+  long long recorded;     // spans recorded here (the rest: by the Python code)
+};
+
+inline PyObject* state_item(TracedCall* self, Name n) {  // borrowed; NULL if missing
+  return PyDict_GetItemWithError(self->state, names[n]);
+}
+
+inline int64_t now_ns() {  // time.monotonic_ns's clock
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+// The frame a call opened (references held until the call is done).
+struct OpenCall {
+  PyObject* module = nullptr;  // borrowed (the caller's argument)
+  PyObject* stack = nullptr;
+  PyObject* frame = nullptr;
+  PyObject* args = nullptr;    // the positional arguments as a tuple (the frame's slots)
+  PyObject* index = nullptr;
+  PyObject* parent = nullptr;
+  PyObject* path_id = nullptr;
+  PyObject* call = nullptr;
+  int64_t t0 = 0;
+  ~OpenCall() {
+    Py_XDECREF(stack); Py_XDECREF(frame); Py_XDECREF(args); Py_XDECREF(index);
+    Py_XDECREF(parent); Py_XDECREF(path_id); Py_XDECREF(call);
+  }
+};
+
+// global_pre's frame for this call (intercept.py; its no-fingerprint branch), opened here:
+// 1 opened, 0 the call is not one this handles (or an error: the Python wrapper then redoes it).
+int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssize_t n, OpenCall& c) {
+  if (PyDict_GetItemWithError(self->compiler, names[kCompilingFlag]) == Py_True) return 0;
+  PyObject* at = state_item(self, kActiveThread);
+  if (at == nullptr || !PyLong_CheckExact(at) || PyLong_AsUnsignedLongMask(at) != PyThread_get_thread_ident())
+    return 0;
+  if (state_item(self, kQuietHooks) != Py_False || state_item(self, kFpNow) != Py_False ||
+      state_item(self, kStepRoot) == module)
+    return 0;
+  PyObject *ids = state_item(self, kIds), *writer = state_item(self, kWriter);
+  PyObject *count = state_item(self, kSpanCount), *most = state_item(self, kMaxSpans);
+  PyObject *stack = state_item(self, kStack), *calls = state_item(self, kCalls);
+  if (ids == nullptr || writer == nullptr || count == nullptr || most == nullptr || stack == nullptr ||
+      calls == nullptr || !PyDict_CheckExact(ids) || !PyList_CheckExact(stack) || !PyDict_CheckExact(calls) ||
+      !PyLong_CheckExact(count) || !PyLong_CheckExact(most))
+    return 0;
+  PyObject* key = PyLong_FromVoidPtr(module);  // id(module)
+  if (key == nullptr) return 0;
+  PyObject* entry = PyDict_GetItemWithError(ids, key);
+  Py_DECREF(key);
+  if (entry == nullptr || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) < 5) return 0;
+  if (PyObject_IsTrue(PyTuple_GET_ITEM(entry, 2)) != 1) return 0;  // not recorded: Python drops it
+  PyObject* generation = PyObject_GetAttr(writer, names[kGeneration]);
+  if (generation == nullptr) return 0;
+  Py_DECREF(generation);  // (the writer holds it: only its identity is compared)
+  if (PyTuple_GET_ITEM(entry, 3) != generation) return 0;
+  long long index = PyLong_AsLongLong(count);
+  long long bound = PyLong_AsLongLong(most);
+  if (PyErr_Occurred() || index >= bound) return 0;
+  Py_ssize_t depth = PyList_GET_SIZE(stack);
+  if (depth == 0) return 0;
+  PyObject* top = PyList_GET_ITEM(stack, depth - 1);
+  if (!PyList_CheckExact(top) || PyList_GET_SIZE(top) != 9) return 0;
+  int top_selected = PyObject_IsTrue(PyList_GET_ITEM(top, 8));
+  if (top_selected < 0) return 0;
+  PyObject* path_id = PyTuple_GET_ITEM(entry, 4);
+  // open_span: this path's call number in the step, and the span's index
+  PyObject* prev = PyDict_GetItemWithError(calls, path_id);
+  long long call = 0;
+  if (prev != nullptr) {
+    call = PyLong_AsLongLong(prev) + 1;
+    if (PyErr_Occurred()) return 0;
+  } else if (PyErr_Occurred()) {
+    return 0;
+  }
+  c.call = PyLong_FromLongLong(call);
+  PyObject* next = PyLong_FromLongLong(index + 1);
+  c.args = PyTuple_New(n);
+  c.frame = PyList_New(9);
+  if (c.call == nullptr || next == nullptr || c.args == nullptr || c.frame == nullptr) {
+    Py_XDECREF(next);
+    return 0;
+  }
+  c.index = Py_NewRef(count);  // (before span_count is replaced: the dict may hold its only reference)
+  if (PyDict_SetItem(calls, path_id, c.call) < 0 || PyDict_SetItem(self->state, names[kSpanCount], next) < 0) {
+    Py_DECREF(next);
+    return 0;
+  }
+  Py_DECREF(next);
+  for (Py_ssize_t i = 0; i < n; ++i) PyTuple_SET_ITEM(c.args, i, Py_NewRef(args[i]));
+  c.module = module;
+  c.stack = Py_NewRef(stack);
+  c.parent = Py_NewRef(PyList_GET_ITEM(top, top_selected ? 1 : 2));
+  c.path_id = Py_NewRef(path_id);
+  c.t0 = now_ns();
+  PyObject* t0 = PyLong_FromLongLong(c.t0);
+  if (t0 == nullptr) return 0;
+  PyObject* items[9] = {module, c.index, c.parent, c.path_id, c.call, t0, c.args, nullptr, Py_True};
+  PyObject* minus_one = PyLong_FromLong(-1);
+  items[7] = minus_one;
+  for (int i = 0; i < 9; ++i) PyList_SET_ITEM(c.frame, i, i == 5 || i == 7 ? items[i] : Py_NewRef(items[i]));
+  if (PyList_Append(stack, c.frame) < 0) return 0;
+  return 1;
+}
+
+// The SPAN record of spans.py, item for item, appended to the writer's pending list; the
+// writer flushed at its bound as spans.py does. 0, or -1 with an exception.
+int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyObject* n_pre) {
+  PyObject *step = state_item(self, kStep), *raw = state_item(self, kStepT0Raw);
+  PyObject *flags = state_item(self, kSpanFlags), *writer = state_item(self, kWriter);
+  if (step == nullptr || raw == nullptr || flags == nullptr || writer == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "tracer state");
+    return -1;
+  }
+  long long t0_raw = PyLong_AsLongLong(raw);
+  if (t0_raw == -1 && PyErr_Occurred()) return -1;
+  PyObject* rec = PyTuple_New(13);
+  if (rec == nullptr) return -1;
+  PyObject* minus_one = PyLong_FromLong(-1);
+  PyObject* items[13] = {self->span_tag, step, c.index, c.parent, c.path_id, c.call, nullptr,
+                         nullptr, layout, minus_one, minus_one, n_pre, flags};
+  for (int i = 0; i < 13; ++i) {
+    if (i == 6 || i == 7) continue;
+    PyTuple_SET_ITEM(rec, i, Py_NewRef(items[i]));
+  }
+  Py_DECREF(minus_one);
+  PyObject* rel = PyLong_FromLongLong(c.t0 - t0_raw);
+  PyObject* dur = PyLong_FromLongLong(t1 - c.t0);
+  if (rel == nullptr || dur == nullptr) {
+    Py_XDECREF(rel); Py_XDECREF(dur); Py_DECREF(rec);
+    return -1;
+  }
+  PyTuple_SET_ITEM(rec, 6, rel);
+  PyTuple_SET_ITEM(rec, 7, dur);
+  PyObject* pending = PyObject_GetAttr(writer, names[kPending]);
+  if (pending == nullptr) { Py_DECREF(rec); return -1; }
+  int r = PyList_Append(pending, rec);
+  Py_DECREF(rec);
+  if (r == 0) {
+    PyObject* max_buffered = PyObject_GetAttr(writer, names[kMaxBuffered]);
+    long long most = max_buffered == nullptr ? -1 : PyLong_AsLongLong(max_buffered);
+    Py_XDECREF(max_buffered);
+    if (PyErr_Occurred()) {
+      r = -1;
+    } else if (PyList_GET_SIZE(pending) >= most) {
+      PyObject* done = PyObject_CallMethodNoArgs(writer, names[kFlush]);
+      if (done == nullptr) r = -1;
+      Py_XDECREF(done);
+    }
+  }
+  Py_DECREF(pending);
+  return r;
+}
+
+inline int pop_frame(OpenCall& c) {
+  Py_ssize_t depth = PyList_GET_SIZE(c.stack);
+  return PyList_SetSlice(c.stack, depth - 1, depth, nullptr);
+}
+
+// One plain tensor in and one out: spans.span_one_tensor, here while the layout is known to
+// this rank file by tracer/native.py's pair_key; there otherwise. 0, or -1 with an exception.
+int record_one(TracedCall* self, OpenCall& c, PyObject* a, PyObject* result) {
+  int64_t t1 = now_ns();
+  if (pop_frame(c) < 0) return -1;
+  int64_t id = pair_id(a, result);
+  PyObject* layout = nullptr;
+  if (id >= 0) {
+    PyObject* holder = state_item(self, kLayouts);
+    PyObject* layouts = holder == nullptr ? nullptr : PyObject_GetAttr(holder, names[kOne]);
+    PyObject* key = layouts == nullptr ? nullptr : PyLong_FromLongLong(id);
+    layout = key == nullptr ? nullptr : PyDict_GetItemWithError(layouts, key);
+    Py_XDECREF(key);
+    Py_XDECREF(layouts);  // (layout borrowed: the tracer's dict keeps it)
+    if (PyErr_Occurred()) return -1;
+  }
+  if (layout != nullptr) {  // (else: span_one_tensor keys it in Python, and interns its layout)
+    ++self->recorded;
+    PyObject* one = PyLong_FromLong(1);
+    int r = append_span(self, c, t1, layout, one);
+    Py_DECREF(one);
+    return r;
+  }
+  PyObject* t0 = PyLong_FromLongLong(c.t0);
+  PyObject* t1_ = PyLong_FromLongLong(t1);
+  PyObject* minus_one = PyLong_FromLong(-1);
+  PyObject* r = nullptr;
+  if (t0 != nullptr && t1_ != nullptr) {
+    PyObject* argv[11] = {self->tracer, c.index, c.parent, c.path_id, c.call, t0, t1_, a, result,
+                          minus_one, Py_False};
+    r = PyObject_Vectorcall(self->span_one, argv, 11, nullptr);
+  }
+  Py_XDECREF(t0); Py_XDECREF(t1_); Py_DECREF(minus_one);
+  if (r == nullptr) return -1;
+  Py_DECREF(r);
+  return 0;
+}
+
+// A call of tensors and plain values whose layout this rank file knows by call_key
+// (spans.record_tensors' first branch): 1 recorded, 0 not such a call, -1 an exception.
+int record_known(TracedCall* self, OpenCall& c, PyObject* kwargs, PyObject* result) {
+  int64_t id = call_id(c.args, kwargs, result, self->context);
+  if (id == -2) return -1;
+  if (id < 0) return 0;
+  PyObject* holder = state_item(self, kLayouts);
+  PyObject* layouts = holder == nullptr ? nullptr : PyObject_GetAttr(holder, names[kByCallKey]);
+  if (layouts == nullptr) return PyErr_Occurred() ? -1 : 0;
+  PyObject* key = PyLong_FromLongLong(id);
+  PyObject* known = key == nullptr ? nullptr : PyDict_GetItemWithError(layouts, key);
+  Py_XDECREF(key);
+  Py_DECREF(layouts);
+  if (known == nullptr) return PyErr_Occurred() ? -1 : 0;
+  if (!PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 2) return 0;
+  Py_INCREF(known);  // (the dict may be cleared by a flush below)
+  ++self->recorded;
+  int64_t t1 = now_ns();
+  int r = pop_frame(c);
+  if (r == 0) r = append_span(self, c, t1, PyTuple_GET_ITEM(known, 0), PyTuple_GET_ITEM(known, 1));
+  Py_DECREF(known);
+  return r < 0 ? -1 : 1;
+}
+
+// An exception in the recording: Tracer.on_error, as the Python wrapper's except clauses.
+void report_error(TracedCall* self, const char* where) {
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  PyErr_NormalizeException(&type, &value, &tb);
+  PyObject* r = PyObject_CallMethod(self->tracer, "on_error", "sO", where, value ? value : Py_None);
+  if (r == nullptr) PyErr_Clear();
+  Py_XDECREF(r);
+  Py_XDECREF(type); Py_XDECREF(value); Py_XDECREF(tb);
+}
+
+// The call raised: the post hook body with that exception as sys.exc_info(), as the Python
+// wrapper calls it from its except clause; then the exception goes on.
+void call_failed(TracedCall* self, OpenCall& c) {
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  PyErr_NormalizeException(&type, &value, &tb);
+  if (tb != nullptr && value != nullptr) PyException_SetTraceback(value, tb);
+  PyObject* handled = PyErr_GetHandledException();
+  PyErr_SetHandledException(value);
+  PyObject* post = state_item(self, kPostFn);
+  if (post != nullptr) {
+    PyObject* argv[3] = {c.module, c.args, Py_None};
+    PyObject* r = PyObject_Vectorcall(post, argv, 3, nullptr);
+    Py_XDECREF(r);
+  }
+  PyErr_Clear();
+  PyErr_SetHandledException(handled);
+  Py_XDECREF(handled);
+  PyErr_Restore(type, value, tb);
+}
+
+PyObject* traced_call_vector(PyObject* self_, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* self = reinterpret_cast<TracedCall*>(self_);
+  Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+  OpenCall c;
+  if (n < 1 || !self->active || open_call(self, args[0], args + 1, n - 1, c) != 1) {
+    if (PyErr_Occurred()) PyErr_Clear();  // (the Python wrapper meets it again, and reports it)
+    return PyObject_Vectorcall(self->python_call, args, nargsf, kwnames);
+  }
+  PyObject* result = PyObject_Vectorcall(self->inner, args, nargsf, kwnames);
+  if (result == nullptr) {
+    call_failed(self, c);
+    return nullptr;
+  }
+  Py_ssize_t depth = PyList_GET_SIZE(c.stack);
+  bool on_top = depth > 1 && PyList_GET_ITEM(c.stack, depth - 1) == c.frame &&
+                state_item(self, kQuietHooks) == Py_False;
+  PyTypeObject* tensor = reinterpret_cast<PyTypeObject*>(self->tensor_type);
+  if (on_top && n == 2 && kwnames == nullptr && Py_TYPE(args[1]) == tensor && Py_TYPE(result) == tensor) {
+    if (record_one(self, c, args[1], result) < 0) report_error(self, "forward hook");
+    return result;
+  }
+  PyObject* kwargs = PyDict_New();
+  if (kwargs == nullptr) { Py_DECREF(result); return nullptr; }
+  Py_ssize_t nk = kwnames == nullptr ? 0 : PyTuple_GET_SIZE(kwnames);
+  for (Py_ssize_t i = 0; i < nk; ++i) {
+    if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[n + i]) < 0) {
+      Py_DECREF(kwargs); Py_DECREF(result);
+      return nullptr;
+    }
+  }
+  int done = on_top ? record_known(self, c, kwargs, result) : 0;
+  if (done < 0) {
+    report_error(self, "forward hook");
+  } else if (done == 0) {  // intercept.finish_call: as the Python wrapper ends such a call
+    PyObject* argv[5] = {self->tracer, c.module, c.args, kwargs, result};
+    PyObject* r = PyObject_Vectorcall(self->finish, argv, 5, nullptr);
+    if (r == nullptr) { Py_DECREF(kwargs); Py_DECREF(result); return nullptr; }
+    Py_DECREF(r);
+  }
+  Py_DECREF(kwargs);
+  return result;
+}
+
+PyObject* traced_call_get(PyObject* self, PyObject* obj, PyObject*) {
+  PyObject* fn = reinterpret_cast<TracedCall*>(self)->python_call;
+  if (obj == nullptr || obj == Py_None) return Py_NewRef(fn);
+  return PyMethod_New(fn, obj);
+}
+
+int traced_call_traverse(PyObject* self_, visitproc visit, void* arg) {
+  auto* self = reinterpret_cast<TracedCall*>(self_);
+  Py_VISIT(self->python_call); Py_VISIT(self->inner); Py_VISIT(self->tracer); Py_VISIT(self->state);
+  Py_VISIT(self->tensor_type); Py_VISIT(self->compiler); Py_VISIT(self->span_one);
+  Py_VISIT(self->finish); Py_VISIT(self->context); Py_VISIT(self->span_tag);
+  return 0;
+}
+
+int traced_call_clear(PyObject* self_) {
+  auto* self = reinterpret_cast<TracedCall*>(self_);
+  Py_CLEAR(self->python_call); Py_CLEAR(self->inner); Py_CLEAR(self->tracer); Py_CLEAR(self->state);
+  Py_CLEAR(self->tensor_type); Py_CLEAR(self->compiler); Py_CLEAR(self->span_one);
+  Py_CLEAR(self->finish); Py_CLEAR(self->context); Py_CLEAR(self->span_tag);
+  self->active = 0;
+  return 0;
+}
+
+void traced_call_dealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  traced_call_clear(self);
+  PyObject_GC_Del(self);
+}
+
+PyObject* traced_call_close(PyObject* self, PyObject*) {
+  reinterpret_cast<TracedCall*>(self)->active = 0;
+  Py_RETURN_NONE;
+}
+
+PyMethodDef traced_call_methods[] = {
+    {"close", traced_call_close, METH_NOARGS, "Pass every call to the Python wrapper from now on."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyMemberDef traced_call_members[] = {
+    {"__wrapped__", T_OBJECT, offsetof(TracedCall, inner), READONLY, "torch's own Module.__call__"},
+    {"python_call", T_OBJECT, offsetof(TracedCall, python_call), READONLY, "the Python wrapper"},
+    {"recorded", T_LONGLONG, offsetof(TracedCall, recorded), READONLY, "spans recorded in C"},
+    {nullptr, 0, 0, 0, nullptr}};
+
+PyTypeObject TracedCallType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// traced_call(python_call, inner, tracer, tensor_type, compiler_dict, span_one, finish,
+// context, span_tag): a new TracedCall (see tracer/native_call.py).
+PyObject* traced_call_new(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  if (nargs != 9 || !PySet_Check(a[7]) || !PyDict_Check(a[4]) || !PyType_Check(a[3])) {
+    PyErr_SetString(PyExc_TypeError, "traced_call(python_call, inner, tracer, tensor_type, "
+                    "compiler_dict, span_one, finish, context, span_tag)");
+    return nullptr;
+  }
+  PyObject* state = PyObject_GenericGetDict(a[2], nullptr);
+  if (state == nullptr) return nullptr;
+  auto* self = PyObject_GC_New(TracedCall, &TracedCallType);
+  if (self == nullptr) { Py_DECREF(state); return nullptr; }
+  self->vectorcall = traced_call_vector;
+  self->python_call = Py_NewRef(a[0]);
+  self->inner = Py_NewRef(a[1]);
+  self->tracer = Py_NewRef(a[2]);
+  self->state = state;
+  self->tensor_type = Py_NewRef(a[3]);
+  self->compiler = Py_NewRef(a[4]);
+  self->span_one = Py_NewRef(a[5]);
+  self->finish = Py_NewRef(a[6]);
+  self->context = Py_NewRef(a[7]);
+  self->span_tag = Py_NewRef(a[8]);
+  self->active = 1;
+  self->recorded = 0;
+  PyObject_GC_Track(reinterpret_cast<PyObject*>(self));
+  return reinterpret_cast<PyObject*>(self);
+}
+
+PyMethodDef traced_call_def = {
+    "traced_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(traced_call_new)),
+    METH_FASTCALL, "traced_call(...) -> TracedCall: see tracer/native_call.py"};
+
+bool ready_traced_call() {
+  if (!intern_names()) return false;
+  PyTypeObject& t = TracedCallType;
+  t.tp_name = "tensor_trace_native.TracedCall";
+  t.tp_basicsize = sizeof(TracedCall);
+  t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
+               Py_TPFLAGS_METHOD_DESCRIPTOR;
+  t.tp_vectorcall_offset = offsetof(TracedCall, vectorcall);
+  t.tp_call = PyVectorcall_Call;
+  t.tp_descr_get = traced_call_get;
+  t.tp_traverse = traced_call_traverse;
+  t.tp_clear = traced_call_clear;
+  t.tp_dealloc = traced_call_dealloc;
+  t.tp_methods = traced_call_methods;
+  t.tp_members = traced_call_members;
+  t.tp_doc = "torch.nn.Module.__call__ while a step is traced: see tracer/native_call.py";
+  return PyType_Ready(&t) == 0;
+}
+"""
