@@ -1,6 +1,7 @@
 """Tracer cost per module call for the call patterns of real models, side by side in one run.
 
-    python bench/call_patterns.py [--rounds 9] [--steps 50] [--json PATH]
+    python bench/call_patterns.py [--rounds 9] [--steps 50] [--clock wall|thread] [--json PATH]
+    TENSOR_TRACE_NATIVE=1 python bench/call_patterns.py ...   # tracer/native.py's keys and C call wrapper
 
 Two 32-layer decode-step models whose modules do no work (each returns tensors it holds), so the
 tracer's own cost per call is what is measured, with little noise:
@@ -26,6 +27,7 @@ import argparse
 import dataclasses
 import enum
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -35,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from tensor_trace import tracer
-from tensor_trace.tracer import tensor_slots
+from tensor_trace.tracer import native, tensor_slots
 
 H, L, B = 64, 32, 8
 
@@ -276,6 +278,9 @@ class SGLangCalls(nn.Module):
 
 # ---------------------------------------------------------------- measuring
 
+CLOCKS = {"wall": time.perf_counter_ns, "thread": time.thread_time_ns}
+
+
 def count_calls(step) -> int:
     calls = []
     h = nn.modules.module.register_module_forward_pre_hook(lambda m, a: calls.append(1))
@@ -286,7 +291,7 @@ def count_calls(step) -> int:
     return len(calls)
 
 
-def block(step, steps, variant) -> float:
+def block(step, steps, variant, clock=time.perf_counter_ns) -> float:
     """ms per step of ``steps`` steps (after 3 warm-up steps) under ``variant``."""
     if variant != "plain":
         tracer.start(out_dir=tempfile.mkdtemp(prefix="tt-calls-"), fingerprint=variant == "fp",
@@ -294,10 +299,10 @@ def block(step, steps, variant) -> float:
     try:
         for _ in range(3):
             step()
-        t0 = time.perf_counter_ns()
+        t0 = clock()
         for _ in range(steps):
             step()
-        return (time.perf_counter_ns() - t0) / steps / 1e6
+        return (clock() - t0) / steps / 1e6
     finally:
         if variant != "plain":
             tracer.stop()
@@ -308,6 +313,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--clock", choices=CLOCKS, default="wall",
+                    help="thread: this thread's CPU time, not wall time (a host shared with other "
+                         "work: time spent descheduled is not counted)")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -330,12 +338,13 @@ def main() -> None:
                 else:
                     tensor_slots.CONTEXT_TYPES.add(ForwardBatch)
                 try:
-                    res[(m, v)].append(block(models[m], args.steps, v))
+                    res[(m, v)].append(block(models[m], args.steps, v, CLOCKS[args.clock]))
                 finally:
                     if m == "sglang-unregistered":
                         tensor_slots.CONTEXT_TYPES.update(saved)
     print(f"# call_patterns {time.strftime('%Y-%m-%d %H:%M')} torch={torch.__version__} rounds={args.rounds} "
-          f"steps={args.steps} (CPU, one thread)")
+          f"steps={args.steps} (CPU, one thread) clock={args.clock} native={native.enabled()} "
+          f"load={' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"{'model':<22}{'calls':>6}  {'plain ms':>9}  {'nofp ms':>8} {'+us/call':>9}  {'fp ms':>8} {'+us/call':>9}")
     out = {}
     for m in models:

@@ -2,7 +2,7 @@
 speed drifts (the lent H200's host: the same step measured 15 to 38 ms within a minute).
 
     python bench/fp_ab.py [--batch 8 64] [--rounds 300] [--python-only]     # needs a GPU
-    OMP_NUM_THREADS=1 python bench/fp_ab.py --cpu-model [--rounds 1000]     # on a CPU
+    OMP_NUM_THREADS=1 python bench/fp_ab.py --cpu-model [--rounds 1000] [--clock thread]  # on a CPU
 
 One tracer runs the Llama-8B-shaped decode step of bench/models.py. Each round runs one step of
 each variant, in shuffled order, device synchronised after each:
@@ -11,15 +11,15 @@ each variant, in shuffled order, device synchronised after each:
 - ``nofp``    the tracer as it comes, fingerprints off for that step;
 - ``fp``      the tracer as it comes, fingerprints on;
 - where tracer/native.py is available (the default where CUDA is, built first):
-  ``nofp-py`` and ``fp-py``, the same with the Python layout key and fingerprint table (the
-  tracer with ``TENSOR_TRACE_NATIVE=0``), and ``fp-py2``, a second instance of fp-py (the
+  ``nofp-py`` and ``fp-py``, the same with the Python call wrapper, layout key and fingerprint
+  table (the tracer with ``TENSOR_TRACE_NATIVE=0``), and ``fp-py2``, a second instance of fp-py (the
   noise floor of a paired difference); fp's values are checked on one step against fp-py's
   and against torch's own at hook time;
 - ``fp-old``  bench/_old_fingerprint.py, an earlier version, when present.
 
 Switching is a per-step attribute change (the tracer's ``fps`` object, its ``fingerprint``
-flag, the layout key function), so consecutive steps differ only in the variant. Reports the
-median step time of each, its ratio to plain (of medians, and the median of per-round ratios),
+flag, the layout key function, ``Module.__call__``: torch's, the Python wrapper or the C one),
+so consecutive steps differ only in the variant. Reports the median step time of each, its ratio to plain (of medians, and the median of per-round ratios),
 and the median and interquartile range of the per-round difference to fp-py (fp without
 native), and the paired per-step differences nofp - plain, fp - nofp (and of the -py paths).
 
@@ -177,9 +177,13 @@ def main() -> None:
     ap.add_argument("--cpu-model", action="store_true",
                     help="the GPU path's host cost on a CPU: call_patterns' Llama, deferred "
                          "fingerprints, native on, kernel launches stubbed")
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                    help="thread (--cpu-model only): this thread's CPU time, not wall time (a host "
+                         "shared with other work: time spent descheduled is not counted)")
     args = ap.parse_args()
     from tensor_trace.tracer import native, spans
 
+    clock = time.thread_time_ns if args.clock == "thread" and args.cpu_model else time.perf_counter_ns
     if args.cpu_model:
         stub_kernels()
         os.environ["TENSOR_TRACE_NATIVE"] = "1"
@@ -207,7 +211,8 @@ def main() -> None:
     variants = (["plain", "nofp", "fp"] + py + (["fp-old"] if OLD is not None else []))
     ref_v = "fp-py" if have_native else "fp"
     print(header_line("fp_ab", dict(header(sys.argv), torch=torch.__version__), torch.cuda.get_device_name(dev) if dev.type == "cuda" else None))
-    print(f"# rounds={args.rounds} variants={variants} native={have_native} cpu_model={args.cpu_model}")
+    print(f"# rounds={args.rounds} variants={variants} native={have_native} cpu_model={args.cpu_model} "
+          f"clock={'thread' if clock is time.thread_time_ns else 'wall'}")
     report = {}
     for batch in args.batch:
         model.set_batch(batch)
@@ -229,12 +234,19 @@ def main() -> None:
             if OLD is not None:
                 fps["fp-old"] = OLD.StepFingerprints(defer_cuda=defer_cuda, defer_cpu=defer_cpu)
 
-            traced_call = torch.nn.Module.__call__  # the tracer's wrapper (--intercept call)
-            plain_call = traced_call.__wrapped__  # torch's own
+            wrapper = tr.global_handles[0]  # the tracer's call wrapper (--intercept call)
+            plain_call = wrapper.python_call.__wrapped__  # torch's own
+
+            def traced_call(v):
+                # the Python wrapper for the -py variants; else tracer/native_call.py's C one
+                # where it is installed (at the first traced step, once native is built)
+                if "-py" in v or v == "fp-old" or wrapper.native_call is None:
+                    return wrapper.python_call
+                return wrapper.native_call
 
             def run(v) -> int:
                 # plain: torch's own __call__ for this step (nothing of the tracer runs)
-                torch.nn.Module.__call__ = plain_call if v == "plain" else traced_call
+                torch.nn.Module.__call__ = plain_call if v == "plain" else traced_call(v)
                 tr.fingerprint = v not in ("plain", "nofp", "nofp-py")
                 if tr.fingerprint:
                     tr.fps = fps[v]
@@ -243,10 +255,10 @@ def main() -> None:
                     spans.use_native_keys(None)
                 else:
                     spans.use_native_keys(native.pair_key(), native.call_key())
-                t0 = time.perf_counter_ns()
+                t0 = clock()
                 model(ids)
                 sync()
-                return time.perf_counter_ns() - t0
+                return clock() - t0
 
             with torch.inference_mode():
                 for _ in range(5):
@@ -259,7 +271,7 @@ def main() -> None:
                         print(f"    {d}")
                     report[f"check_b{batch}"] = dict(ok=ok, line=line, details=details)
                 times = shuffled_rounds(run, variants, args.rounds, seed=batch)
-            torch.nn.Module.__call__ = traced_call
+            torch.nn.Module.__call__ = traced_call("nofp")
             spans.use_native_keys(native.pair_key(), native.call_key())
             for f in fps.values():
                 f.collect(wait=True)
