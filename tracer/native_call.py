@@ -2,16 +2,18 @@
 builds it with the rest of the extension; tracer/intercept.py installs it).
 
 ``TracedCall`` does in C what tracer/intercept.py's Python wrapper does for the common calls of
-a traced step without fingerprints or lineage: it opens the call's frame on ``Tracer.stack``
+a traced step without lineage: it opens the call's frame on ``Tracer.stack``
 (the same list, item for item), calls torch's own ``Module.__call__``, and appends the same
 SPAN tuple to the writer's ``pending`` list that tracer/spans.py would, for a call of one plain
 tensor in and one out (``span_one_tensor``) and for a call whose layout tracer/native.py's
-``call_key`` already knows (``record_tensors``). Anything else goes to the Python code that
-handles it today, so there is one definition of every other case:
+``call_key`` already knows (``record_tensors``, without fingerprints). With fingerprints on it
+takes calls of one plain tensor in, and calls ``StepFingerprints.add_one`` as the Python wrapper
+does. Anything else goes to the Python code that handles it today, so there is one definition
+of every other case:
 
 - before the call (not the step's thread, the root, a module not yet named in this rank file,
-  a shared module, past ``max_spans``, fingerprints or lineage on, torch compiling): the whole
-  call goes to the Python wrapper;
+  a shared module, past ``max_spans``, lineage on, torch compiling, fingerprints on and not one
+  tensor in): the whole call goes to the Python wrapper;
 - after it (a layout not known yet, a result of another kind): ``intercept.finish_call``, with
   the frame left on top as the Python wrapper leaves it; an exception: the post hook body, as
   the Python wrapper calls it.
@@ -31,13 +33,14 @@ SOURCE = r"""
 enum Name {
   kActiveThread, kQuietHooks, kFpNow, kStepRoot, kIds, kWriter, kGeneration, kSpanCount,
   kMaxSpans, kStack, kCalls, kStep, kStepT0Raw, kSpanFlags, kLayouts, kOne, kByCallKey,
-  kPending, kMaxBuffered, kFlush, kPostFn, kOnError, kCompilingFlag, kNames
+  kPending, kMaxBuffered, kFlush, kPostFn, kOnError, kCompilingFlag, kFps, kLast, kLastVersion,
+  kLastIdx, kAddOne, kNames
 };
 const char* const kNameText[kNames] = {
   "active_thread", "quiet_hooks", "fp_now", "step_root", "ids", "writer", "generation",
   "span_count", "max_spans", "stack", "calls", "step", "step_t0_raw", "span_flags", "layouts",
   "one", "by_call_key", "pending", "max_buffered", "flush", "post_fn", "on_error",
-  "_is_compiling_flag"};
+  "_is_compiling_flag", "fps", "last", "last_version", "last_idx", "add_one"};
 PyObject* names[kNames];
 
 bool intern_names() {
@@ -85,22 +88,65 @@ struct OpenCall {
   PyObject* parent = nullptr;
   PyObject* path_id = nullptr;
   PyObject* call = nullptr;
+  PyObject* fp_pre = nullptr;  // its inputs' fingerprint index (-1: none)
+  bool fp = false;             // a step with fingerprints
   int64_t t0 = 0;
   ~OpenCall() {
     Py_XDECREF(stack); Py_XDECREF(frame); Py_XDECREF(args); Py_XDECREF(index);
-    Py_XDECREF(parent); Py_XDECREF(path_id); Py_XDECREF(call);
+    Py_XDECREF(parent); Py_XDECREF(path_id); Py_XDECREF(call); Py_XDECREF(fp_pre);
   }
 };
 
-// global_pre's frame for this call (intercept.py; its no-fingerprint branch), opened here:
-// 1 opened, 0 the call is not one this handles (or an error: the Python wrapper then redoes it).
-int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssize_t n, OpenCall& c) {
+// The input's fingerprint index, as the Python wrapper's inline path takes it: the previous
+// call's output, deferred, is its index; else StepFingerprints.add_one(a, False). New reference,
+// or NULL with an exception.
+PyObject* fingerprint_input(TracedCall* self, PyObject* a) {
+  PyObject* fps = state_item(self, kFps);
+  if (fps == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "fps");
+    return nullptr;
+  }
+  PyObject* last = PyObject_GetAttr(fps, names[kLast]);
+  if (last == nullptr) return nullptr;
+  Py_DECREF(last);  // (only its identity is compared)
+  if (last == a) {
+    PyObject* version = PyObject_GetAttr(fps, names[kLastVersion]);
+    if (version == nullptr) return nullptr;
+    Py_DECREF(version);
+    if (version == Py_True) return PyObject_GetAttr(fps, names[kLastIdx]);
+  }
+  PyObject* argv[3] = {fps, a, Py_False};
+  return PyObject_VectorcallMethod(names[kAddOne], argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+}
+
+// The output's: StepFingerprints.add_one(result), fps read after the call as spans.py reads it.
+PyObject* fingerprint_output(TracedCall* self, PyObject* result) {
+  PyObject* fps = state_item(self, kFps);
+  if (fps == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "fps");
+    return nullptr;
+  }
+  PyObject* argv[2] = {fps, result};
+  return PyObject_VectorcallMethod(names[kAddOne], argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+}
+
+// The frame the Python wrapper opens for this call (its inline path for one tensor in; else
+// global_pre's), opened here: 1 opened, 0 the call is not one this handles (or an error: the
+// Python wrapper then redoes it), -1 an exception fingerprinting its input (the caller reports
+// it and makes the call untraced, as the Python wrapper does). With fingerprints, calls of one
+// plain tensor only.
+int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssize_t n, bool keywords,
+              OpenCall& c) {
   if (PyDict_GetItemWithError(self->compiler, names[kCompilingFlag]) == Py_True) return 0;
   PyObject* at = state_item(self, kActiveThread);
   if (at == nullptr || !PyLong_CheckExact(at) || PyLong_AsUnsignedLongMask(at) != PyThread_get_thread_ident())
     return 0;
-  if (state_item(self, kQuietHooks) != Py_False || state_item(self, kFpNow) != Py_False ||
+  PyObject* fp_now = state_item(self, kFpNow);
+  if (state_item(self, kQuietHooks) != Py_False || (fp_now != Py_False && fp_now != Py_True) ||
       state_item(self, kStepRoot) == module)
+    return 0;
+  c.fp = fp_now == Py_True;
+  if (c.fp && (n != 1 || keywords || Py_TYPE(args[0]) != reinterpret_cast<PyTypeObject*>(self->tensor_type)))
     return 0;
   PyObject *ids = state_item(self, kIds), *writer = state_item(self, kWriter);
   PyObject *count = state_item(self, kSpanCount), *most = state_item(self, kMaxSpans);
@@ -152,6 +198,8 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
     return 0;
   }
   Py_DECREF(next);
+  c.fp_pre = c.fp ? fingerprint_input(self, args[0]) : PyLong_FromLong(-1);
+  if (c.fp_pre == nullptr) return -1;
   for (Py_ssize_t i = 0; i < n; ++i) PyTuple_SET_ITEM(c.args, i, Py_NewRef(args[i]));
   c.module = module;
   c.stack = Py_NewRef(stack);
@@ -160,17 +208,16 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   c.t0 = now_ns();
   PyObject* t0 = PyLong_FromLongLong(c.t0);
   if (t0 == nullptr) return 0;
-  PyObject* items[9] = {module, c.index, c.parent, c.path_id, c.call, t0, c.args, nullptr, Py_True};
-  PyObject* minus_one = PyLong_FromLong(-1);
-  items[7] = minus_one;
-  for (int i = 0; i < 9; ++i) PyList_SET_ITEM(c.frame, i, i == 5 || i == 7 ? items[i] : Py_NewRef(items[i]));
+  PyObject* items[9] = {module, c.index, c.parent, c.path_id, c.call, t0, c.args, c.fp_pre, Py_True};
+  for (int i = 0; i < 9; ++i) PyList_SET_ITEM(c.frame, i, i == 5 ? items[i] : Py_NewRef(items[i]));
   if (PyList_Append(stack, c.frame) < 0) return 0;
   return 1;
 }
 
 // The SPAN record of spans.py, item for item, appended to the writer's pending list; the
 // writer flushed at its bound as spans.py does. 0, or -1 with an exception.
-int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyObject* n_pre) {
+int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyObject* fp_post,
+                PyObject* n_pre) {
   PyObject *step = state_item(self, kStep), *raw = state_item(self, kStepT0Raw);
   PyObject *flags = state_item(self, kSpanFlags), *writer = state_item(self, kWriter);
   if (step == nullptr || raw == nullptr || flags == nullptr || writer == nullptr) {
@@ -181,14 +228,12 @@ int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyO
   if (t0_raw == -1 && PyErr_Occurred()) return -1;
   PyObject* rec = PyTuple_New(13);
   if (rec == nullptr) return -1;
-  PyObject* minus_one = PyLong_FromLong(-1);
   PyObject* items[13] = {self->span_tag, step, c.index, c.parent, c.path_id, c.call, nullptr,
-                         nullptr, layout, minus_one, minus_one, n_pre, flags};
+                         nullptr, layout, c.fp_pre, fp_post, n_pre, flags};
   for (int i = 0; i < 13; ++i) {
     if (i == 6 || i == 7) continue;
     PyTuple_SET_ITEM(rec, i, Py_NewRef(items[i]));
   }
-  Py_DECREF(minus_one);
   PyObject* rel = PyLong_FromLongLong(c.t0 - t0_raw);
   PyObject* dur = PyLong_FromLongLong(t1 - c.t0);
   if (rel == nullptr || dur == nullptr) {
@@ -197,6 +242,7 @@ int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyO
   }
   PyTuple_SET_ITEM(rec, 6, rel);
   PyTuple_SET_ITEM(rec, 7, dur);
+  PyObject_GC_UnTrack(rec);  // (ints only: never in a cycle, nothing for the collector to visit)
   PyObject* pending = PyObject_GetAttr(writer, names[kPending]);
   if (pending == nullptr) { Py_DECREF(rec); return -1; }
   int r = PyList_Append(pending, rec);
@@ -239,22 +285,25 @@ int record_one(TracedCall* self, OpenCall& c, PyObject* a, PyObject* result) {
     if (PyErr_Occurred()) return -1;
   }
   if (layout != nullptr) {  // (else: span_one_tensor keys it in Python, and interns its layout)
-    ++self->recorded;
+    Py_INCREF(layout);  // (add_one is Python code)
+    PyObject* fp_post = c.fp ? fingerprint_output(self, result) : PyLong_FromLong(-1);
     PyObject* one = PyLong_FromLong(1);
-    int r = append_span(self, c, t1, layout, one);
+    int r = fp_post == nullptr ? -1 : append_span(self, c, t1, layout, fp_post, one);
     Py_DECREF(one);
+    Py_XDECREF(fp_post);
+    Py_DECREF(layout);
+    if (r == 0) ++self->recorded;
     return r;
   }
   PyObject* t0 = PyLong_FromLongLong(c.t0);
   PyObject* t1_ = PyLong_FromLongLong(t1);
-  PyObject* minus_one = PyLong_FromLong(-1);
   PyObject* r = nullptr;
   if (t0 != nullptr && t1_ != nullptr) {
     PyObject* argv[11] = {self->tracer, c.index, c.parent, c.path_id, c.call, t0, t1_, a, result,
-                          minus_one, Py_False};
+                          c.fp_pre, c.fp ? Py_True : Py_False};
     r = PyObject_Vectorcall(self->span_one, argv, 11, nullptr);
   }
-  Py_XDECREF(t0); Py_XDECREF(t1_); Py_DECREF(minus_one);
+  Py_XDECREF(t0); Py_XDECREF(t1_);
   if (r == nullptr) return -1;
   Py_DECREF(r);
   return 0;
@@ -263,6 +312,7 @@ int record_one(TracedCall* self, OpenCall& c, PyObject* a, PyObject* result) {
 // A call of tensors and plain values whose layout this rank file knows by call_key
 // (spans.record_tensors' first branch): 1 recorded, 0 not such a call, -1 an exception.
 int record_known(TracedCall* self, OpenCall& c, PyObject* kwargs, PyObject* result) {
+  if (c.fp) return 0;  // (its outputs' fingerprints: record_tensors)
   int64_t id = call_id(c.args, kwargs, result, self->context);
   if (id == -2) return -1;
   if (id < 0) return 0;
@@ -279,13 +329,17 @@ int record_known(TracedCall* self, OpenCall& c, PyObject* kwargs, PyObject* resu
   ++self->recorded;
   int64_t t1 = now_ns();
   int r = pop_frame(c);
-  if (r == 0) r = append_span(self, c, t1, PyTuple_GET_ITEM(known, 0), PyTuple_GET_ITEM(known, 1));
+  PyObject* minus_one = PyLong_FromLong(-1);
+  if (r == 0) r = append_span(self, c, t1, PyTuple_GET_ITEM(known, 0), minus_one, PyTuple_GET_ITEM(known, 1));
+  Py_DECREF(minus_one);
   Py_DECREF(known);
   return r < 0 ? -1 : 1;
 }
 
-// An exception in the recording: Tracer.on_error, as the Python wrapper's except clauses.
-void report_error(TracedCall* self, const char* where) {
+// An exception in the recording: Tracer.on_error, as the Python wrapper's except clauses; false
+// (the exception left raised) for a BaseException that is no Exception, which they let through.
+bool report_error(TracedCall* self, const char* where) {
+  if (!PyErr_ExceptionMatches(PyExc_Exception)) return false;
   PyObject *type, *value, *tb;
   PyErr_Fetch(&type, &value, &tb);
   PyErr_NormalizeException(&type, &value, &tb);
@@ -293,6 +347,7 @@ void report_error(TracedCall* self, const char* where) {
   if (r == nullptr) PyErr_Clear();
   Py_XDECREF(r);
   Py_XDECREF(type); Py_XDECREF(value); Py_XDECREF(tb);
+  return true;
 }
 
 // The call raised: the post hook body with that exception as sys.exc_info(), as the Python
@@ -320,7 +375,12 @@ PyObject* traced_call_vector(PyObject* self_, PyObject* const* args, size_t narg
   auto* self = reinterpret_cast<TracedCall*>(self_);
   Py_ssize_t n = PyVectorcall_NARGS(nargsf);
   OpenCall c;
-  if (n < 1 || !self->active || open_call(self, args[0], args + 1, n - 1, c) != 1) {
+  int opened = n >= 1 && self->active ? open_call(self, args[0], args + 1, n - 1, kwnames != nullptr, c) : 0;
+  if (opened == -1) {  // this call untraced; its children still are
+    if (!report_error(self, "forward pre-hook")) return nullptr;
+    return PyObject_Vectorcall(self->inner, args, nargsf, kwnames);
+  }
+  if (opened != 1) {
     if (PyErr_Occurred()) PyErr_Clear();  // (the Python wrapper meets it again, and reports it)
     return PyObject_Vectorcall(self->python_call, args, nargsf, kwnames);
   }
@@ -334,7 +394,10 @@ PyObject* traced_call_vector(PyObject* self_, PyObject* const* args, size_t narg
                 state_item(self, kQuietHooks) == Py_False;
   PyTypeObject* tensor = reinterpret_cast<PyTypeObject*>(self->tensor_type);
   if (on_top && n == 2 && kwnames == nullptr && Py_TYPE(args[1]) == tensor && Py_TYPE(result) == tensor) {
-    if (record_one(self, c, args[1], result) < 0) report_error(self, "forward hook");
+    if (record_one(self, c, args[1], result) < 0 && !report_error(self, "forward hook")) {
+      Py_DECREF(result);
+      return nullptr;
+    }
     return result;
   }
   PyObject* kwargs = PyDict_New();
@@ -348,7 +411,7 @@ PyObject* traced_call_vector(PyObject* self_, PyObject* const* args, size_t narg
   }
   int done = on_top ? record_known(self, c, kwargs, result) : 0;
   if (done < 0) {
-    report_error(self, "forward hook");
+    if (!report_error(self, "forward hook")) { Py_DECREF(kwargs); Py_DECREF(result); return nullptr; }
   } else if (done == 0) {  // intercept.finish_call: as the Python wrapper ends such a call
     PyObject* argv[5] = {self->tracer, c.module, c.args, kwargs, result};
     PyObject* r = PyObject_Vectorcall(self->finish, argv, 5, nullptr);

@@ -6,8 +6,8 @@ which ``Module.__call__`` ran the traced steps, and each session's tracer stats 
 The program: bench/call_patterns.py's two decode-step models (nn.Linear-style calls; SGLang's
 signatures, with its ForwardBatch registered as a batch context and not), and a model of the
 unusual calls (a call that raises, a module held under two paths, an excluded module, a
-Parameter, None and a dict returned, no argument, keywords only, a tensor subclass), in three
-sessions: no fingerprints; fingerprints and lineage on; a span limit per step."""
+Parameter, None and a dict returned, no argument, keywords only, a tensor subclass), in four
+sessions: no fingerprints; fingerprints; fingerprints and lineage; a span limit per step."""
 import json
 import os
 import sys
@@ -98,7 +98,10 @@ def main():
         "nofp": (dict(fingerprint=False, lineage=False, exclude=["skip"]),
                  [lambda: llama(ids.view(B, 1))] * 3 + [lambda: sglang(True)] * 3
                  + [lambda: sglang(False)] * 2 + [lambda: edge(x)] * 3),
-        "fp": (dict(fingerprint=True, fingerprint_mode="immediate"), [lambda: edge(x)] * 3 + [lambda: llama(ids.view(B, 1))]),
+        "fp": (dict(fingerprint=True, fingerprint_mode="immediate", lineage=False),
+               [lambda: edge(x)] * 3 + [lambda: llama(ids.view(B, 1))] * 2 + [lambda: sglang(True)] * 2),
+        "fp-lineage": (dict(fingerprint=True, fingerprint_mode="immediate"),
+                       [lambda: edge(x)] * 3 + [lambda: llama(ids.view(B, 1))]),
         "limit": (dict(fingerprint=False, lineage=False, max_spans_per_step=50), [lambda: llama(ids.view(B, 1))] * 2),
     }
     report = {}
