@@ -13,7 +13,8 @@ each variant, in shuffled order, device synchronised after each:
 - where tracer/native.py is available (the default where CUDA is, built first):
   ``nofp-py`` and ``fp-py``, the same with the Python call wrapper, layout key and fingerprint
   table (the tracer with ``TENSOR_TRACE_NATIVE=0``), and ``fp-py2``, a second instance of fp-py (the
-  noise floor of a paired difference); fp's values are checked on one step against fp-py's
+  noise floor of a paired difference); ``nofp-pycall`` and ``fp-pycall``, native keys and table
+  with the Python call wrapper (without tracer/native_call.py's C one); fp's values are checked on one step against fp-py's
   and against torch's own at hook time;
 - ``fp-old``  bench/_old_fingerprint.py, an earlier version, when present.
 
@@ -207,7 +208,7 @@ def main() -> None:
         model.set_batch = lambda batch: None
     else:
         model = models.LlamaForCausalLM(shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
-    py = ["nofp-py", "fp-py", "fp-py2"] if have_native else []
+    py = ["nofp-py", "fp-py", "fp-py2", "nofp-pycall", "fp-pycall"] if have_native else []
     variants = (["plain", "nofp", "fp"] + py + (["fp-old"] if OLD is not None else []))
     ref_v = "fp-py" if have_native else "fp"
     print(header_line("fp_ab", dict(header(sys.argv), torch=torch.__version__), torch.cuda.get_device_name(dev) if dev.type == "cuda" else None))
@@ -221,7 +222,8 @@ def main() -> None:
                           fingerprint_mode=args.fingerprint_mode)
         try:
             defer_cuda, defer_cpu = tr.fps.defer_cuda, tr.fps.defer_cpu
-            fps = {"fp": tr.fps}  # the default: the C++ table where native is available
+            # the default: the C++ table where native is available
+            fps = {"fp": tr.fps, "fp-pycall": tr.fps}
             if have_native:  # the Python path: StepFingerprints made with native off
                 old_env = os.environ.get("TENSOR_TRACE_NATIVE")
                 os.environ["TENSOR_TRACE_NATIVE"] = "0"
@@ -237,21 +239,24 @@ def main() -> None:
             wrapper = tr.global_handles[0]  # the tracer's call wrapper (--intercept call)
             plain_call = wrapper.python_call.__wrapped__  # torch's own
 
+            def python_keys(v) -> bool:  # the -py variants (and fp-old): no native at all
+                return v in ("nofp-py", "fp-py", "fp-py2", "fp-old")
+
             def traced_call(v):
-                # the Python wrapper for the -py variants; else tracer/native_call.py's C one
-                # where it is installed (at the first traced step, once native is built)
-                if "-py" in v or v == "fp-old" or wrapper.native_call is None:
+                # the Python wrapper for the -py and -pycall variants; else tracer/native_call.py's
+                # C one where it is installed (at the first traced step, once native is built)
+                if python_keys(v) or v.endswith("-pycall") or wrapper.native_call is None:
                     return wrapper.python_call
                 return wrapper.native_call
 
             def run(v) -> int:
                 # plain: torch's own __call__ for this step (nothing of the tracer runs)
                 torch.nn.Module.__call__ = plain_call if v == "plain" else traced_call(v)
-                tr.fingerprint = v not in ("plain", "nofp", "nofp-py")
+                tr.fingerprint = v not in ("plain", "nofp", "nofp-py", "nofp-pycall")
                 if tr.fingerprint:
                     tr.fps = fps[v]
                 # the spans' layout key: native pair_key, or the Python tuple (-py, fp-old)
-                if "-py" in v or v == "fp-old":
+                if python_keys(v):
                     spans.use_native_keys(None)
                 else:
                     spans.use_native_keys(native.pair_key(), native.call_key())
@@ -292,7 +297,8 @@ def main() -> None:
             print(f"  {v:<8} {med:8.3f}  p10 {rows[v]['p10_ms']:8.3f}  x{rows[v]['ratio_to_plain']:.3f} "
                   f"(paired x{rows[v]['paired_ratio_to_plain']:.3f}) | {v} - {ref_v}: "
                   f"{rows[v]['diff_to_ref_median']:+7.3f} [{rows[v]['diff_p25']:+7.3f}, {rows[v]['diff_p75']:+7.3f}]")
-        for a, b in (("nofp", "plain"), ("fp", "nofp"), ("nofp-py", "plain"), ("fp-py", "nofp-py")):
+        for a, b in (("nofp", "plain"), ("fp", "nofp"), ("nofp-py", "plain"), ("fp-py", "nofp-py"),
+                     ("nofp-pycall", "plain"), ("fp-pycall", "plain"), ("fp", "plain")):
             if a in times:
                 rows[f"{a} - {b}"] = d = paired_median(times, a, b) / 1e3
                 print(f"  paired {a} - {b}: {d:+.0f} us/step (x{paired_ratio(times, a, b):.3f})")
