@@ -73,3 +73,46 @@ def test_the_c_call_wrapper_records_what_the_python_one_does(tmp_path):
     assert native["nofp"]["stats"]["spans"] == 8 * 388 + 3 * 17
     assert in_c_nofp >= 2 * (385 + 385 + 290)
     assert native["limit"]["stats"]["dropped_spans"] == 2 * (388 - 50)
+
+
+@pytest.mark.parametrize("fingerprint", [False, True])
+def test_python_calls_per_traced_module_call_with_the_c_wrapper(tmp_path, monkeypatch, fingerprint):
+    """tests/unit/test_hot_path_calls.py's count with the C wrapper: a traced one-tensor module
+    call runs no Python function of the tracer's without fingerprints, and with them (immediate
+    CPU fingerprints) only StepFingerprints.add_one's for its input and its output."""
+    env_path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    if not (shutil.which("ninja", path=env_path) and (shutil.which("c++") or shutil.which("g++"))):
+        pytest.skip("no C++ compiler or ninja to build the extension")
+    import torch
+
+    from tensor_trace import tracer
+    from tensor_trace.tracer import native, spans
+    from test_hot_path_calls import _calls_per_step, _per_module_call
+
+    # this process's extension and layout keys as they were, after the test
+    monkeypatch.setenv("TENSOR_TRACE_NATIVE", "1")
+    monkeypatch.setenv("PATH", env_path)
+    for key, value in list(native._state.items()):
+        monkeypatch.setitem(native._state, key, value)
+    monkeypatch.setattr(spans, "pair_key", spans.pair_key)
+    monkeypatch.setattr(spans, "call_key", spans.call_key)
+    native.ensure(block=True, timeout=900)
+    assert native.traced_call() is not None, native.error()
+    with torch.inference_mode():
+        plain = _per_module_call(_calls_per_step)
+
+        def traced(model, x):
+            tr = tracer.start(out_dir=str(tmp_path), lineage=False, fingerprint=fingerprint,
+                              fingerprint_mode="immediate")
+            try:
+                counts = _calls_per_step(model, x)
+                assert type(vars(torch.nn.Module)["__call__"]).__name__ == "TracedCall"
+                assert tr.errors == 0 and tr.stats["spans"] == tr.stats["steps"] * (len(model.leaves) + 1)
+                return counts
+            finally:
+                tracer.stop()
+
+        with_tracer = _per_module_call(traced)
+    added = with_tracer["call"] - plain["call"]
+    print(f"fingerprint={fingerprint}: +{added:g} Python calls per module call")
+    assert added == 0 if not fingerprint else 0 < added <= 3
