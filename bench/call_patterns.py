@@ -319,6 +319,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
+    native.ensure(block=True)  # (where enabled) built or loaded now: every block measures it
     llama, sgl = LlamaCalls().eval(), SGLangCalls().eval()
     ids, pos, fb = torch.randint(0, 100, (B,)), torch.arange(B), forward_batch()
     models = {"llama": lambda: llama(ids.view(B, 1)), "sglang": lambda: sgl(ids, pos, fb),

@@ -323,9 +323,23 @@ def print_table(res):
 
 # ---------------------------------------------------------------- workloads
 
+def ensure_native(label: str) -> None:
+    """tracer/native.py (the default where CUDA is) built or loaded now, not during the rounds:
+    every traced step measured takes its keys and C call wrapper."""
+    from tensor_trace.tracer import native
+
+    if native.enabled():
+        t0 = time.perf_counter()
+        native.ensure(block=True)
+        print(f"  [{label}] tracer/native.py "
+              f"{'ready' if native.pair_key() else 'UNAVAILABLE: ' + str(native.error())} "
+              f"in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
 def run_workload(args, bench: Bench, step, res: dict, defaults=(7, 3, 20)) -> dict:
     """Measure ``step`` (every variant, interleaved rounds), print its table and emit ``res``
     with the figures; ``defaults`` are the rounds, warm-up and timed steps per block."""
+    ensure_native(res["workload"])
     rounds = args.rounds or defaults[0]
     warmup = args.warmup if args.warmup is not None else defaults[1]
     steps = args.steps or defaults[2]
@@ -383,14 +397,7 @@ def workload_llama(args, bench: Bench):
     print(f"  [llama8b-decode] built {n_params / 1e9:.3f} B parameters ({args.dtype}) on {device} "
           f"in {time.perf_counter() - t0:.1f} s", flush=True)
     cuda = device.type == "cuda"
-    from tensor_trace.tracer import native
-
-    if native.enabled():  # (the default where CUDA is): built or loaded now, not during the rounds
-        t0 = time.perf_counter()
-        native.ensure(block=True)
-        print(f"  [llama8b-decode] tracer/native.py "
-              f"{'ready' if native.pair_key() else 'UNAVAILABLE: ' + str(native.error())} "
-              f"in {time.perf_counter() - t0:.1f} s", flush=True)
+    ensure_native("llama8b-decode")
     rounds = args.rounds or 7
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 3)
     steps = args.steps or (30 if cuda else 20)

@@ -253,7 +253,11 @@ class CallWrapper:
     hook-dict copies, a set), which costs more than this wrapper and the hook bodies together
     (bench/RESULTS.md). Under ``torch.compile`` tracing the wrapper is a plain pass-through.
     Removal puts torch's function back if the wrapper is still the one installed; if someone
-    patched ``__call__`` on top of it since, it stays in their chain as a pass-through."""
+    patched ``__call__`` on top of it since, it stays in their chain as a pass-through.
+
+    Once tracer/native.py is built (by default where CUDA is), ``use_native`` puts the same
+    wrapper in C in its place (tracer/native_call.py): it records the common calls itself and
+    hands every other call, whole or after torch's call, to the Python code here."""
 
     __slots__ = ("tracer", "active", "python_call", "native_call")
 

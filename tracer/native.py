@@ -6,7 +6,10 @@
 - ``pair_key(a, b)``: the layout key of the common span (one tensor in, one out) as one int,
   read from the TensorImpls, instead of six attribute reads and a tuple hash in Python
   (about 0.75 of a traced call's 3.2 us on a CPU; ``bench/overhead.py --workload linear-chain``).
-- ``Table``: the eager fingerprint path's deferred tensors. A traced eager GPU step holds a few
+- ``traced_call``: ``torch.nn.Module.__call__`` in C for a traced step's common calls
+  (tracer/native_call.py), installed by tracer/intercept.py's ``CallWrapper`` in place of its
+  Python wrapper once this is built: no Python frame of the tracer's per such call.
+- ``Table``: the eager fingerprint path's deferred tensors (C++ in tracer/native_table.py). A traced eager GPU step holds a few
   hundred tensors for its fingerprint kernel; in Python each costs a dozen tensor attribute
   reads in the hook and again at the step's end, when they are cold in the CPU's caches. The
   table does that work in C++: in the hook it checks the tensor and records the kernel's table
