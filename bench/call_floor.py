@@ -8,7 +8,8 @@ order, timed on the step's thread CPU clock (a shared host's descheduling left o
 - ``plain``       torch's own ``Module.__call__``;
 - ``empty-py``    a Python wrapper that only calls it (``def __call__(m, *a, **k): return inner(m, *a, **k)``):
                   the floor of any wrapper written in Python;
-- ``empty-c``     tracer/native_call.py's ``TracedCall`` passing every call on to torch's: the floor in C;
+- ``empty-c``     tracer/native_call.py's ``TracedCall`` in the modules' call slots, passing every
+                  call on to torch's: the floor in C;
 - ``traced-py``   the tracer without fingerprints, its Python wrapper and layout keys (``TENSOR_TRACE_NATIVE=0``);
 - ``traced-pycall`` the same with tracer/native.py's layout keys (the Python wrapper of before the C one);
 - ``traced-c``    the tracer without fingerprints as it comes with tracer/native.py: the C wrapper.
@@ -77,23 +78,28 @@ def main() -> None:
                                            spans.span_one_tensor, intercept.finish_call,
                                            intercept.CONTEXT_TYPES, schema.SPAN)
             passing.close()  # (every call goes to its "Python wrapper": here torch's own)
-            calls = {"plain": inner, "empty-py": empty, "empty-c": passing, "traced-py": wrapper.python_call,
-                     "traced-pycall": wrapper.python_call, "traced-c": wrapper.native_call}
+            calls = {"plain": inner, "empty-py": empty, "empty-c": inner, "traced-py": wrapper.python_call,
+                     "traced-pycall": wrapper.python_call, "traced-c": wrapper.python_call}
             times = {v: [] for v in calls}
+            classes = [cls for cls in (nn.Module, Leaf, Chain, nn.ModuleList)]
             rng = random.Random(0)
             for _ in range(args.rounds):
                 order = list(calls)
                 rng.shuffle(order)
                 for v in order:
-                    nn.Module.__call__ = calls[v]
                     if v == "traced-py":
                         spans.use_native_keys(None)
                     else:
                         spans.use_native_keys(native.pair_key(), native.call_key())
+                    nn.Module.__call__ = calls[v]  # (CPython's call slots back)
+                    if v == "empty-c":  # the modules' call slots to the C object passing calls on
+                        native.patch_call_slots()(passing, nn.Module, classes)
+                    elif v == "traced-c":
+                        wrapper.use_native()
                     t0 = time.thread_time_ns()
                     model(x)
                     times[v].append(time.thread_time_ns() - t0)
-            nn.Module.__call__ = wrapper.native_call
+            nn.Module.__call__ = wrapper.python_call
     finally:
         tracer.stop()
     base = statistics.median(times["plain"])

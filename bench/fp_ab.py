@@ -242,16 +242,18 @@ def main() -> None:
             def python_keys(v) -> bool:  # the -py variants (and fp-old): no native at all
                 return v in ("nofp-py", "fp-py", "fp-py2", "fp-old")
 
-            def traced_call(v):
-                # the Python wrapper for the -py and -pycall variants; else tracer/native_call.py's
-                # C one where it is installed (at the first traced step, once native is built)
-                if python_keys(v) or v.endswith("-pycall") or wrapper.native_call is None:
-                    return wrapper.python_call
-                return wrapper.native_call
+            def select_call(v) -> None:
+                # plain: torch's own __call__ for this step (nothing of the tracer runs); the
+                # Python wrapper for the -py and -pycall variants; else the C one
+                # (tracer/native_call.py) where native is built
+                if v == "plain":
+                    torch.nn.Module.__call__ = plain_call
+                    return
+                torch.nn.Module.__call__ = wrapper.python_call  # (CPython's call slots)
+                if not (python_keys(v) or v.endswith("-pycall")):
+                    wrapper.use_native()
 
             def run(v) -> int:
-                # plain: torch's own __call__ for this step (nothing of the tracer runs)
-                torch.nn.Module.__call__ = plain_call if v == "plain" else traced_call(v)
                 tr.fingerprint = v not in ("plain", "nofp", "nofp-py", "nofp-pycall")
                 if tr.fingerprint:
                     tr.fps = fps[v]
@@ -260,6 +262,7 @@ def main() -> None:
                     spans.use_native_keys(None)
                 else:
                     spans.use_native_keys(native.pair_key(), native.call_key())
+                select_call(v)
                 t0 = clock()
                 model(ids)
                 sync()
@@ -276,8 +279,8 @@ def main() -> None:
                         print(f"    {d}")
                     report[f"check_b{batch}"] = dict(ok=ok, line=line, details=details)
                 times = shuffled_rounds(run, variants, args.rounds, seed=batch)
-            torch.nn.Module.__call__ = traced_call("nofp")
             spans.use_native_keys(native.pair_key(), native.call_key())
+            select_call("nofp")
             for f in fps.values():
                 f.collect(wait=True)
             tr.fps = fps["fp"]

@@ -255,9 +255,9 @@ class CallWrapper:
     Removal puts torch's function back if the wrapper is still the one installed; if someone
     patched ``__call__`` on top of it since, it stays in their chain as a pass-through.
 
-    Once tracer/native.py is built (by default where CUDA is), ``use_native`` puts the same
-    wrapper in C in its place (tracer/native_call.py): it records the common calls itself and
-    hands every other call, whole or after torch's call, to the Python code here."""
+    Once tracer/native.py is built (by default where CUDA is), ``use_native`` calls modules
+    through the same wrapper in C (tracer/native_call.py): it records the common calls itself
+    and hands every other call, whole or after torch's call, to the Python code here."""
 
     __slots__ = ("tracer", "active", "python_call", "native_call")
 
@@ -352,28 +352,43 @@ class CallWrapper:
         return handle
 
     def use_native(self) -> bool:
-        """Put tracer/native_call.py's ``TracedCall`` in the Python wrapper's place, once
-        tracer/native.py is built and spans' layouts are keyed by it (the same keys): whether
-        it is (or already was) installed. ``torch.nn.Module.__call__`` still reads as the
-        Python wrapper (its ``__get__``)."""
-        make = native.traced_call()
-        if not self.active or make is None or spans.uses_python_keys():
+        """Call modules through tracer/native_call.py's ``TracedCall`` once tracer/native.py is
+        built and spans' layouts are keyed by it (the same keys): the call slot of every class
+        whose ``__call__`` is this Python wrapper points at it. Whether it does now.
+        ``torch.nn.Module.__call__`` stays the Python wrapper."""
+        make, patch = native.traced_call(), native.patch_call_slots()
+        if not self.active or make is None or patch is None or spans.uses_python_keys():
             return False
+        if vars(torch.nn.Module)["__call__"] is not self.python_call:
+            return False  # (patched over since: their chain calls the Python wrapper)
         if self.native_call is None:
             self.native_call = make(self.python_call, self.python_call.__wrapped__, self.tracer, _Tensor,
                                     vars(torch.compiler), span_one_tensor, finish_call, CONTEXT_TYPES,
                                     schema.SPAN)
-        if vars(torch.nn.Module)["__call__"] is self.python_call:
-            torch.nn.Module.__call__ = self.native_call
-        return vars(torch.nn.Module)["__call__"] is self.native_call
+        return patch(self.native_call, torch.nn.Module, _calling_through_module()) > 0
 
     def remove(self) -> None:
         self.active = False
         if self.native_call is not None:
             self.native_call.close()
-        fn = torch.nn.Module.__call__  # (the Python wrapper, also where TracedCall is installed)
+        fn = torch.nn.Module.__call__
         if getattr(fn, "_tensor_trace_wrapper", None) is self:
-            torch.nn.Module.__call__ = fn.__wrapped__
+            torch.nn.Module.__call__ = fn.__wrapped__  # (CPython's call slots back too)
+
+
+def _calling_through_module() -> list:
+    """Every class (torch.nn.Module and its subclasses, now) whose ``__call__`` is Module's."""
+    found, todo, seen = [], [torch.nn.Module], set()
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        owner = next((c for c in cls.__mro__ if "__call__" in vars(c)), None)
+        if owner is torch.nn.Module:
+            found.append(cls)
+        todo.extend(type.__subclasses__(cls))
+    return found
 
 
 def finish_call(t, module, args, kwargs, result) -> None:

@@ -7,8 +7,8 @@
   read from the TensorImpls, instead of six attribute reads and a tuple hash in Python
   (about 0.75 of a traced call's 3.2 us on a CPU; ``bench/overhead.py --workload linear-chain``).
 - ``traced_call``: ``torch.nn.Module.__call__`` in C for a traced step's common calls
-  (tracer/native_call.py), installed by tracer/intercept.py's ``CallWrapper`` in place of its
-  Python wrapper once this is built: no Python frame of the tracer's per such call.
+  (tracer/native_call.py), which tracer/intercept.py's ``CallWrapper`` puts in the call slot of
+  the modules' classes once this is built: no Python frame of the tracer's per such call.
 - ``Table``: the eager fingerprint path's deferred tensors (C++ in tracer/native_table.py). A traced eager GPU step holds a few
   hundred tensors for its fingerprint kernel; in Python each costs a dozen tensor attribute
   reads in the hook and again at the step's end, when they are cold in the CPU's caches. The
@@ -220,12 +220,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("pair_key") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&pair_key_def, nullptr, nullptr));
   m.attr("call_key") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&call_key_def, nullptr, nullptr));
   m.attr("traced_call") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&traced_call_def, nullptr, nullptr));
+  m.attr("patch_call_slots") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&patch_call_slots_def, nullptr, nullptr));
 }
 """
 SOURCE = SOURCE + native_table.SOURCE + native_call.SOURCE + _SOURCE_END
 
 _state: dict = {"table": None, "hold_in": None, "pair_key": None, "call_key": None, "traced_call": None,
-                "started": False, "error": None}
+                "patch_call_slots": None, "started": False, "error": None}
 _lock = threading.Lock()
 _done = threading.Event()  # set when a build or load has finished, either way
 
@@ -279,6 +280,11 @@ def traced_call():
     """The compiled ``traced_call(...)``, which makes tracer/native_call.py's ``TracedCall``
     (``torch.nn.Module.__call__`` in C for a traced step's common calls), or None."""
     return _state["traced_call"]
+
+
+def patch_call_slots():
+    """The compiled ``patch_call_slots(traced_call, base, classes)`` (tracer/native_call.py), or None."""
+    return _state["patch_call_slots"]
 
 
 def error():
@@ -397,6 +403,7 @@ def _build() -> None:
         module = _load(folder)
         _state["call_key"] = module.call_key
         _state["traced_call"] = module.traced_call
+        _state["patch_call_slots"] = module.patch_call_slots
         _state["hold_in"] = module.hold_in
         _state["pair_key"] = module.pair_key
         _state["table"] = module.Table

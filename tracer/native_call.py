@@ -21,11 +21,13 @@ of every other case:
 It reads the tracer's state from its ``__dict__`` (interned names, no attribute look-up
 machinery), so the Python code that sets those attributes needs no change.
 
-A method descriptor (``Py_TPFLAGS_METHOD_DESCRIPTOR``): a module call finds it on the class and
-calls it with the module first, with no bound method made. Anything that reads the attribute
-(``torch.nn.Module.__call__``, ``module.__call__``: torch.compile's tracing, code that patches
-``__call__`` in a chain) gets the Python wrapper instead (``__get__``), which passes through
-under ``torch.compile`` and behaves the same.
+How calls reach it: ``torch.nn.Module.__call__`` stays the Python wrapper (what torch.compile
+traces and guards on, what code that patches ``__call__`` in a chain reads). What changes is
+the call slot of the classes that take their ``__call__`` from ``Module``: ``patch_call_slots``
+points it at this object (CPython's slot would look ``__call__`` up and call the Python
+wrapper). Any assignment of ``__call__`` on a class or a base puts CPython's slot back on it and
+its subclasses (removing the wrapper does), and a class made after the patch keeps CPython's:
+the Python wrapper, which records the same.
 """
 
 SOURCE = r"""
@@ -67,6 +69,8 @@ struct TracedCall {
   int active;
   long long recorded;     // spans recorded here (the rest: by the Python code)
 };
+
+PyTypeObject TracedCallType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 inline PyObject* state_item(TracedCall* self, Name n) {  // borrowed; NULL if missing
   return PyDict_GetItemWithError(self->state, names[n]);
@@ -422,11 +426,70 @@ PyObject* traced_call_vector(PyObject* self_, PyObject* const* args, size_t narg
   return result;
 }
 
-PyObject* traced_call_get(PyObject* self, PyObject* obj, PyObject*) {
-  PyObject* fn = reinterpret_cast<TracedCall*>(self)->python_call;
-  if (obj == nullptr || obj == Py_None) return Py_NewRef(fn);
-  return PyMethod_New(fn, obj);
+// The class slot: the modules' classes whose __call__ is the Python wrapper (patch_call_slots)
+// are called here, with torch's tuple and dict of arguments, by the TracedCall installed last.
+PyObject* active_call = nullptr;
+ternaryfunc lookup_slot = nullptr;  // the slot that looks __call__ up (CPython's), as first seen
+
+PyObject* traced_tp_call(PyObject* module, PyObject* args, PyObject* kwargs) {
+  Py_ssize_t n = PyTuple_GET_SIZE(args);
+  Py_ssize_t nk = kwargs == nullptr ? 0 : PyDict_GET_SIZE(kwargs);
+  PyObject* small[8];
+  std::vector<PyObject*> big;
+  PyObject** stack = small;
+  if (1 + n + nk > 8) {
+    big.resize(1 + n + nk);
+    stack = big.data();
+  }
+  stack[0] = module;
+  for (Py_ssize_t i = 0; i < n; ++i) stack[1 + i] = PyTuple_GET_ITEM(args, i);
+  PyObject* kwnames = nullptr;
+  if (nk > 0) {
+    kwnames = PyTuple_New(nk);
+    if (kwnames == nullptr) return nullptr;
+    PyObject *k, *v;
+    Py_ssize_t pos = 0, j = 0;
+    while (PyDict_Next(kwargs, &pos, &k, &v) && j < nk) {
+      PyTuple_SET_ITEM(kwnames, j, Py_NewRef(k));
+      stack[1 + n + j] = v;
+      ++j;
+    }
+  }
+  PyObject* r = traced_call_vector(active_call, stack, static_cast<size_t>(1 + n), kwnames);
+  Py_XDECREF(kwnames);
+  return r;
 }
+
+// patch_call_slots(traced_call, base, classes): each class in the list whose call slot is
+// base's (CPython's, which looks __call__ up: tracer/intercept.py lists the classes whose
+// __call__ is the Python wrapper) is called through traced_call from now on; the number
+// patched. Assigning __call__ on a class or a base puts CPython's slot back (it updates the
+// slots of the class and its subclasses), so does removing the wrapper.
+PyObject* patch_call_slots(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  if (nargs != 3 || Py_TYPE(a[0]) != &TracedCallType || !PyType_Check(a[1]) || !PyList_Check(a[2])) {
+    PyErr_SetString(PyExc_TypeError, "patch_call_slots(traced_call, base, classes)");
+    return nullptr;
+  }
+  ternaryfunc base = reinterpret_cast<PyTypeObject*>(a[1])->tp_call;
+  if (base != traced_tp_call) lookup_slot = base;
+  if (lookup_slot == nullptr) return PyLong_FromLong(0);
+  Py_XSETREF(active_call, Py_NewRef(a[0]));
+  long patched = 0;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(a[2]); ++i) {
+    PyObject* cls = PyList_GET_ITEM(a[2], i);
+    if (!PyType_Check(cls)) continue;
+    auto* type = reinterpret_cast<PyTypeObject*>(cls);
+    if (type->tp_call == lookup_slot || type->tp_call == traced_tp_call) {
+      type->tp_call = traced_tp_call;
+      ++patched;
+    }
+  }
+  return PyLong_FromLong(patched);
+}
+
+PyMethodDef patch_call_slots_def = {
+    "patch_call_slots", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(patch_call_slots)),
+    METH_FASTCALL, "patch_call_slots(traced_call, base, classes) -> int: see tracer/native_call.py"};
 
 int traced_call_traverse(PyObject* self_, visitproc visit, void* arg) {
   auto* self = reinterpret_cast<TracedCall*>(self_);
@@ -466,7 +529,6 @@ PyMemberDef traced_call_members[] = {
     {"recorded", T_LONGLONG, offsetof(TracedCall, recorded), READONLY, "spans recorded in C"},
     {nullptr, 0, 0, 0, nullptr}};
 
-PyTypeObject TracedCallType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 // traced_call(python_call, inner, tracer, tensor_type, compiler_dict, span_one, finish,
 // context, span_tag): a new TracedCall (see tracer/native_call.py).
@@ -506,11 +568,9 @@ bool ready_traced_call() {
   PyTypeObject& t = TracedCallType;
   t.tp_name = "tensor_trace_native.TracedCall";
   t.tp_basicsize = sizeof(TracedCall);
-  t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
-               Py_TPFLAGS_METHOD_DESCRIPTOR;
+  t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL;
   t.tp_vectorcall_offset = offsetof(TracedCall, vectorcall);
   t.tp_call = PyVectorcall_Call;
-  t.tp_descr_get = traced_call_get;
   t.tp_traverse = traced_call_traverse;
   t.tp_clear = traced_call_clear;
   t.tp_dealloc = traced_call_dealloc;

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,6 @@ def test_the_c_call_wrapper_records_what_the_python_one_does(tmp_path):
         pytest.skip("no C++ compiler or ninja to build the extension")
     native = _record(tmp_path / "native", "1")
     python = _record(tmp_path / "python", "0")
-    assert native["calls"] == ["TracedCall"] and python["calls"] == ["function"]
     in_c_nofp = native["nofp"]["in_c"]
     for session in ("nofp", "fp", "fp-lineage", "limit"):
         in_c = native[session].pop("in_c")
@@ -94,6 +94,7 @@ def test_python_calls_per_traced_module_call_with_the_c_wrapper(tmp_path, monkey
     monkeypatch.setenv("PATH", env_path)
     for key, value in list(native._state.items()):
         monkeypatch.setitem(native._state, key, value)
+    monkeypatch.setattr(native, "_done", threading.Event())  # (a load of its own to wait for)
     monkeypatch.setattr(spans, "pair_key", spans.pair_key)
     monkeypatch.setattr(spans, "call_key", spans.call_key)
     native.ensure(block=True, timeout=900)
@@ -106,7 +107,8 @@ def test_python_calls_per_traced_module_call_with_the_c_wrapper(tmp_path, monkey
                               fingerprint_mode="immediate")
             try:
                 counts = _calls_per_step(model, x)
-                assert type(vars(torch.nn.Module)["__call__"]).__name__ == "TracedCall"
+                (wrapper,) = tr.global_handles
+                assert wrapper.native_call is not None and wrapper.native_call.recorded > 0
                 assert tr.errors == 0 and tr.stats["spans"] == tr.stats["steps"] * (len(model.leaves) + 1)
                 return counts
             finally:
