@@ -38,7 +38,7 @@ import os
 import sys
 import threading
 
-from tensor_trace.tracer import native_call, native_table
+from tensor_trace.tracer import native_call, native_call_type, native_table
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -201,7 +201,7 @@ PyMethodDef call_key_def = {"call_key", reinterpret_cast<PyCFunction>(reinterpre
                             METH_FASTCALL, "call_key(args, kwargs, result, context) -> int: see tracer/native.py"};
 
 
-"""  # the source goes on with tracer/native_table.py's part and tracer/native_call.py's
+"""  # the source goes on with tracer/native_table.py's, native_call.py's and native_call_type.py's
 _SOURCE_END = r"""
 }  // namespace
 
@@ -223,7 +223,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("patch_call_slots") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&patch_call_slots_def, nullptr, nullptr));
 }
 """
-SOURCE = SOURCE + native_table.SOURCE + native_call.SOURCE + _SOURCE_END
+SOURCE = SOURCE + native_table.SOURCE + native_call.SOURCE + native_call_type.SOURCE + _SOURCE_END
 
 _state: dict = {"table": None, "hold_in": None, "pair_key": None, "call_key": None, "traced_call": None,
                 "patch_call_slots": None, "started": False, "error": None}

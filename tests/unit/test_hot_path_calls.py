@@ -84,24 +84,30 @@ def _per_module_call(run, small=8, large=40):
     return {k: (b[k] - a[k]) / (large - small) for k in a}
 
 
-@pytest.mark.parametrize("intercept,fingerprint", sorted(CEILING))
-def test_python_calls_per_traced_module_call(tmp_path, monkeypatch, intercept, fingerprint):
-    monkeypatch.setenv("TENSOR_TRACE_NATIVE", "0")  # Python layout keys: the same on any host
+def calls_with_tracer(tmp_path, check=lambda tr: None, **options):
+    """(with the tracer, without): Python and C calls of one more traced one-tensor module call,
+    the tracer started with ``options``; ``check(tracer)`` after the counted steps."""
     with torch.inference_mode():
         plain = _per_module_call(_calls_per_step)
 
         def traced(model, x):
-            tr = tracer.start(out_dir=str(tmp_path), lineage=False, intercept=intercept,
-                              fingerprint=fingerprint, fingerprint_mode="immediate")
+            tr = tracer.start(out_dir=str(tmp_path), lineage=False, fingerprint_mode="immediate", **options)
             try:
                 counts = _calls_per_step(model, x)
+                check(tr)
                 # what was counted is tracing: every call a span, no error
                 assert tr.errors == 0 and tr.stats["spans"] == tr.stats["steps"] * (len(model.leaves) + 1)
                 return counts
             finally:
                 tracer.stop()
 
-        with_tracer = _per_module_call(traced)
+        return _per_module_call(traced), plain
+
+
+@pytest.mark.parametrize("intercept,fingerprint", sorted(CEILING))
+def test_python_calls_per_traced_module_call(tmp_path, monkeypatch, intercept, fingerprint):
+    monkeypatch.setenv("TENSOR_TRACE_NATIVE", "0")  # Python layout keys: the same on any host
+    with_tracer, plain = calls_with_tracer(tmp_path, intercept=intercept, fingerprint=fingerprint)
     added = with_tracer["call"] - plain["call"]
     assert added == int(added), (with_tracer, plain)  # the same calls for every module call
     print(f"{intercept} fingerprint={fingerprint}: +{added:g} Python calls, "

@@ -83,11 +83,8 @@ def test_python_calls_per_traced_module_call_with_the_c_wrapper(tmp_path, monkey
     env_path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     if not (shutil.which("ninja", path=env_path) and (shutil.which("c++") or shutil.which("g++"))):
         pytest.skip("no C++ compiler or ninja to build the extension")
-    import torch
-
-    from tensor_trace import tracer
     from tensor_trace.tracer import native, spans
-    from test_hot_path_calls import _calls_per_step, _per_module_call
+    from test_hot_path_calls import calls_with_tracer
 
     # this process's extension and layout keys as they were, after the test
     monkeypatch.setenv("TENSOR_TRACE_NATIVE", "1")
@@ -99,22 +96,12 @@ def test_python_calls_per_traced_module_call_with_the_c_wrapper(tmp_path, monkey
     monkeypatch.setattr(spans, "call_key", spans.call_key)
     native.ensure(block=True, timeout=900)
     assert native.traced_call() is not None, native.error()
-    with torch.inference_mode():
-        plain = _per_module_call(_calls_per_step)
 
-        def traced(model, x):
-            tr = tracer.start(out_dir=str(tmp_path), lineage=False, fingerprint=fingerprint,
-                              fingerprint_mode="immediate")
-            try:
-                counts = _calls_per_step(model, x)
-                (wrapper,) = tr.global_handles
-                assert wrapper.native_call is not None and wrapper.native_call.recorded > 0
-                assert tr.errors == 0 and tr.stats["spans"] == tr.stats["steps"] * (len(model.leaves) + 1)
-                return counts
-            finally:
-                tracer.stop()
+    def check(tr):
+        (wrapper,) = tr.global_handles
+        assert wrapper.native_call is not None and wrapper.native_call.recorded > 0
 
-        with_tracer = _per_module_call(traced)
+    with_tracer, plain = calls_with_tracer(tmp_path, check, fingerprint=fingerprint)
     added = with_tracer["call"] - plain["call"]
     print(f"fingerprint={fingerprint}: +{added:g} Python calls per module call")
     assert added == 0 if not fingerprint else 0 < added <= 3
