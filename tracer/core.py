@@ -275,6 +275,10 @@ class Tracer:
     def remove_interception(self) -> None:
         intercept.remove_global_hooks(self)
 
+    def use_native_call(self) -> None:
+        """tracer/native.py is ready: modules called through the call wrapper's C version."""
+        intercept.use_native_call(self)
+
     def set_quiet_hooks(self, quiet: bool) -> None:
         """The lineage-quiet hook bodies (a step that records lineage) or the plain ones."""
         intercept.set_quiet_hooks(self, quiet)

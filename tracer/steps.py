@@ -167,9 +167,7 @@ def _poll_native(t) -> None:
     if fn is not None:
         spans.use_native_keys(fn, native.call_key())
         t.native_pending = False
-        from tensor_trace.tracer import intercept  # (which imports this module)
-
-        intercept.use_native_call(t)
+        t.use_native_call()
     elif native.error() is not None:
         t.native_pending = False
 
