@@ -94,6 +94,18 @@ def test_tracer_fingerprints_scheduled_steps_of_each_root(tmp_path):
             assert all(v is None for v in values) and not st.fingerprints
 
 
+def test_record_summary_says_the_schedule(tmp_path):
+    from tensor_trace.exporters.formats.summary import format_summary, summarize
+
+    _run(tmp_path / "sched", 6, fingerprint_every=3, lineage=False)
+    text = format_summary(summarize(str(tmp_path / "sched")))
+    # each root: its steps 0-3 (the first 4), then none of 4-5 (every 3rd: 6, ...)
+    assert ("fingerprints: first 4 steps of each kind, then every 3rd (--fingerprint-every 1 for all); "
+            "8 of 12 step(s) fingerprinted") in text
+    _run(tmp_path / "off", 2, fingerprint=False, lineage=False)
+    assert "fingerprints: off (--no-fingerprint); 0 of 4 step(s)" in format_summary(summarize(str(tmp_path / "off")))
+
+
 def test_lineage_steps_are_fingerprinted(tmp_path):
     got = _run(tmp_path, 12, fingerprint_every=8, lineage_every=5)
     lineage = {k for k in range(12) if k < steps.LINEAGE_FIRST or k % 5 == 0}
