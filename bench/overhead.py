@@ -291,7 +291,7 @@ def print_table(res):
           f"R={c['rounds']} W={c['warmup']} N={c['steps']} ==")
     if c.get("note"):
         print(f"   note: {c['note']}")
-    hdr = (f"{'variant':<12} {'median ms':>10} {'p10..p90 ms':>19} {'round med min..max':>20} "
+    hdr = (f"{'variant':<15} {'median ms':>10} {'p10..p90 ms':>19} {'round med min..max':>20} "
            f"{'ratio':>7} {'paired med':>10} {'paired min..max':>16} {'best-rnd':>8} {'host ms':>9} {'+us/call':>8} "
            f"{'B/span':>8} {'KiB/step':>9}")
     print(hdr)
@@ -299,12 +299,12 @@ def print_table(res):
     for v in VARIANTS:
         d = c["variants"][v]
         if "failed" in d:
-            print(f"{v:<12} FAILED: {d['failed']}")
+            print(f"{v:<15} FAILED: {d['failed']}")
             continue
         ms = lambda x: x / 1e6  # noqa: E731
         bps = f"{d['bytes_per_span']:.1f}" if d.get("bytes_per_span") else "-"
         kps = f"{d['bytes_per_step'] / 1024:.1f}" if d.get("bytes_per_step") else "-"
-        print(f"{v:<12} {ms(d['median_ns']):>10.3f} "
+        print(f"{v:<15} {ms(d['median_ns']):>10.3f} "
               f"{ms(d['p10_ns']):>8.3f}..{ms(d['p90_ns']):<9.3f} "
               f"{ms(d['round_median_min_ns']):>9.3f}..{ms(d['round_median_max_ns']):<9.3f} "
               f"{'x%.3f' % d['ratio']:>7} {'x%.3f' % d['paired_ratio_median']:>10} "
