@@ -199,8 +199,9 @@ def _fp_text(p: dict) -> str:
 def steps(con, where: dict | None = None) -> list[dict]:
     """Traced steps, one row per process and step, with their attrs (forward mode, batch size,
     tokens, and for SGLang the model that ran and ``draft`` for an EAGLE draft worker's
-    forward) and whether it took fingerprints (``record --fingerprint-every``), keeping those whose attrs equal every ``where`` item; a value is matched as
-    its text, so ``draft=true`` and ``batch_size=1`` match JSON true and 1."""
+    forward) and whether each took fingerprints (``record --fingerprint-every``), keeping those
+    whose attrs equal every ``where`` item; a value is matched as its text, so ``draft=true``
+    and ``batch_size=1`` match JSON true and 1."""
     where = where or {}
     rank_of = dict(con.execute("SELECT proc, rank FROM processes"))
     out = []

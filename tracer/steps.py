@@ -268,12 +268,11 @@ def end_step(t, error: bool = False, result=None, kwargs=None) -> None:
             t.fps.finish_step(step)
         else:
             t.fps.reset()
-        if not t.capturing:  # (an earlier step's deferred values, too, after an unfingerprinted one)
-            for rec in t.fps.collect():
-                t.writer.add(rec)
         if not t.capturing:  # no event may be queried while a stream is being captured
-            for rec in t.device_times.collect():
-                t.writer.add(rec)
+            # (an earlier step's deferred values too, when this one took none)
+            for source in (t.fps, t.device_times):
+                for rec in source.collect():
+                    t.writer.add(rec)
         t.stats["spans"] += t.span_count
         t.stats["collectives"] += t.coll_count
         t.writer.flush_when_idle()  # on disk soon if no step follows (never written here)

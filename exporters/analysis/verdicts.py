@@ -132,11 +132,11 @@ def unfingerprinted_note(con, procs, step) -> str | None:
     if fp_here is None or fp_here:
         return None
     if not any(fp for _, _, fp in rows):
-        return f"step {step} was not fingerprinted: no step was (recorded with --no-fingerprint?)"
+        return f"step {step} was not fingerprinted, nor was any step (recorded with --no-fingerprint?)"
     same = [s for s, k, fp in rows if fp and k == kind]
     listed = ", ".join(map(str, same[:8])) + (" ..." if len(same) > 8 else "") if same else "none"
-    return (f"step {step} was not fingerprinted: its values are no evidence here (fingerprinted steps of "
-            f"this kind: {listed}; record --fingerprint-every 1 for all)")
+    return (f"step {step} was not fingerprinted (fingerprinted steps of this kind: {listed}; "
+            f"record --fingerprint-every 1 for all)")
 
 
 class StoreContext:

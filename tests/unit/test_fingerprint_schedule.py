@@ -181,7 +181,7 @@ def test_placement_note_when_no_step_has_values(tmp_path):
     from tensor_trace.exporters.analysis.verdicts import unfingerprinted_note
 
     con = _store(tmp_path, [(0, s, "decode", 0) for s in range(3)])
-    assert "no step was (recorded with --no-fingerprint?)" in unfingerprinted_note(con, [0], 1)
+    assert "nor was any step (recorded with --no-fingerprint?)" in unfingerprinted_note(con, [0], 1)
 
 
 def test_compare_keeps_pairs_fingerprinted_on_both_sides():
