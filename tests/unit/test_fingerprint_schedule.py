@@ -198,3 +198,17 @@ def test_compare_keeps_pairs_fingerprinted_on_both_sides():
     # runs without any fingerprints (--no-fingerprint): the pairs stay (their points: not comparable)
     none = SimpleNamespace(fingerprinted=set())
     assert with_values(none, none, pairs) == (pairs, [])
+
+
+def test_python_api_takes_the_option_and_query_steps_says(tmp_path):
+    import tensor_trace
+
+    a = A()
+    with tensor_trace.trace(out_dir=str(tmp_path), fingerprint_every=2, lineage=False) as rec:
+        for _ in range(8):
+            a(torch.randn(2, 4))
+    with rec.open() as trace:
+        rows = trace.steps()
+        assert [r["step"] for r in rows if r["fingerprinted"]] == [0, 1, 2, 3, 4, 6]
+        (row,) = trace.sql("SELECT COUNT(DISTINCT step) FROM fingerprints WHERE step >= 0").values
+        assert row == [6]
