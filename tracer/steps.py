@@ -94,10 +94,19 @@ def step_kind(path: str, attrs) -> tuple:
     """What kind of step this is, for the schedules of lineage and fingerprints: its root, and
     a framework's forward mode, draft flag (an EAGLE draft's steps are not the target's) and
     CUDA-graph role (SGLang's warm-up runs before a capture are not the decode steps they
-    precede, and would use up the first steps of that kind)."""
+    precede, and would use up the first steps of that kind).
+
+    Under DP attention each DP rank has a forward mode of its own (idle where it has no
+    tokens, extend on one while another decodes): counted by mode, the ranks' schedules would
+    drift apart, and values are evidence only where every rank of a group took them. There the
+    mode is replaced by what every rank knows alike: which DP ranks have tokens (``dp_tokens``)."""
     if not attrs:
         return (path,)
-    return (path, attrs.get("forward_mode"), attrs.get("draft"), attrs.get("cuda_graph"))
+    mode = attrs.get("forward_mode")
+    dp_tokens = attrs.get("dp_tokens")
+    if isinstance(dp_tokens, (list, tuple)) and len(dp_tokens) > 1:
+        mode = ("dp", tuple(bool(n) for n in dp_tokens))
+    return (path, mode, attrs.get("draft"), attrs.get("cuda_graph"))
 
 
 def due(counts: dict, kind, first: int, every: int) -> bool:

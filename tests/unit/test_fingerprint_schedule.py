@@ -43,6 +43,16 @@ def test_step_kind_is_root_mode_draft_and_graph_role():
     assert decode != step_kind("model", {"forward_mode": "decode", "cuda_graph": "capture"})
 
 
+def test_step_kind_under_dp_attention_is_the_same_on_every_rank():
+    # One DP rank decodes while the other is idle, or extends: the ranks' modes differ, the
+    # split of the tokens (dp_tokens, the same on every rank) does not.
+    busy_idle = [step_kind("model", {"forward_mode": m, "dp_tokens": [1, 0]}) for m in ("decode", "idle")]
+    assert busy_idle[0] == busy_idle[1]
+    both = [step_kind("model", {"forward_mode": m, "dp_tokens": [4, 1]}) for m in ("extend", "decode")]
+    assert both[0] == both[1] == step_kind("model", {"forward_mode": "decode", "dp_tokens": [1, 1]})
+    assert busy_idle[0] != both[0] != step_kind("model", {"forward_mode": "idle", "dp_tokens": [0, 5]})
+
+
 class A(nn.Module):
     def __init__(self):
         super().__init__()
