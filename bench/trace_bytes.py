@@ -12,7 +12,9 @@ Workloads (each recorded into a temporary folder, fingerprints on every step):
                  layout, 389 module calls a step) at toy width on a CPU, batch 8, 35 steps (a block
                  of ``overhead.py --workload llama8b-decode``: 5 warm-up and 30 timed), recorded
                  twice: fingerprints ``deferred`` (the GPU's path: the same records as on the H200,
-                 values reduced at the step's end) and ``auto`` (a CPU's: immediate).
+                 values reduced at the step's end) and ``auto`` (a CPU's: immediate);
+- ``llama-gpu``  the same model at Llama-3-8B's shape in bf16 on CUDA, batch 8, 35 steps,
+                 fingerprints ``auto`` (deferred; tracer/native.py where it builds).
 
 Bytes per span is what ``overhead.py`` reports: the rank files' bytes on disk over the module
 spans and collectives they hold. The breakdown gives each kind of record its count, its msgpack
@@ -119,23 +121,33 @@ def record_example(out: str) -> str:
     return trace
 
 
-def record_llama_cpu(out: str, mode: str, steps: int = 35) -> str:
-    """bench/models.py's Llama decode model at toy width on a CPU; returns the trace folder."""
+def record_llama(out: str, mode: str, device: str = "cpu", steps: int = 35) -> str:
+    """bench/models.py's Llama decode model, at toy width on a CPU, at Llama-3-8B's shape in
+    bf16 on a GPU (batch 8, 512 cached tokens: overhead.py's llama8b-decode); returns the trace
+    folder."""
     import torch
 
     import models
     from tensor_trace import tracer
 
-    torch.set_num_threads(1)
-    shape = dict(models.LLAMA_SHAPES["8b"], hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=256,
-                 kv_len=16)
+    if device == "cpu":
+        torch.set_num_threads(1)
+        shape = dict(models.LLAMA_SHAPES["8b"], hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=256,
+                     kv_len=16)
+    else:
+        from tensor_trace.tracer import native
+
+        shape = dict(models.LLAMA_SHAPES["8b"], kv_len=512)
+        if native.enabled():  # built first, so that every step takes the C++ table's path
+            native.ensure(block=True)
     torch.manual_seed(0)
-    model = models.LlamaForCausalLM(shape, torch.device("cpu"), torch.float32).eval()
+    model = models.LlamaForCausalLM(shape, torch.device(device),
+                                    torch.float32 if device == "cpu" else torch.bfloat16).eval()
     model.set_batch(8)
     # New token ids at every step, as in decoding: values that repeat from step to step would
     # flatter the compression
-    ids = [torch.randint(0, shape["vocab"], (8, 1)) for _ in range(steps)]
-    trace = os.path.join(out, f"llama-cpu-{mode}")
+    ids = [torch.randint(0, shape["vocab"], (8, 1), device=device) for _ in range(steps)]
+    trace = os.path.join(out, f"llama-{device}-{mode}")
     tracer.start(out_dir=trace, fingerprint=True, fingerprint_mode=mode)
     try:
         with torch.inference_mode():
@@ -148,7 +160,8 @@ def record_llama_cpu(out: str, mode: str, steps: int = 35) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workload", choices=["example", "llama-cpu", "all"], default="all")
+    ap.add_argument("--workload", choices=["example", "llama-cpu", "llama-gpu", "all"], default="all",
+                    help="all: example and llama-cpu (llama-gpu: the 8B shape on CUDA, fingerprints auto)")
     ap.add_argument("--trace", nargs="+", metavar="DIR", help="break down these trace folders instead")
     args = ap.parse_args()
     print(header_line("trace_bytes", header(sys.argv)))
@@ -157,13 +170,17 @@ def main() -> None:
         for trace in args.trace:
             Breakdown(trace).print(trace)
         return
-    os.environ["TENSOR_TRACE_NATIVE"] = "0"  # the Python table: the C++ one writes the same records
+    if args.workload != "llama-gpu":  # on a CPU the Python table: the C++ one writes the same records
+        os.environ["TENSOR_TRACE_NATIVE"] = "0"
     with tempfile.TemporaryDirectory(prefix="tt-bytes-") as out:
         if args.workload in ("example", "all"):
             Breakdown(record_example(out)).print("example, 2 CPU ranks, 8 steps")
         if args.workload in ("llama-cpu", "all"):
             for mode in ("deferred", "auto"):
-                Breakdown(record_llama_cpu(out, mode)).print(f"llama-cpu, 35 steps, fingerprints {mode}")
+                Breakdown(record_llama(out, mode)).print(f"llama-cpu, 35 steps, fingerprints {mode}")
+        if args.workload == "llama-gpu":
+            Breakdown(record_llama(out, "auto", "cuda")).print("llama-gpu (8B shape, bf16, batch 8), 35 steps, "
+                                                               "fingerprints auto")
 
 
 if __name__ == "__main__":
