@@ -204,7 +204,10 @@ def test_captured_tensor_held_twice_keeps_every_repeat():
     for step in (5, 6):  # a step of its own each: fingerprints from 0 again
         fps.add_replay(step, fps.reserve(captured.count), captured)
         fps.reset()
-    vals = _values(fps.collect(wait=True))
+    records = fps.collect(wait=True)
+    # one record a replay, repeats in place, no indices (format 2)
+    assert [(r[1], r[2], len(r[3]) // 8, r[4]) for r in records] == [(5, 0, 4, None), (6, 0, 4, None)]
+    vals = _values(records)
     assert sorted(vals) == [(s, i) for s in (5, 6) for i in range(4)]
     assert vals[(5, 0)] == vals[(5, 2)] == vals[(5, 3)] != vals[(5, 1)]
     assert vals[(6, 0)] == vals[(6, 2)] == vals[(6, 3)] == vals[(5, 0)]
