@@ -4,7 +4,8 @@
     OMP_NUM_THREADS=1 python bench/trace_bytes.py --workload llama-cpu
     python bench/trace_bytes.py --trace DIR [DIR ...]                   # folders already recorded
 
-Workloads (each recorded into a temporary folder, fingerprints on every step):
+Workloads (each recorded into a temporary folder, with fingerprints on every step:
+``--fingerprint-every 1``):
 
 - ``example``    ``tensor-trace record -- torchrun --nproc-per-node 2 examples/tp_llama.py
                  --steps 8`` (CPU, gloo; 74 module calls and 14 collectives a step per rank);
@@ -130,7 +131,7 @@ def record_example(out: str) -> str:
     trace = os.path.join(out, "example")
     bindir = os.path.dirname(sys.executable)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([os.path.join(bindir, "tensor-trace"), "record", "-o", trace, "--",
+    subprocess.run([os.path.join(bindir, "tensor-trace"), "record", "-o", trace, "--fingerprint-every", "1", "--",
                     os.path.join(bindir, "torchrun"), "--nproc-per-node", "2",
                     os.path.join(ROOT, "examples", "tp_llama.py"), "--steps", "8"],
                    check=True, env=env, stdout=subprocess.DEVNULL)
@@ -164,7 +165,7 @@ def record_llama(out: str, mode: str, device: str = "cpu", steps: int = 35) -> s
     # flatter the compression
     ids = [torch.randint(0, shape["vocab"], (8, 1), device=device) for _ in range(steps)]
     trace = os.path.join(out, f"llama-{device}-{mode}")
-    tracer.start(out_dir=trace, fingerprint=True, fingerprint_mode=mode)
+    tracer.start(out_dir=trace, fingerprint=True, fingerprint_every=1, fingerprint_mode=mode)
     try:
         with torch.inference_mode():
             for step_ids in ids:
