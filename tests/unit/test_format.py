@@ -139,6 +139,7 @@ def test_values_of_shuffled_indices_go_in_index_order_without_indices():
     assert fpf.dense_order([5, 7]) is None  # a gap: the indices stay
     assert fpf.dense_order([5, 6, 5]) is None  # an index twice
     assert fpf.dense_order([]) is None
+    assert fpf.dense_values([4, 4], data[:16]) is None and fpf.dense_values([4, 6], data[:16]) is None
 
 
 def test_lineage_refs():
