@@ -7,8 +7,9 @@ blobs, lineage refs, point names) it is the only code the writer (tracer) and th
 A rank file is ``MAGIC`` + a little-endian u32 ``FORMAT_VERSION``, then a sequence of chunks.
 Each chunk is a sync marker + u32 stored length + u32 CRC-32 of the stored bytes + the stored
 bytes: a msgpack array of records, as is after ``SYNC``, zlib-compressed after ``SYNC_ZLIB``
-(format 2; a 256-record chunk of spans and fingerprints shrinks to about two thirds, for about
-0.1 ms of the writer thread's time without the GIL; bench/trace_bytes.py). A writer appends
+(format 2: a 256-record chunk of spans and fingerprints shrinks to 0.6-0.7 of its msgpack, for
+zlib's level-1 time in the writer's thread, which lets go of the GIL meanwhile; bench/trace_bytes.py
+prints both). A writer appends
 whole chunks at each flush, so a process killed mid-write leaves at most one torn chunk at the
 tail; a reader that meets a bad chunk scans forward for the next sync marker and reports what
 it skipped.
