@@ -9,10 +9,9 @@ Each chunk is a sync marker + u32 stored length + u32 CRC-32 of the stored bytes
 bytes: a msgpack array of records, as is after ``SYNC``, zlib-compressed after ``SYNC_ZLIB``
 (format 2: a 256-record chunk of spans and fingerprints shrinks to 0.6-0.7 of its msgpack, for
 zlib's level-1 time in the writer's thread, which lets go of the GIL meanwhile; bench/trace_bytes.py
-prints both). A writer appends
-whole chunks at each flush, so a process killed mid-write leaves at most one torn chunk at the
-tail; a reader that meets a bad chunk scans forward for the next sync marker and reports what
-it skipped.
+prints both). A writer appends whole chunks at each flush, so a process killed mid-write leaves
+at most one torn chunk at the tail; a reader that meets a bad chunk scans forward for the next
+sync marker and reports what it skipped.
 
 Format 1 is format 2 without compressed chunks, and with FINGERPRINTS records in any order of
 indices: readers of format 2 read it as it is (``READABLE_VERSIONS``).
