@@ -1,10 +1,11 @@
-"""Writes tests/unit/data/format1/: a rank file of format 1 (tensor-trace at 2d8e23f, the last
-version that wrote format 1) and what that version's reader resolved from it (expected.json).
+"""Writes tests/unit/data/format1/: a rank file of format 1 (written by tensor-trace at 2d8e23f,
+before format 2) and what that version's reader resolved from it (expected.json).
 
-    python make.py OUT   # with tensor-trace at 2d8e23f; copy OUT/rank.ttr, OUT/expected.json here
+    python make.py OUT   # with a format-1 tensor-trace; copy OUT/rank.ttr, OUT/expected.json here
 
-Two steps of two blocks with an all_reduce each (fake process group), fingerprints deferred on
-the CPU (so its FINGERPRINTS records carry u32 indices and repeats apart, as format 1 wrote them).
+Two steps of test_format.py's Net (two blocks with an all_reduce each, fake process group),
+fingerprints deferred on the CPU (so its FINGERPRINTS records carry u32 indices and repeats
+apart, as format 1 wrote them).
 """
 import json
 import os
@@ -15,34 +16,13 @@ os.environ["TENSOR_TRACE_NATIVE"] = "0"
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 from tensor_trace import schema, tracer  # noqa: E402
 from tensor_trace.exporters.store.reader import load_rank_file, rank_files  # noqa: E402
 
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(4, 8)
-        self.down = nn.Linear(8, 4)
-
-    def forward(self, x):
-        y = self.down(torch.relu(self.up(x)))
-        dist.all_reduce(y)
-        return y
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([Block(), Block()])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # tests/unit
+from test_format import Net  # noqa: E402  (the model of test_format's ``traced`` fixture)
 
 
 def tensors(ts):
