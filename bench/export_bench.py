@@ -86,13 +86,17 @@ def exports(work, a):
     merge_ranks(small, warn=lambda m: None)
     for protocol, receiver_cls in (("grpc", GrpcReceiver), ("http", HttpReceiver)):
         with receiver_cls() as rcv:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             r = export_otlp(small, f"http://127.0.0.1:{rcv.port}", protocol)
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         got = sum(len(ss.spans) for req in rcv.requests for rs in req.resource_spans for ss in rs.scope_spans)
+        rcv.requests.clear()
+        at_2m = 2e6 * wall / r["spans"]
+        # The receiver decodes in this process (its CPU is in cpu): its share is timed apart.
         print(f"otlp {protocol:5s} {r['spans']:>10,} spans ({got:,} received)  {wall:6.1f} s wall  "
-              f"{r['spans'] / wall:,.0f} spans/s  ({a.otlp_steps} steps x 8 ranks; "
-              f"2,000,000 spans at this rate: {2e6 * wall / r['spans']:,.0f} s, target < 60 s)")
+              f"{cpu:6.1f} s cpu, of which the receiver's decode {rcv.decode_s:5.1f} s  "
+              f"{r['spans'] / wall:,.0f} spans/s  ({a.otlp_steps} steps x 8 ranks; 2,000,000 spans at this "
+              f"rate: {at_2m:,.1f} s)  {'PASS' if at_2m < 60 else 'FAIL'} (< 60 s)")
 
 
 if __name__ == "__main__":
