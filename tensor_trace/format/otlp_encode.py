@@ -37,12 +37,22 @@ _encoded: dict = {}  # (key, value's type, value or its str) -> the pair as a sp
 
 
 def _varint(n: int) -> bytes:
+    if n < _SMALL:
+        return _SMALL_VARINTS[n]
+    return _varint_of(n)
+
+
+def _varint_of(n: int) -> bytes:
     out = bytearray()
     while n > 0x7F:
         out.append(n & 0x7F | 0x80)
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+_SMALL = 1 << 14  # a span's length and most others: their varints made once
+_SMALL_VARINTS = [_varint_of(n) for n in range(_SMALL)]
 
 
 def _field(tag: bytes, payload: bytes) -> bytes:
@@ -55,7 +65,9 @@ def attribute_fields(attrs: dict) -> bytes:
     repeat, so each encoded pair is kept for reuse."""
     out = []
     for k, v in attrs.items():
-        key = (k, type(v), str(v) if isinstance(v, (list, tuple)) else v)
+        # A str value keys by itself (no other type equals a str); 1, 1.0 and True are equal
+        # keys, so other values key with their type, and lists by their repr.
+        key = (k, v) if v.__class__ is str else (k, type(v), str(v) if isinstance(v, (list, tuple)) else v)
         kv = _encoded.get(key)
         if kv is None:
             if len(_encoded) >= _CACHE_MAX:
