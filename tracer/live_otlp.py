@@ -308,14 +308,15 @@ def make_exporter(endpoint: str, protocol: str, timeout_s: float | None = None,
             if self._shutdown:
                 return SpanExportResult.FAILURE
             data = spans.serialized()
-            if 0 < getattr(self, "_max_request_size", 0) < len(data) and len(spans) > 1:
-                first, second = spans.halves()
+            too_large = 0 < getattr(self, "_max_request_size", 0) < len(data)
+            if too_large and len(spans) > 1:
                 del data
-                ok = self.export(first) == SpanExportResult.SUCCESS
-                return SpanExportResult.SUCCESS if self.export(second) == SpanExportResult.SUCCESS and ok \
-                    else SpanExportResult.FAILURE
+                for half in spans.halves():
+                    if self.export(half) != SpanExportResult.SUCCESS:
+                        return SpanExportResult.FAILURE
+                return SpanExportResult.SUCCESS
             with self._metrics.export_operation(len(spans)) as result:
-                if 0 < getattr(self, "_max_request_size", 0) < len(data):  # one span alone too large
+                if too_large:  # one span alone
                     result.error = ValueError(f"one span of {len(data)} bytes, over max_request_size")
                     return SpanExportResult.FAILURE
                 sent = self._client.export(data)
