@@ -113,22 +113,19 @@ def span_field(row: SpanRow) -> bytes:
 
 class SpanBatch:
     """Spans of one instrumentation scope grouped by resource, as one export request, kept as
-    wire bytes (``nbytes`` of them, about the request's size)."""
+    wire bytes."""
 
     def __init__(self, scope_name: str, scope_version: str):
         self.scope_name, self.scope_version = scope_name, scope_version
         self.by_resource: dict = {}  # resource attributes (a tuple of items) -> [span field bytes]
         self.count = 0
-        self.nbytes = 0
 
     def add(self, row: SpanRow) -> None:
         spans = self.by_resource.get(row.resource)
         if spans is None:
             spans = self.by_resource[row.resource] = []
-        span = span_field(row)
-        spans.append(span)
+        spans.append(span_field(row))
         self.count += 1
-        self.nbytes += len(span)
 
     def __len__(self) -> int:
         return self.count
@@ -146,7 +143,7 @@ class SpanBatch:
         return ExportTraceServiceRequest.FromString(self.serialized())
 
     def halves(self) -> tuple:
-        """Two batches of about half the spans each (a request over the receiver's size limit is
+        """Two batches of about half the spans each (a request over the exporter's size limit is
         sent as smaller ones)."""
         items = [(res, span) for res, spans in self.by_resource.items() for span in spans]
         out = (SpanBatch(self.scope_name, self.scope_version), SpanBatch(self.scope_name, self.scope_version))
@@ -154,7 +151,6 @@ class SpanBatch:
             half = out[i * 2 >= len(items)]
             half.by_resource.setdefault(res, []).append(span)
             half.count += 1
-            half.nbytes += len(span)
         return out
 
 
