@@ -19,7 +19,13 @@ each variant, in shuffled order, device synchronised after each:
   tracer with ``TENSOR_TRACE_NATIVE=0``), and ``fp-py2``, a second instance of fp-py (the
   noise floor of a paired difference); fp's values are checked on one step against fp-py's
   and against torch's own at hook time;
-- ``fp-old``  bench/_old_fingerprint.py, an earlier version, when present.
+- ``fp-old``  bench/_old_fingerprint.py, an earlier version, when present;
+- floors, no tracer: ``empty-wrapper`` (``Module.__call__`` replaced by the thinnest Python
+  pass-through to torch's own, the floor of the tracer's ``--intercept call``) and
+  ``empty-hooks`` (two empty global forward hooks on torch's own ``__call__``, the floor of
+  ``--intercept hooks``, as in bench/overhead.py). ``--gpu-step-ms`` gives the ratio to plain
+  that a GPU step of that plain time sees when each step pays a variant's paired host time;
+  ``--thread-time`` times steps by the thread's CPU time (``--cpu-model`` on a shared host).
 
 Switching is a per-step attribute change (the tracer's ``fps`` object, its ``fingerprint``
 flag, the layout key function), so consecutive steps differ only in the variant. Reports the
@@ -166,6 +172,30 @@ def _scheduled(n: int) -> bool:
     return n < FINGERPRINT_FIRST or n % SCHEDULE_EVERY == 0
 
 
+FLOORS = ["empty-wrapper", "empty-hooks"]
+
+
+def empty_wrapper(inner):
+    def __call__(m, *a, **k):  # noqa: N807 (Module.__call__'s replacement)
+        return inner(m, *a, **k)
+    return __call__
+
+
+def empty_hooks():
+    """Two empty global forward hooks, as the tracer's hooks intercept installs them; returns
+    their remover."""
+    from torch.nn.modules import module as nn_module
+
+    hooks = [nn_module.register_module_forward_pre_hook(lambda m, a: None),
+             nn_module.register_module_forward_hook(lambda m, a, *r: None, with_kwargs=True, always_call=True)]
+
+    def remove():
+        for h in hooks:
+            h.remove()
+            nn_module._global_forward_hooks_with_kwargs.pop(h.id, None)  # torch leaves it
+    return remove
+
+
 def stub_kernels() -> None:
     """The fingerprint kernels replaced by zeros (--cpu-model): on a CPU, the deferred path's
     host work without Triton."""
@@ -191,6 +221,11 @@ def main() -> None:
     ap.add_argument("--cpu-model", action="store_true",
                     help="the GPU path's host cost on a CPU: call_patterns' Llama, deferred "
                          "fingerprints, native on, kernel launches stubbed")
+    ap.add_argument("--thread-time", action="store_true",
+                    help="time steps by this thread's CPU time (with --cpu-model on a shared host: "
+                         "the time the step was descheduled left out, and so is other threads' work, the writer's)")
+    ap.add_argument("--gpu-step-ms", type=float, nargs="*", default=[],
+                    help="plain GPU step times (ms) to give each variant's host time as a ratio to")
     args = ap.parse_args()
     from tensor_trace.tracer import native, spans
 
@@ -209,6 +244,7 @@ def main() -> None:
         print(f"# native extension {'built/loaded' if have_native else 'UNAVAILABLE'} in "
               f"{time.perf_counter() - t0:.1f} s{'' if have_native else ': ' + str(native.error())}")
     dev = torch.device(args.device)
+    clock = time.thread_time_ns if args.thread_time else time.perf_counter_ns
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     shape = dict(models.LLAMA_SHAPES[args.shape], kv_len=512)
     torch.manual_seed(0)
@@ -218,10 +254,11 @@ def main() -> None:
     else:
         model = models.LlamaForCausalLM(shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
     py = ["nofp-py", "fp-py", "fp-py2"] if have_native else []
-    variants = (["plain", "nofp", "fp", "default"] + py + (["fp-old"] if OLD is not None else []))
+    variants = (["plain", "nofp", "fp", "default"] + py + (["fp-old"] if OLD is not None else []) + FLOORS)
     ref_v = "fp-py" if have_native else "fp"
     print(header_line("fp_ab", dict(header(sys.argv), torch=torch.__version__), torch.cuda.get_device_name(dev) if dev.type == "cuda" else None))
-    print(f"# rounds={args.rounds} variants={variants} native={have_native} cpu_model={args.cpu_model}")
+    print(f"# rounds={args.rounds} variants={variants} native={have_native} cpu_model={args.cpu_model}"
+          f"{' clock=thread CPU time' if args.thread_time else ''}")
     report = {}
     for batch in args.batch:
         model.set_batch(batch)
@@ -246,11 +283,14 @@ def main() -> None:
 
             traced_call = torch.nn.Module.__call__  # the tracer's wrapper (--intercept call)
             plain_call = traced_call.__wrapped__  # torch's own
+            calls = {"plain": plain_call, "empty-hooks": plain_call, "empty-wrapper": empty_wrapper(plain_call)}
 
             def run(v) -> int:
-                # plain: torch's own __call__ for this step (nothing of the tracer runs)
-                torch.nn.Module.__call__ = plain_call if v == "plain" else traced_call
-                tr.fingerprint = v not in ("plain", "nofp", "nofp-py")
+                # plain and the floors: torch's own __call__ (or a pass-through to it) for this
+                # step: nothing of the tracer runs
+                torch.nn.Module.__call__ = calls.get(v, traced_call)
+                remove_hooks = empty_hooks() if v == "empty-hooks" else None
+                tr.fingerprint = v not in ("plain", "nofp", "nofp-py", *FLOORS)
                 tr.config.fingerprint_every = SCHEDULE_EVERY if v == "default" else 1
                 tr.fp_steps = counts[v]
                 if tr.fingerprint:
@@ -260,10 +300,13 @@ def main() -> None:
                     spans.use_native_keys(None)
                 else:
                     spans.use_native_keys(native.pair_key(), native.call_key())
-                t0 = time.perf_counter_ns()
+                t0 = clock()
                 model(ids)
                 sync()
-                return time.perf_counter_ns() - t0
+                took = clock() - t0
+                if remove_hooks is not None:
+                    remove_hooks()
+                return took
 
             with torch.inference_mode():
                 for _ in range(5):
@@ -307,10 +350,13 @@ def main() -> None:
               f"plain's mean (nofp x{d['mean_ratio_to_plain']['nofp']:.3f}, fp x{d['mean_ratio_to_plain']['fp']:.3f}); "
               f"median of per-round ratios x{d['paired_ratio_median']:.3f}; fingerprinted in "
               f"{d['fingerprinted_rounds']} of {args.rounds} rounds")
-        for a, b in (("nofp", "plain"), ("fp", "nofp"), ("nofp-py", "plain"), ("fp-py", "nofp-py")):
+        for a, b in (("nofp", "plain"), ("fp", "nofp"), ("nofp-py", "plain"), ("fp-py", "nofp-py"),
+                     *((f, "plain") for f in FLOORS)):
             if a in times:
                 rows[f"{a} - {b}"] = d = paired_median(times, a, b) / 1e3
-                print(f"  paired {a} - {b}: {d:+.0f} us/step (x{paired_ratio(times, a, b):.3f})")
+                on_gpu = "".join(f"; on a {ms:g} ms GPU step x{(ms + d / 1e3) / ms:.3f}"
+                                 for ms in args.gpu_step_ms if b == "plain")
+                print(f"  paired {a} - {b}: {d:+.0f} us/step (x{paired_ratio(times, a, b):.3f}){on_gpu}")
         report[batch] = rows
     if args.json:
         with open(args.json, "w") as f:
