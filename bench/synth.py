@@ -510,6 +510,62 @@ class _Rank:
         self.maybe_flush(t_end)
         return count
 
+    def capture_step(self, step, root, V32, times) -> list:
+        """``run_step``, also returning the step's records (a template for ``repeat_step``)."""
+        records = []
+        write = self.w.add
+
+        def add(rec):
+            records.append(rec)
+            write(rec)
+
+        self.w.add = add  # run_step binds w.add when it starts
+        try:
+            self.run_step(step, root, V32, times)
+        finally:
+            del self.w.add
+        kinds = {rec[0] for rec in records}
+        if not kinds <= self.REPEATABLE:
+            raise ValueError(f"step {step} defines ids (record kinds {sorted(kinds - self.REPEATABLE)}): "
+                             "only a step after the first can be repeated")
+        return records
+
+    # What a step after the first holds: every id it uses was defined in the first.
+    REPEATABLE = frozenset((schema.STEP_BEGIN, schema.SPAN, schema.COLLECTIVE, schema.STEP_END,
+                            schema.FINGERPRINTS))
+
+    def repeat_step(self, step, template: list, t_step: int) -> tuple:
+        """Write a captured step again as step ``step`` beginning at ``t_step``: the same records
+        (span times are offsets from the step's start) with the new step number, the step's
+        clock readings moved, and the group's next sequence numbers: what the tracer writes for
+        a step identical to the template. Returns (spans, collectives, the step's duration)."""
+        add = self.w.add
+        S_SPAN, S_COLL, S_BEGIN, S_END = schema.SPAN, schema.COLLECTIVE, schema.STEP_BEGIN, schema.STEP_END
+        t_begin = template[0][3]
+        spans = colls = 0
+        for rec in template:
+            kind = rec[0]
+            if kind == S_SPAN:
+                add((kind, step, *rec[2:]))
+                spans += 1
+            elif kind == S_COLL:
+                add((kind, step, *rec[2:7], self.seq, *rec[8:]))
+                self.seq += 1
+                colls += 1
+            elif kind == S_BEGIN:
+                add((kind, step, rec[2], t_step, *rec[4:]))
+            elif kind == S_END:
+                t_end = t_step + rec[2] - t_begin
+                add((kind, step, t_end, *rec[3:]))
+            else:
+                add((kind, step, *rec[2:]))
+        self.stats["steps"] += 1
+        self.stats["spans"] += spans
+        self.stats["collectives"] += colls
+        self.fp_records += sum(1 for rec in template if rec[0] == schema.FINGERPRINTS)
+        self.maybe_flush(t_end)
+        return spans, colls, t_end - t_step
+
     def close(self):
         self.w.flush()  # Tracer.stop: the END record in a chunk of its own
         self.stats["bytes"] = self.w.bytes_written
@@ -552,8 +608,14 @@ def _event_durations(root: Node) -> list:
 
 
 def generate(out_dir: str, steps: int, ranks: int = 8, seed: int = 0, spread: str = "realistic",
-             shape: Shape | None = None, replace: bool = True, log=None) -> dict:
-    """Write DIR/run.json and DIR/ranks/HOST-PID.ttr for ``ranks`` ranks and ``steps`` steps."""
+             shape: Shape | None = None, replace: bool = True, log=None, repeat_after: int | None = None) -> dict:
+    """Write DIR/run.json and DIR/ranks/HOST-PID.ttr for ``ranks`` ranks and ``steps`` steps.
+
+    ``repeat_after`` K (at least 2): steps 0 .. K-1 are simulated; every later step repeats one
+    of steps 1 .. K-1 in turn (``_Rank.repeat_step``: new step number, clock and sequence
+    numbers, the template's values), several times faster: how large traces are made."""
+    if repeat_after is not None and not 2 <= repeat_after:
+        raise SystemExit("--repeat-after must be at least 2 (step 0 defines the ids)")
     shape = shape or Shape()
     shape.check(ranks)
     if os.path.exists(out_dir):
@@ -587,7 +649,21 @@ def generate(out_dir: str, steps: int, ranks: int = 8, seed: int = 0, spread: st
     t_ref = mono0 + 30_000_000_000  # the first step, 30 s after the launch (model loading)
     trng = np.random.default_rng(seed + 7)
     n_spans = n_colls = 0
+    templates = {sim.rank: [] for sim in sims}
     for step in range(steps):
+        if repeat_after is not None and step >= repeat_after:
+            k = (step - repeat_after) % (repeat_after - 1)
+            duration = 0
+            for sim in sims:
+                tmpl = templates[sim.rank][k]
+                ns, nc, dur = sim.repeat_step(step, tmpl, t_ref + int(trng.uniform(0, 20_000)))
+                duration = max(duration, dur)
+                n_spans += ns
+                n_colls += nc
+            t_ref += duration + int(trng.uniform(2e6, 4e6))
+            if log and (step + 1) % 500 == 0:
+                log(f"  generated step {step + 1}/{steps} ({time.perf_counter() - t_start:.1f} s)")
+            continue
         V32 = V.draw(seed * 1_000_003 + step)
         jitter = trng.lognormal(0.0, 0.25, size=len(base_us))
         ref = np.cumsum(base_us * jitter * 1000.0)  # ns from the step's start
@@ -595,7 +671,12 @@ def generate(out_dir: str, steps: int, ranks: int = 8, seed: int = 0, spread: st
             a = 1.0 + trng.uniform(-2e-3, 2e-3)
             b = int(trng.uniform(0, 20_000))
             times = (t_ref + b + (ref * a)).astype(np.int64).tolist()
-            ns, nc = sim.run_step(step, root, V32, times)
+            if repeat_after is not None and step >= 1:
+                templates[sim.rank].append(sim.capture_step(step, root, V32, times))
+                ns = sum(1 for rec in templates[sim.rank][-1] if rec[0] == schema.SPAN)
+                nc = sum(1 for rec in templates[sim.rank][-1] if rec[0] == schema.COLLECTIVE)
+            else:
+                ns, nc = sim.run_step(step, root, V32, times)
             n_spans += ns
             n_colls += nc
         t_ref += int(ref[-1]) + int(trng.uniform(2e6, 4e6))
@@ -618,10 +699,13 @@ def main(argv=None) -> None:
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fp-spread", choices=["realistic", "wide"], default="realistic")
+    p.add_argument("--repeat-after", type=int, default=None, metavar="K",
+                   help="simulate steps 0..K-1 only; later steps repeat steps 1..K-1 in turn (fast: large traces)")
     p.add_argument("--info-json", metavar="PATH", help="write the summary here (else print it)")
     a = p.parse_args(argv)
     steps = a.steps or steps_for(2_000_000, a.ranks)
-    info = generate(a.out, steps, a.ranks, a.seed, a.fp_spread, log=lambda m: print(m, flush=True))
+    info = generate(a.out, steps, a.ranks, a.seed, a.fp_spread, log=lambda m: print(m, flush=True),
+                    repeat_after=a.repeat_after)
     if a.info_json:
         with open(a.info_json, "w") as f:
             json.dump(info, f)
