@@ -13,6 +13,7 @@ import msgpack
 
 from tensor_trace import progress, schema
 from tensor_trace.errors import BadInput
+from tensor_trace.exporters.store.merge_align import SequenceDigest, text_code
 from tensor_trace.exporters.store.reader import ReadReport, fingerprinted_by_default, iter_chunks
 from tensor_trace.format.records import RecordResolver
 
@@ -60,6 +61,15 @@ class FileLoader:
         self.span_ranges: dict = {}
         self.span_rows = 0  # spans stored so far
         self.report = ReadReport(path)
+        self.digest = SequenceDigest()  # what align_collectives compares across processes
+        self.codes: dict = {}  # string id -> text_code of the string
+
+    def code(self, sid) -> int:
+        """``text_code`` of a string id's text (-1: none), as the digest takes it."""
+        code = self.codes.get(sid)
+        if code is None:
+            code = self.codes[sid] = text_code(self.strings.get(sid)) if sid >= 0 else -1
+        return code
 
     def module_id(self, sid):
         mid = self.modules.get(sid)
@@ -158,6 +168,7 @@ class FileLoader:
         resolver = self.resolver
         if kind == schema.STRING:
             self.modules.pop(rec[1], None)
+            self.codes.pop(rec[1], None)
         elif kind == schema.LAYOUT:
             slots = [[slot, shape, dtype, device, *([tensor_kind] if tensor_kind else [])]
                      for slot, (shape, dtype, device, tensor_kind) in resolver.tensors(rec[1])]
@@ -240,6 +251,9 @@ class FileLoader:
         interrupted = self.interrupted
         add_range = self._add_range
         other = self._record
+        digest_add = self.digest.add
+        code = self.code
+        sig_codes = self.g.signature_codes
         report = self.report
         S_SPAN, S_COLL, FLAG_ERROR = schema.SPAN, schema.COLLECTIVE, schema.FLAG_ERROR
         # The k-th row of spans will be stored at rowid base + k + 1 (rowids count up from the
@@ -273,11 +287,16 @@ class FileLoader:
                         span_module[rec[2]] = mid
                     elif kind == S_COLL:
                         # The issuing module's span ends after its collectives: resolved at STEP_END.
+                        gid = groups.get(rec[6])
+                        lid = layouts.get(rec[10])
                         step_colls.append([proc, rec[1], rec[2], rec[3], strings.get(rec[4]),
                                            strings.get(rec[5]) if rec[5] >= 0 else None,
-                                           groups.get(rec[6]), rec[7], rec[8], rec[9], layouts.get(rec[10]),
+                                           gid, rec[7], rec[8], rec[9], lid,
                                            rec[11], rec[12], rec[13], rec[14], rec[15], None, None,
                                            _attrs_json(rec[16]) if len(rec) > 16 else None])
+                        if gid is not None and rec[7].__class__ is int:
+                            digest_add(gid, rec[7], code(rec[4]), code(rec[5]),
+                                       -1 if lid is None else sig_codes[lid])
                     else:
                         other(rec, kind)
                 except (IndexError, TypeError, ValueError, AttributeError):
@@ -386,6 +405,7 @@ class SharedIds:
         self.con = con
         self.modules: dict = {}
         self.layouts: dict = {}
+        self.signature_codes: list = []  # layout id -> text_code of its signature (shapes, dtypes)
         self.groups: dict = {}
 
     def module(self, path, cls):
@@ -406,6 +426,7 @@ class SharedIds:
         if lid is None:
             lid = len(self.layouts)
             self.layouts[key] = lid
+            self.signature_codes.append(text_code(_signature(key)))
         return lid
 
     def group(self, name, ranks, backend, pg_name):
@@ -421,9 +442,13 @@ class SharedIds:
         con.executemany("INSERT INTO modules VALUES (?,?,?)",
                         [(mid, path, cls) for path, (mid, cls) in self.modules.items()])
         con.executemany("INSERT INTO layouts VALUES (?,?,?)", [
-            (lid, k, json.dumps([[s[1], s[2]] for s in json.loads(k)], separators=(",", ":")))
-            for k, lid in self.layouts.items()])
+            (lid, k, _signature(k)) for k, lid in self.layouts.items()])
         con.executemany("INSERT INTO groups VALUES (?,?,?,?,?)", list(self.groups.values()))
+
+
+def _signature(layout_key: str) -> str:
+    """A layout's shapes and dtypes (layouts.signature): its slots without names and devices."""
+    return json.dumps([[s[1], s[2]] for s in json.loads(layout_key)], separators=(",", ":"))
 
 
 # Tables a rank file's rows go to (the loader's), in the order a worker's part is copied.
@@ -443,6 +468,7 @@ class FileResult:
         self.end = loader.end if loader else None
         self.report = loader.report if loader else None
         self.span_rows = loader.span_rows if loader else 0
+        self.digest = loader.digest if loader else None
 
 
 def load_file(con, proc: int, path: str, g) -> FileResult:

@@ -200,6 +200,9 @@ def copy_part(con, part: str, data: dict, g, tables) -> None:
                 "layouts": [g.layout_key(key) for key in data["layouts"]],
                 "groups": [g.group(*args) for args in data["groups"]]}
         exprs = {col: _map_expr(col, maps[kind], con, f"part_{kind}") for col, kind in ID_COLUMNS.items()}
+        for res in data["results"]:
+            if res.digest is not None:
+                res.digest = res.digest.remapped(maps["groups"])
         # Spans keep their order: a part's rowids shifted by the store's last rowid. They run
         # 1, 2, ... without gaps (a skipped file's rows are the part's last ones, and the next
         # file reuses their rowids): the last is the number of spans its files left. Then,
