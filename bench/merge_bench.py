@@ -57,6 +57,7 @@ RECORDS_PER_STEP = 11 * 61 + 5 + 2 * 61 + 2  # synth.py's model: module spans + 
 REPEAT_FROM_RECORDS = 4_000_000  # larger traces repeat simulated steps (--repeat-after) by default
 REPEAT_AFTER = 8
 
+import merge_floor  # noqa: E402
 import merge_profile  # noqa: E402
 import query_bench  # noqa: E402
 from common import header, load_summary  # noqa: E402  (torch-free: this process stays small)
@@ -169,6 +170,12 @@ def generate_in_child(d: str, steps: int, ranks: int, seed: int, spread: str, re
         info = json.load(f)
     os.remove(out)
     return info
+
+
+def floor_in_child(rank_file: str) -> dict:
+    r = subprocess.run([sys.executable, os.path.join(HERE, "merge_floor.py"), rank_file], check=True,
+                       capture_output=True, text=True)
+    return json.loads(r.stdout)
 
 
 def merge_in_child(trace_dir: str, module_file: str | None = None, workers: int | None = None) -> dict:
@@ -301,11 +308,18 @@ def targets(res: dict) -> list:
                         target="all rows", result="PASS" if ok else "FAIL"))
         out.append(dict(name=f"[{variant}] merge rate, large trace (span records/s)", value=f"{big['rate']:,.0f}",
                         target=f">= {TARGET_RATE:,}", result="PASS" if big["rate"] >= TARGET_RATE else "FAIL"))
+        fl = res.get("floor")
+        if fl:
+            cores = res["header"]["cpus"]
+            out.append(dict(name=f"  floor: decode + insert alone ({fl['us_per_span_record']:.2f} µs a span record, "
+                                 f"merge_floor.py), over {cores} cores",
+                            value=f"{fl['rate']:,.0f} (the merge {big['rate'] / fl['rate']:.2f} of it)",
+                            target="", result=""))
         if small:
             inc_b = max(big["merge_mem_kb"], 1)
             inc_s = max(small["merge_mem_kb"], 1)
             ratio = inc_b / inc_s
-            out.append(dict(name=f"[{variant}] merge peak-RSS increment (all its processes), large / 4x smaller trace",
+            out.append(dict(name=f"[{variant}] merge peak-RSS increment (all its processes), large / small trace",
                             value=f"{ratio:.2f} ({_mb(inc_b * 1024)} / {_mb(inc_s * 1024)})",
                             target=f"<= {TARGET_RSS_GROWTH} (streams)",
                             result="PASS" if ratio <= TARGET_RSS_GROWTH else "FAIL"))
@@ -434,6 +448,13 @@ def main(argv=None) -> int:
                 chosen["walls"] = [m["wall_s"] for m in ms]
                 res["merge"][variant][label] = chosen
             save()
+        rank_file = sorted(os.listdir(os.path.join(large, "ranks")))[0]
+        log(f"floor: decoding and inserting {rank_file} alone, in a child process ...")
+        res["floor"] = floor_in_child(os.path.join(large, "ranks", rank_file))
+        res["floor"]["rate"] = merge_floor.floor_rate(res["floor"], res["header"]["cpus"])
+        log(f"  {res['floor']['us_per_span_record']:.2f} µs a span record: {res['floor']['rate']:,.0f} span records/s "
+            f"on {res['header']['cpus']} cores")
+        save()
         # the store now in place is the library's merge of the large trace
         log(f"queries against the as-is store of {large} ({args.reps} runs each, CliRunner in a child process):")
         res["queries"]["as-is"] = query_bench.queries_in_child(large, args.reps)

@@ -253,6 +253,7 @@ class FileLoader:
         other = self._record
         digest_add = self.digest.add
         code = self.code
+        codes = self.codes
         sig_codes = self.g.signature_codes
         report = self.report
         S_SPAN, S_COLL, FLAG_ERROR = schema.SPAN, schema.COLLECTIVE, schema.FLAG_ERROR
@@ -295,8 +296,13 @@ class FileLoader:
                                            rec[11], rec[12], rec[13], rec[14], rec[15], None, None,
                                            _attrs_json(rec[16]) if len(rec) > 16 else None])
                         if gid is not None and rec[7].__class__ is int:
-                            digest_add(gid, rec[7], code(rec[4]), code(rec[5]),
-                                       -1 if lid is None else sig_codes[lid])
+                            op = codes.get(rec[4])
+                            if op is None:
+                                op = code(rec[4])
+                            redop = codes.get(rec[5])
+                            if redop is None:
+                                redop = code(rec[5])
+                            digest_add(gid, rec[7], op, redop, -1 if lid is None else sig_codes[lid])
                     else:
                         other(rec, kind)
                 except (IndexError, TypeError, ValueError, AttributeError):
