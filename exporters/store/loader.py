@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from array import array
 
 import msgpack
 
@@ -55,7 +56,7 @@ class FileLoader:
         self.step_colls: list = []  # this step's collectives, until their modules are known
         self.span_module: dict = {}  # this step's span index -> module id
         self.interrupted: set = set()  # steps whose root call raised (e.g. Ctrl-C mid-forward)
-        self.summary: dict = {}  # (module, op, reduce op, group) -> count, bytes, time, per step
+        self.summary: dict = {}  # (module, op, reduce op, group) -> count, bytes, time, per step, first
         # Spans are stored in file order, so a step's spans are a run of consecutive rowids:
         # (first, last) per step lets a query read one step without an index on spans.
         self.span_ranges: dict = {}
@@ -110,11 +111,16 @@ class FileLoader:
             key = (mid, c[4], c[5], c[6])
             a = summary.get(key)
             if a is None:
-                summary[key] = a = [0, 0, 0, {}, c[1] * 1000000 + c[2]]
+                summary[key] = a = [0, 0, 0, array("q"), c[1] * 1000000 + c[2]]
             a[0] += 1
             a[1] += c[15] or 0
             a[2] += c[9] or 0
-            a[3][c[1]] = a[3].get(c[1], 0) + 1
+            per_step = a[3]  # step, count, step, count, ...: 16 bytes a step (a dict took ~70)
+            if per_step and per_step[-2] == c[1]:
+                per_step[-1] += 1
+            elif c[1].__class__ is int:
+                per_step.append(c[1])
+                per_step.append(1)
         self.step_colls.clear()
         span_module.clear()
 
@@ -154,10 +160,11 @@ class FileLoader:
                 (proc, schema.FLAG_REPLAYED)):
             a = summary.get((mid, op, redop, gid))
             if a is None:
-                summary[(mid, op, redop, gid)] = a = [0, 0, 0, {}, step * 1000000]
+                summary[(mid, op, redop, gid)] = a = [0, 0, 0, array("q"), step * 1000000]
             a[0] += n
             a[1] += nbytes or 0
-            a[3][step] = a[3].get(step, 0) + n
+            a[3].append(step)
+            a[3].append(n)
 
     def _add_range(self, step, first, last):
         old = self.span_ranges.get(step)
@@ -337,7 +344,7 @@ class FileLoader:
         if self.step_device:
             self.con.executemany("UPDATE steps SET device_ns=? WHERE proc=? AND step=?", self.step_device)
         self.con.executemany("INSERT INTO collective_summary VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", [
-            (mid, op, redop, gid, proc, a[0], a[1], a[2], json.dumps(sorted(a[3].items())), a[4], None, 0)
+            (mid, op, redop, gid, proc, a[0], a[1], a[2], _per_step_json(a[3]), a[4], None, 0)
             for (mid, op, redop, gid), a in self.summary.items()])
         if self.coll_device:
             self.con.executemany("UPDATE collectives SET device_ns=? WHERE proc=? AND step=? AND idx=?",
@@ -450,6 +457,18 @@ class SharedIds:
         con.executemany("INSERT INTO layouts VALUES (?,?,?)", [
             (lid, k, _signature(k)) for k, lid in self.layouts.items()])
         con.executemany("INSERT INTO groups VALUES (?,?,?,?,?)", list(self.groups.values()))
+
+
+def _per_step_json(per_step) -> str:
+    """collective_summary.per_step: [[step, count], ...] in step order, from the loader's flat
+    (step, count) pairs (in the order steps closed; replays' after them)."""
+    pairs = list(zip(per_step[::2], per_step[1::2]))
+    if any(a >= b for (a, _), (b, _) in zip(pairs, pairs[1:])):  # out of order, or a step twice
+        counts: dict = {}
+        for step, n in pairs:
+            counts[step] = counts.get(step, 0) + n
+        pairs = sorted(counts.items())
+    return json.dumps(pairs)
 
 
 def _signature(layout_key: str) -> str:
