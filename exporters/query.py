@@ -127,7 +127,7 @@ def collectives(con, pattern: str | None) -> list[dict]:
         out.append(dict(module=a["module"], op=op, reduce_op=redop, group=gname, group_ranks=json.loads(granks),
                         count=n, bytes=nbytes, time_ms=round(sum(times) / len(times) / 1e6, 3),
                         device_time_ms=round(sum(dev) / len(dev) / 1e6, 3) if dev else None,
-                        per_step={int(k): v for k, v in json.loads(per_step)}, ranks=len(a["procs"])))
+                        per_step=dict(json.loads(per_step)), ranks=len(a["procs"])))
     if not out and pattern:
         raise NoAnswer(f"no collective issued by a module matching {pattern!r}")
     return out
