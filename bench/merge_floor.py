@@ -4,7 +4,7 @@ Two costs that no per-record Python can remove, each timed on its own on one ran
 (CPU time of this process): (1) decoding, the format layer's framing (``iter_chunks``) and
 msgpack's unpacking of every chunk; (2) inserting, the file's module-span and collective rows
 (values as the merge stores them, ids unmapped) into empty ``spans`` and ``collectives`` tables
-of a new store with the merge's own multi-row statements (``loader._insert_rows``). Their sum per
+of a new store with the merge's own multi-row statements (``tables.insert_rows``). Their sum per
 span record, times the trace's records, over the cores, is the fastest a merge of this design
 can load it; ``merge_bench.py`` prints it beside the merge's own rate.
 
@@ -26,7 +26,7 @@ def measure(rank_file: str) -> dict:
     from tensor_trace import schema
     from tensor_trace.exporters.store import loader
     from tensor_trace.exporters.store.reader import ReadReport, iter_chunks
-    from tensor_trace.exporters.store.tables import open_new_store
+    from tensor_trace.exporters.store.tables import insert_rows, open_new_store
 
     t = time.process_time()
     chunks = [msgpack.unpackb(p, raw=False, strict_map_key=False)
@@ -43,10 +43,10 @@ def measure(rank_file: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="tt-floor-") as tmp:
         con = open_new_store(os.path.join(tmp, "floor.sqlite"))
         t = time.process_time()
-        loader._insert_rows(con, "INSERT INTO spans", loader.SPAN_COLUMNS, spans)
+        insert_rows(con, "INSERT INTO spans", loader.SPAN_COLUMNS, spans)
         spans_s = time.process_time() - t
         t = time.process_time()
-        loader._insert_rows(con, "INSERT OR IGNORE INTO collectives", loader.COLLECTIVE_COLUMNS, colls)
+        insert_rows(con, "INSERT OR IGNORE INTO collectives", loader.COLLECTIVE_COLUMNS, colls)
         con.commit()
         colls_s = time.process_time() - t
         con.close()

@@ -7,7 +7,6 @@ file's intern tables (``format.records.RecordResolver``) and one batch in memory
 from __future__ import annotations
 
 import json
-import sqlite3
 from array import array
 
 import msgpack
@@ -16,6 +15,7 @@ from tensor_trace import progress, schema
 from tensor_trace.errors import BadInput
 from tensor_trace.exporters.store.merge_align import SequenceDigest, text_code
 from tensor_trace.exporters.store.reader import ReadReport, fingerprinted_by_default, iter_chunks
+from tensor_trace.exporters.store.tables import insert_rows
 from tensor_trace.format.records import RecordResolver
 
 BATCH = 20_000
@@ -85,11 +85,11 @@ class FileLoader:
         con = self.con
         # Emptied in place: load() holds these lists in local variables.
         if self.spans:
-            n = _insert_rows(con, "INSERT INTO spans", SPAN_COLUMNS, self.spans, last)
+            n = insert_rows(con, "INSERT INTO spans", SPAN_COLUMNS, self.spans, last)
             self.span_rows += n
             del self.spans[:n * SPAN_COLUMNS]
         if self.colls:
-            n = _insert_rows(con, "INSERT OR IGNORE INTO collectives", COLLECTIVE_COLUMNS, self.colls, last)
+            n = insert_rows(con, "INSERT OR IGNORE INTO collectives", COLLECTIVE_COLUMNS, self.colls, last)
             del self.colls[:n * COLLECTIVE_COLUMNS]
         if self.fps:
             con.executemany("INSERT INTO fingerprints VALUES (?,?,?,?,?)", self.fps)
@@ -363,37 +363,6 @@ class FileLoader:
 
 SPAN_COLUMNS = 13
 COLLECTIVE_COLUMNS = 19
-ROWS_PER_STATEMENT = 250  # about the fastest in a multi-row INSERT (fewer: more statements; more: no gain)
-_MIN_VARIABLES = 999  # bound parameters per statement in SQLite builds before 3.32
-
-
-def _variables_limit(con) -> int:
-    """Bound parameters this SQLite takes in one statement."""
-    try:
-        return con.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
-    except (AttributeError, sqlite3.Error):  # Python before 3.11
-        return _MIN_VARIABLES
-
-
-def _insert_rows(con, insert: str, ncols: int, flat: list, last: bool = True) -> int:
-    """``insert`` (``INSERT ... INTO table``) the rows of ``flat``, ``ncols`` values each, one
-    after the other, many rows per statement (about half the cost of executemany's statement
-    per row); return the number of rows inserted: all, or unless ``last`` only those that fill
-    whole statements (a statement of another length is compiled anew)."""
-    one = "(" + ",".join("?" * ncols) + ")"
-    per = max(1, min(ROWS_PER_STATEMENT, _variables_limit(con) // ncols))
-    step = per * ncols
-    full = len(flat) - len(flat) % step
-    if full:
-        sql = f"{insert} VALUES " + ",".join([one] * per)
-        for i in range(0, full, step):
-            con.execute(sql, flat[i:i + step])
-    if last and full < len(flat):
-        con.execute(f"{insert} VALUES " + ",".join([one] * ((len(flat) - full) // ncols)), flat[full:])
-        full = len(flat)
-    return full // ncols
-
-
 def _chunks(path, report):
     """The records of every intact chunk of a rank file, one decoded chunk (a list) at a time
     (iter_records without its per-record checks: a malformed record is caught by the loader)."""
