@@ -33,7 +33,7 @@ import types
 import torch
 
 from tensor_trace import schema
-from tensor_trace.tracer import functional
+from tensor_trace.tracer import functional, host_values
 from tensor_trace.tracer.functional import bind_args, tensors_of
 from tensor_trace.tracer.patching import ORIGINAL, is_wrapped
 
@@ -446,9 +446,12 @@ def _nonzero_rows(inputs):
         if type(t) is not torch.Tensor or t.device.type != "cpu" or t.dim() == 0 or t.numel() == 0 \
                 or t.is_complex() or t.layout is not torch.strided:
             return None
-        nz = torch.nonzero(t.reshape(t.shape[0], -1).ne(0).any(1)).flatten()
-        n = int(nz.numel())
-        out.append([int(nz[0]), int(nz[-1]), n] if n else [0, 0, 0])
+        rows = host_values.nonzero_rows(t)  # (numpy: about 9 us against 84 for these torch ops)
+        if rows is None:
+            nz = torch.nonzero(t.reshape(t.shape[0], -1).ne(0).any(1)).flatten()
+            n = int(nz.numel())
+            rows = [int(nz[0]), int(nz[-1]), n] if n else [0, 0, 0]
+        out.append(rows)
     return out or None
 
 
