@@ -95,6 +95,8 @@ def run_once(variant: str, args, work: str) -> dict:
         for dirpath, _, files in os.walk(trace_dir):
             trace_bytes += sum(os.path.getsize(os.path.join(dirpath, name)) for name in files)
     steady = steps[args.warmup:]
+    print(f"  {variant:<11} step median {median(steady) * 1e3:8.2f} ms, CPU {median(steps_cpu[args.warmup:]) * 1e3:8.2f} "
+          f"ms; process {wall:7.2f} s, CPU {cpu:7.2f} s", flush=True)
     return dict(wall_s=wall, cpu_s=cpu, steps_s=steps, steps_cpu_s=steps_cpu, step_median_s=median(steady),
                 step_mean_s=sum(steady) / len(steady), step_cpu_s=median(steps_cpu[args.warmup:]),
                 trace_bytes=trace_bytes)
