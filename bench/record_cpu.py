@@ -6,7 +6,8 @@ Variants, one process tree each, alternated within every round (a shuffled order
 - ``record``     ``tensor-trace record -o TMP --replace -- torchrun ... ARGS`` with default options;
 - ``profiler``   the same example under ``torch.profiler.profile(record_shapes=True)`` in each rank
                  (CPU activity; bench/profiled_example.py);
-- ``record-0:1`` ``record --steps 0:1``: only step 0 traced; its later steps run outside the window.
+- ``record-0:1`` ``record --steps 0:1``: only step 0 traced; its later steps run outside the window;
+- ``record-nofp`` ``record --no-fingerprint`` (only with ``--variants``).
 
 Per variant: the whole process tree's wall time (launch to exit, ``record``'s summary included),
 and the steady-state step time: the example's per-step wall time on rank 0 (``step_wall_s`` in
@@ -44,7 +45,10 @@ import time
 
 from common import ROOT, header, header_line, median, shuffled_rounds  # bench/ is first on sys.path
 
-VARIANTS = ("untraced", "record", "profiler", "record-0:1")
+# the variants under record, and record's options in each (record-nofp: on request, not by default)
+RECORD_OPTIONS = {"record": [], "record-0:1": ["--steps", "0:1"], "record-nofp": ["--no-fingerprint"]}
+VARIANTS = ("untraced", "record", "profiler", "record-0:1", "record-nofp")
+DEFAULT_VARIANTS = VARIANTS[:4]
 WORKLOADS = {
     "example": [],
     "llama": ["--hidden", "1024", "--ffn", "2816", "--heads", "16", "--kv-heads", "8",
@@ -64,10 +68,10 @@ def command(variant: str, example_args: list, out_json: str, trace_dir: str, npr
     script = "bench/profiled_example.py" if variant == "profiler" else "examples/tp_llama.py"
     run = [os.path.join(BIN, "torchrun"), "--nproc-per-node", str(nproc), "--master-port",
            str(_free_port()), script, *example_args, "--out", out_json]
-    if not variant.startswith("record"):
+    if variant not in RECORD_OPTIONS:
         return run
-    window = ["--steps", variant.split("-", 1)[1]] if "-" in variant else []
-    return [os.path.join(BIN, "tensor-trace"), "record", "-o", trace_dir, "--replace", *window, "--", *run]
+    return [os.path.join(BIN, "tensor-trace"), "record", "-o", trace_dir, "--replace", *RECORD_OPTIONS[variant],
+            "--", *run]
 
 
 def run_once(variant: str, args, work: str) -> dict:
@@ -152,9 +156,11 @@ def main(argv=None) -> None:
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="llama")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40, help="steps per run (default 40)")
-    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the steady state (default 3)")
+    p.add_argument("--warmup", type=int, default=4,
+                   help="first steps left out of the steady state (default 4: the lineage steps and the first fingerprinted ones)")
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS),
+                   help="untraced always runs (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the per-round order")
     p.add_argument("--keep", metavar="DIR", help="work folder kept afterwards (default: a temporary one, removed)")
     p.add_argument("--json", metavar="PATH", help="write the figures and every run's step times here")
