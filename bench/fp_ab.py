@@ -9,7 +9,11 @@ each variant, in shuffled order, device synchronised after each:
 
 - ``plain``   torch's own ``Module.__call__`` put back for that step: nothing of the tracer runs;
 - ``nofp``    the tracer as it comes, fingerprints off for that step;
-- ``fp``      the tracer as it comes, fingerprints on;
+- ``fp``      the tracer as it comes, fingerprints on (every step);
+- ``default`` the tracer as it comes with ``record``'s default schedule of fingerprints (the first
+              4 steps, then every 8th, of this variant's own steps): its figure is the MEAN over the
+              rounds (most of its steps take no fingerprints); the median of per-round ratios is
+              printed beside it, and shows the unfingerprinted steps;
 - where tracer/native.py is available (the default where CUDA is, built first):
   ``nofp-py`` and ``fp-py``, the same with the Python layout key and fingerprint table (the
   tracer with ``TENSOR_TRACE_NATIVE=0``), and ``fp-py2``, a second instance of fp-py (the
@@ -45,7 +49,9 @@ import call_patterns  # bench/ is this script's folder, first on sys.path
 import models
 from common import header, header_line, paired_median, paired_ratio, shuffled_rounds
 from tensor_trace import tracer
+from tensor_trace.tracer.config import TraceConfig
 from tensor_trace.tracer.fingerprint import StepFingerprints
+from tensor_trace.tracer.steps import FINGERPRINT_FIRST
 
 try:
     import _old_fingerprint as OLD
@@ -152,6 +158,14 @@ def check_same_values(tr, fps, run, sync, names) -> tuple:
     return "; ".join(out), ok, details
 
 
+SCHEDULE_EVERY = TraceConfig().fingerprint_every
+
+
+def _scheduled(n: int) -> bool:
+    """Whether the n-th step (from 0) of the ``default`` variant takes fingerprints."""
+    return n < FINGERPRINT_FIRST or n % SCHEDULE_EVERY == 0
+
+
 def stub_kernels() -> None:
     """The fingerprint kernels replaced by zeros (--cpu-model): on a CPU, the deferred path's
     host work without Triton."""
@@ -204,7 +218,7 @@ def main() -> None:
     else:
         model = models.LlamaForCausalLM(shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
     py = ["nofp-py", "fp-py", "fp-py2"] if have_native else []
-    variants = (["plain", "nofp", "fp"] + py + (["fp-old"] if OLD is not None else []))
+    variants = (["plain", "nofp", "fp", "default"] + py + (["fp-old"] if OLD is not None else []))
     ref_v = "fp-py" if have_native else "fp"
     print(header_line("fp_ab", dict(header(sys.argv), torch=torch.__version__), torch.cuda.get_device_name(dev) if dev.type == "cuda" else None))
     print(f"# rounds={args.rounds} variants={variants} native={have_native} cpu_model={args.cpu_model}")
@@ -214,6 +228,7 @@ def main() -> None:
         ids = torch.randint(0, shape["vocab"], (batch, 1), device=dev)
         tr = tracer.start(out_dir=tempfile.mkdtemp(prefix="tt-ab-"), fingerprint=True, lineage=False,
                           fingerprint_mode=args.fingerprint_mode)
+        counts = {v: {} for v in variants}  # each variant's own count of steps, for the schedule
         try:
             defer_cuda, defer_cpu = tr.fps.defer_cuda, tr.fps.defer_cpu
             fps = {"fp": tr.fps}  # the default: the C++ table where native is available
@@ -236,8 +251,10 @@ def main() -> None:
                 # plain: torch's own __call__ for this step (nothing of the tracer runs)
                 torch.nn.Module.__call__ = plain_call if v == "plain" else traced_call
                 tr.fingerprint = v not in ("plain", "nofp", "nofp-py")
+                tr.config.fingerprint_every = SCHEDULE_EVERY if v == "default" else 1
+                tr.fp_steps = counts[v]
                 if tr.fingerprint:
-                    tr.fps = fps[v]
+                    tr.fps = fps["fp" if v == "default" else v]
                 # the spans' layout key: native pair_key, or the Python tuple (-py, fp-old)
                 if "-py" in v or v == "fp-old":
                     spans.use_native_keys(None)
@@ -280,6 +297,16 @@ def main() -> None:
             print(f"  {v:<8} {med:8.3f}  p10 {rows[v]['p10_ms']:8.3f}  x{rows[v]['ratio_to_plain']:.3f} "
                   f"(paired x{rows[v]['paired_ratio_to_plain']:.3f}) | {v} - {ref_v}: "
                   f"{rows[v]['diff_to_ref_median']:+7.3f} [{rows[v]['diff_p25']:+7.3f}, {rows[v]['diff_p75']:+7.3f}]")
+        mean = {v: statistics.fmean(times[v]) for v in ("plain", "nofp", "fp", "default")}
+        rows["default_mean"] = d = dict(
+            mean_ms={v: m / 1e6 for v, m in mean.items()},
+            mean_ratio_to_plain={v: mean[v] / mean["plain"] for v in ("nofp", "fp", "default")},
+            paired_ratio_median=paired_ratio(times, "default", "plain"),
+            fingerprinted_rounds=sum(1 for n in range(args.rounds) if _scheduled(5 + n)))
+        print(f"  default (schedule, every {SCHEDULE_EVERY}th): MEAN x{d['mean_ratio_to_plain']['default']:.3f} of "
+              f"plain's mean (nofp x{d['mean_ratio_to_plain']['nofp']:.3f}, fp x{d['mean_ratio_to_plain']['fp']:.3f}); "
+              f"median of per-round ratios x{d['paired_ratio_median']:.3f}; fingerprinted in "
+              f"{d['fingerprinted_rounds']} of {args.rounds} rounds")
         for a, b in (("nofp", "plain"), ("fp", "nofp"), ("nofp-py", "plain"), ("fp-py", "nofp-py")):
             if a in times:
                 rows[f"{a} - {b}"] = d = paired_median(times, a, b) / 1e3

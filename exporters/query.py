@@ -32,9 +32,9 @@ def _with_capture_info(con, pts: list) -> list:
 
 
 def _placement_at_step(con, pattern, step) -> list[dict]:
-    from tensor_trace.exporters.analysis.evidence import texts
+    from tensor_trace.exporters.analysis.evidence import item, texts
     from tensor_trace.exporters.analysis import groups
-    from tensor_trace.exporters.analysis.verdicts import StoreContext, tp_groups_with_size
+    from tensor_trace.exporters.analysis.verdicts import StoreContext, tp_groups_with_size, unfingerprinted_note
 
     if not con.execute("SELECT 1 FROM steps WHERE step=? LIMIT 1", (step,)).fetchone():
         raise NoAnswer(f"step {step} was not traced; traced steps: " + ", ".join(
@@ -44,15 +44,17 @@ def _placement_at_step(con, pattern, step) -> list[dict]:
     multi = {r[0] for r in con.execute("SELECT DISTINCT module FROM points WHERE call > 0")}
     for procs, size in tp_groups_with_size(con):
         view, verdicts = ctx.judge_step(con, step, procs, size, groups.dp_subgroups(con, procs, ctx.rank_of))
+        note = unfingerprinted_note(con, procs, step)
         for key in sorted(verdicts, key=lambda k: view.times.get(k, (1 << 62, 0, 0))):
             module, call, slot = key
             v = verdicts[key]
+            items = ([item("sampling", note, step=step)] if note else []) + v["items"]
             name = point_name(module, call, slot, module in multi or view.max_call[module] > 0)
             dtypes = set(v["dtypes"].values())
             out.append(dict(point=name, module=module, call=call, slot=slot, placement=v["placement"],
                             reduction=v["reduction"], rule=v["rule"], shapes=v["shapes"],
                             dtype=next(iter(dtypes)) if len(dtypes) == 1 else None,
-                            evidence=texts(v["items"]) + [f"step {step}"], evidence_items=v["items"],
+                            evidence=texts(items) + [f"step {step}"], evidence_items=items,
                             collective=v["collective"], steps=1, fingerprint=v["fp"],
                             **(dict(group=v["group"], data_split=v.get("data_split")) if v.get("group") else {})))
     if pattern:
@@ -197,18 +199,20 @@ def _fp_text(p: dict) -> str:
 def steps(con, where: dict | None = None) -> list[dict]:
     """Traced steps, one row per process and step, with their attrs (forward mode, batch size,
     tokens, and for SGLang the model that ran and ``draft`` for an EAGLE draft worker's
-    forward), keeping those whose attrs equal every ``where`` item; a value is matched as
-    its text, so ``draft=true`` and ``batch_size=1`` match JSON true and 1."""
+    forward) and whether each took fingerprints (``record --fingerprint-every``), keeping those
+    whose attrs equal every ``where`` item; a value is matched as its text, so ``draft=true``
+    and ``batch_size=1`` match JSON true and 1."""
     where = where or {}
     rank_of = dict(con.execute("SELECT proc, rank FROM processes"))
     out = []
-    for proc, step, root, attrs, n_spans, n_coll, interrupted in con.execute(
-            "SELECT proc, step, root, attrs, n_spans, n_collectives, interrupted FROM steps ORDER BY proc, step"):
+    for proc, step, root, attrs, n_spans, n_coll, interrupted, fingerprinted in con.execute(
+            "SELECT proc, step, root, attrs, n_spans, n_collectives, interrupted, COALESCE(fingerprinted, 1) "
+            "FROM steps ORDER BY proc, step"):
         a = json.loads(attrs) if attrs else {}
         if any(_attr_text(a.get(k)) != v for k, v in where.items()):
             continue
         out.append(dict(proc=proc, rank=rank_of.get(proc), step=step, root=root, attrs=a, spans=n_spans,
-                        collectives=n_coll, interrupted=bool(interrupted)))
+                        collectives=n_coll, interrupted=bool(interrupted), fingerprinted=bool(fingerprinted)))
     return out
 
 

@@ -46,7 +46,9 @@ META = 3  # id, shape (list of int), dtype string id, device string id[, kind (d
 LAYOUT = 4  # id, [[slot string id, meta id], ...]
 MODULE = 5  # path string id, class string id
 GROUP = 6  # group id, name, ranks (list of global ranks), backend, c10d group name
-STEP_BEGIN = 7  # step, root path string id, mono_ns, attrs (dict)
+STEP_BEGIN = 7  # step, root path string id, mono_ns, attrs (dict)[, fingerprinted (bool): whether
+#                 the step takes fingerprints (TraceConfig.fingerprint_every); absent: as the header's
+#                 config says for every step, from a tracer that fingerprinted every step or none]
 STEP_END = 8  # step, mono_ns, n_spans, n_collectives
 SPAN = 9  # step, index, parent index (-1 = none), path id, call, t0, dur, layout id,
 #            fp_pre, fp_post, n_pre, flags (format/records.py names every kind's fields)

@@ -12,7 +12,7 @@ import msgpack
 
 from tensor_trace import progress, schema
 from tensor_trace.errors import BadInput
-from tensor_trace.exporters.store.reader import ReadReport, iter_chunks
+from tensor_trace.exporters.store.reader import ReadReport, fingerprinted_by_default, iter_chunks
 from tensor_trace.format.records import RecordResolver
 
 BATCH = 20_000
@@ -205,7 +205,7 @@ class FileLoader:
                              (strings.get(rec[1], "?"), json.dumps(rec[2], sort_keys=True)))
         elif kind == schema.STEP_BEGIN:
             self.steps[rec[1]] = [strings.get(rec[2], ""), rec[3], None, 0, 0,
-                                  json.dumps(rec[4] or {}, sort_keys=True)]
+                                  json.dumps(rec[4] or {}, sort_keys=True), rec[5] if len(rec) > 5 else None]
         elif kind == schema.STEP_END:
             st = self.steps.get(rec[1])
             if st is not None:
@@ -301,10 +301,13 @@ class FileLoader:
             raise BadInput(f"{self.path}: no header (damaged at its start)")
         steps = self.steps
         for step in ranges:
-            steps.setdefault(step, ["", None, None, 0, 0, "{}"])
-        self.con.executemany("INSERT INTO steps VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                             [(proc, k, *v, *ranges.get(k, (None, None)),
-                               int(k in self.interrupted or v[2] is None), None) for k, v in sorted(steps.items())])
+            steps.setdefault(step, ["", None, None, 0, 0, "{}", None])
+        every_step = fingerprinted_by_default(self.header)
+        self.con.executemany("INSERT INTO steps VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                             [(proc, k, *v[:6], *ranges.get(k, (None, None)),
+                               int(k in self.interrupted or v[2] is None), None,
+                               int(every_step if v[6] is None else bool(v[6])))
+                              for k, v in sorted(steps.items())])
         if self.step_device:
             self.con.executemany("UPDATE steps SET device_ns=? WHERE proc=? AND step=?", self.step_device)
         self.con.executemany("INSERT INTO collective_summary VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", [

@@ -187,6 +187,7 @@ class Step:
     spans: list = dataclasses.field(default_factory=list)
     collectives: list = dataclasses.field(default_factory=list)
     fingerprints: dict = dataclasses.field(default_factory=dict)  # index -> (sum, sumsq)
+    fingerprinted: bool | None = None  # the step took fingerprints (schema.STEP_BEGIN); None: no record of it
 
 
 @dataclasses.dataclass
@@ -263,6 +264,7 @@ def load_rank_file(path: str) -> RankTrace:
                 begin = decode(rec)
                 st = step_of(begin.step)
                 st.root, st.t_begin, st.attrs = strings.get(begin.root, ""), begin.mono_ns, begin.attrs or {}
+                st.fingerprinted = begin.fingerprinted
             elif kind == schema.STEP_END:
                 step_of(rec[1]).t_end = decode(rec).mono_ns
             elif kind == schema.FINGERPRINTS:
@@ -290,7 +292,10 @@ def load_rank_file(path: str) -> RankTrace:
         for t, ref in plist:
             t.fp = static.get(ref)
         params[path_] = [t for t, _ in plist]
+    every_step = fingerprinted_by_default(header)
     for st in steps.values():
+        if st.fingerprinted is None and st.root:
+            st.fingerprinted = every_step
         # In issue order: a functional collective's record is written once it was waited.
         st.collectives.sort(key=lambda c: c.index)
         if device_ns:
@@ -304,6 +309,12 @@ def load_rank_file(path: str) -> RankTrace:
               for gid, g in resolver.groups.items()}
     modules = {p: "?" if cls is None else cls for p, cls in resolver.modules.items()}
     return RankTrace(path, header, identity, steps, modules, groups, errors, end, report, params)
+
+
+def fingerprinted_by_default(header: dict) -> bool:
+    """Whether a step whose STEP_BEGIN does not say took fingerprints: the tracers that wrote no
+    such flag took them on every step unless the recording had them off."""
+    return bool((header.get("config") or {}).get("fingerprint", True))
 
 
 def rank_files(trace_dir: str) -> list[str]:

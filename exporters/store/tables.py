@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 
 STORE_NAME = "merged.sqlite"
-STORE_VERSION = 11
+STORE_VERSION = 12
 
 SCHEMA_SQL = """
 CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT);
@@ -21,7 +21,7 @@ CREATE TABLE groups(group_id INTEGER PRIMARY KEY, name TEXT, ranks TEXT, backend
     UNIQUE(pg_name, ranks));
 CREATE TABLE steps(proc INTEGER, step INTEGER, root TEXT, t_begin INTEGER, t_end INTEGER,
     n_spans INTEGER, n_collectives INTEGER, attrs TEXT, span_first INTEGER, span_last INTEGER,
-    interrupted INTEGER, device_ns INTEGER, PRIMARY KEY(proc, step));
+    interrupted INTEGER, device_ns INTEGER, fingerprinted INTEGER, PRIMARY KEY(proc, step));
 CREATE TABLE spans(proc INTEGER, step INTEGER, idx INTEGER, parent INTEGER, module_id INTEGER,
     call INTEGER, t0 INTEGER, dur INTEGER, layout_id INTEGER, fp_pre INTEGER, fp_post INTEGER,
     n_pre INTEGER, flags INTEGER);
