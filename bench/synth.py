@@ -328,8 +328,7 @@ class _FpModel:
     elements are deferred and reduced per (shape, dtype) at the end of the step; integer tensors,
     large ones, and a collective's inputs (``materialize``: it updates them in place) are
     immediate. ``plan`` lists the FINGERPRINTS records of the step: (first index, logical ids of
-    the values, packed u32 indices or None), deferred groups first, then the immediate block,
-    then the dups."""
+    the values, packed u32 indices or None): one, in index order, as format 2 writes them."""
 
     def __init__(self):
         self.count = 0
@@ -356,15 +355,15 @@ class _FpModel:
         return base
 
     def plan(self) -> list:
-        out = []
-        for block in [*self.groups.values(), self.imm, self.dups]:
-            if not block:
-                continue
-            idx = [i for i, _ in block]
-            contiguous = idx == list(range(idx[0], idx[0] + len(idx)))
-            packed = None if contiguous else struct.pack(f"<{len(idx)}I", *idx)
-            out.append((idx[0], [lid for _, lid in block], packed))
-        return out
+        # Format 2 (tracer/fingerprint.py, _step_records): every value of the step, repeats
+        # included, in index order: one record, without indices when they have no gap.
+        block = sorted([*(e for group in self.groups.values() for e in group), *self.imm, *self.dups])
+        if not block:
+            return []
+        idx = [i for i, _ in block]
+        contiguous = idx == list(range(idx[0], idx[0] + len(idx)))
+        packed = None if contiguous else struct.pack(f"<{len(idx)}I", *idx)
+        return [(idx[0], [lid for _, lid in block], packed)]
 
 
 
@@ -492,8 +491,7 @@ class _Rank:
         span(root, -1, t_step)  # the root's call begins with the step (same clock reading)
         t_end = nxt()
         add((schema.STEP_END, step, t_end, count[0], count[1]))
-        # FINGERPRINTS records as StepFingerprints.collect writes them: one per deferred
-        # (shape, dtype) group, one for the immediate values, one for the cache hits.
+        # FINGERPRINTS records as StepFingerprints.collect writes them (_FpModel.plan).
         if first and self.pending_params is not None:
             for first_i, idx, packed in self.pending_params:
                 add((schema.FINGERPRINTS, schema.PARAMS_STEP, first_i, self.pfp[idx, rank, :].tobytes(), packed))

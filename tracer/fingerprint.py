@@ -44,6 +44,7 @@ import weakref
 import torch
 
 from tensor_trace import schema
+from tensor_trace.format.fingerprints import dense_order, dense_values
 from tensor_trace.tracer import config, host_values, kinds, multi_tensor, native
 
 _F32 = torch.float32
@@ -124,12 +125,13 @@ class ReplayPlan:
     computed here (Python per fingerprint at every replay cost about 0.4 ms of host time on the
     H200 for a Llama-8B-shaped step's 906 fingerprints)."""
 
-    __slots__ = ("first", "idx_bytes", "rep_first", "rep_idx_bytes", "rep_rows")
+    __slots__ = ("first", "idx_bytes", "rep_first", "rep_idx_bytes", "rep_rows", "dense_rows")
 
     def __init__(self, base: int, indices, dups):
         idx = [base + i for i in indices]
         dst, rows = _repeat_rows(idx, [(base + i, base + j) for i, j in dups])
         self.first = self.idx_bytes = self.rep_first = self.rep_idx_bytes = self.rep_rows = None
+        self.dense_rows = None  # the buffer's rows in index order, repeats included (format 2)
         if idx:
             record = _record(0, idx, b"")
             self.first, self.idx_bytes = record[2], record[4]
@@ -137,6 +139,11 @@ class ReplayPlan:
             record = _record(0, dst, b"")
             self.rep_first, self.rep_idx_bytes = record[2], record[4]
             self.rep_rows = torch.tensor(rows, dtype=torch.long)
+        order = dense_order(idx + dst) if dst or self.idx_bytes is not None else None
+        if order is not None:
+            src = list(range(len(idx))) + rows
+            self.first = order[0]
+            self.dense_rows = torch.tensor([src[k] for k in order[1]], dtype=torch.long)
 
     def records(self, step: int, host) -> list:
         """FINGERPRINTS records of one replay from its copied ``[n, 2]`` (sum, l2 norm) buffer."""
@@ -145,6 +152,8 @@ class ReplayPlan:
         if host.is_inference():  # copied under inference_mode, collected outside it
             host = host.clone()
         host[:, 1].square_()
+        if self.dense_rows is not None:
+            return [(schema.FINGERPRINTS, step, self.first, _f32_bytes(host.index_select(0, self.dense_rows)), None)]
         out = [(schema.FINGERPRINTS, step, self.first, _f32_bytes(host), self.idx_bytes)]
         if self.rep_rows is not None:
             out.append((schema.FINGERPRINTS, step, self.rep_first,
@@ -890,12 +899,26 @@ class StepFingerprints:
             if not idx_all:
                 continue
             data = datas[0] if len(datas) == 1 else b"".join(datas)
-            records.append(_record(step, idx_all, data))
-            dst, repeated = _repeats(idx_all, dups, data)
-            if dst:
-                records.append(_record(step, dst, repeated))
+            records += _step_records(step, idx_all, data, dups)
         self._pending = keep
         return records
+
+
+def _step_records(step, idx_all, data, dups) -> list:
+    """A step's FINGERPRINTS records: its values and repeats in index order as one record
+    without indices where they cover a run of indices (format 2: 8 bytes a value, not 12),
+    else the values and the repeats apart, with their indices."""
+    dst, repeated = _repeats(idx_all, dups, data)
+    if not dst and idx_all[-1] - idx_all[0] == len(idx_all) - 1 and idx_all == list(
+            range(idx_all[0], idx_all[0] + len(idx_all))):
+        return [(schema.FINGERPRINTS, step, idx_all[0], data, None)]  # in order already
+    dense = dense_values(idx_all + dst, data + repeated)
+    if dense is not None:
+        return [(schema.FINGERPRINTS, step, dense[0], dense[1], None)]
+    records = [_record(step, idx_all, data)]
+    if dst:
+        records.append(_record(step, dst, repeated))
+    return records
 
 
 def _repeats(idx_all, dups, data) -> tuple:
