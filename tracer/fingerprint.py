@@ -11,8 +11,9 @@ Two ways to compute them:
 
 - *Immediate* (CPU tensors, integer tensors, large CUDA tensors): computed when the hook sees
   the tensor, so the values are those of that moment, whatever happens to the tensor later, and
-  no tensor is held. A CPU tensor numpy can read gets two BLAS dot products (with ones, with
-  itself) as Python floats; anything else one ``sum`` and one ``vector_norm`` on its device.
+  no tensor is held. A CPU tensor numpy can read gets two BLAS reductions (its sum against
+  ones, a dot with itself; tracer/host_values.py) as Python floats; anything else one ``sum``
+  and one ``vector_norm`` on its device.
 - *Deferred* (floating CUDA tensors of up to ``DEFER_MAX_NUMEL`` elements): the tensor is
   kept until the end of the step (or until ``DEFER_BYTES`` are held); then one Triton kernel
   launch per dtype reads them all where they are (``tracer/multi_tensor.py``), and the rest
@@ -44,7 +45,7 @@ import torch
 
 from tensor_trace import schema
 from tensor_trace.format.fingerprints import dense_order, dense_values
-from tensor_trace.tracer import config, kinds, multi_tensor, native
+from tensor_trace.tracer import config, host_values, kinds, multi_tensor, native
 
 _F32 = torch.float32
 _sum = torch.sum
@@ -996,54 +997,11 @@ def _pair(t, host: bool = True):
 
 
 _HOST_DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32)
-_numpy: list = []  # [numpy module] once imported, [None] when unavailable
-_ONES: dict = {}  # (numel, numpy dtype) -> ones vector
-_ONES_F32: dict = {}  # numel -> float32 ones vector
-_NP_F32: list = []  # [numpy's float32 dtype] once numpy is imported
-
-
-def _host_pair(t):
-    """(sum, sum of squares) of a CPU tensor as Python floats, through numpy on its memory.
-
-    Two torch reductions from Python cost about 7 us on a CPU (``vector_norm`` alone about 4);
-    two BLAS dot products over the same flat buffer (with ones, with itself) cost about 1 us,
-    and give floats at once, so the step end has no 0-d tensors to stack. Sums accumulate in
-    the tensor's dtype, as torch's do (integers in float64).
-    None when numpy is missing or the tensor is not one numpy can view (the caller uses torch)."""
-    np = _numpy[0] if _numpy else _import_numpy()
-    if np is None:
-        return None
-    try:
-        a = t.numpy().ravel()  # a view of a contiguous tensor (a 1-D dot skips vdot's ravels)
-        if a.dtype is _NP_F32[0]:  # the common case first: one lookup, by size
-            ones = _ONES_F32.get(a.size)
-            if ones is None:  # sum as a dot with ones: one BLAS call, a third of a ufunc reduce
-                if len(_ONES_F32) >= 256:
-                    _ONES_F32.clear()
-                ones = _ONES_F32[a.size] = np.ones(a.size, dtype=np.float32)
-            return (float(a.dot(ones)), float(a.dot(a)))
-        if not t.is_floating_point():  # token ids, positions: exact in float64
-            a = a.astype(np.float64)
-        key = (a.size, a.dtype.char)
-        ones = _ONES.get(key)
-        if ones is None:
-            if len(_ONES) >= 256:
-                _ONES.clear()
-            ones = _ONES[key] = np.ones(a.size, dtype=a.dtype)
-        return (float(a.dot(ones)), float(a.dot(a)))
-    except Exception:  # conjugate or negative views, and whatever else numpy cannot view
-        return None
-
-
-def _import_numpy():
-    try:
-        import numpy
-    except Exception:
-        numpy = None
-    else:
-        _NP_F32.append(numpy.dtype(numpy.float32))
-    _numpy.append(numpy)
-    return numpy
+# (sum, sum of squares) of a CPU tensor as Python floats, through numpy on its memory, or None
+# (tracer/host_values.py). Two torch reductions from Python cost about 7 us on a CPU
+# (``vector_norm`` alone about 4); two BLAS calls over the same flat buffer cost about 1 us, and
+# give floats at once, so the step end has no 0-d tensors to stack.
+_host_pair = host_values.pair
 
 
 def _record(step, idx, data) -> tuple:
