@@ -295,7 +295,7 @@ def block(step, steps, variant, clock=time.perf_counter_ns) -> float:
     """ms per step of ``steps`` steps (after 3 warm-up steps) under ``variant``."""
     if variant != "plain":
         tracer.start(out_dir=tempfile.mkdtemp(prefix="tt-calls-"), fingerprint=variant == "fp",
-                     lineage=False)
+                     fingerprint_every=1, lineage=False)  # fp: fingerprints on every step
     try:
         for _ in range(3):
             step()

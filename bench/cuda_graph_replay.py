@@ -85,7 +85,7 @@ def run_block(variant, model, ids, static_ids, plain_graph, tmp, warmup, steps, 
         fp_mod.GRAPH_DEFER_BYTES = int(variant[len("traced-replay-"):-1]) << 20
     if variant.startswith("traced"):
         out_dir = os.path.join(tmp, f"b{block:04d}-{variant}")
-        tr = tracer.start(out_dir=out_dir, fingerprint=True)
+        tr = tracer.start(out_dir=out_dir, fingerprint=True, fingerprint_every=1)  # eager: every step
     try:
         if variant.startswith("traced-replay"):
             graph, _ = capture(model, static_ids)  # traced capture: not timed

@@ -2,25 +2,36 @@
 speed drifts (the lent H200's host: the same step measured 15 to 38 ms within a minute).
 
     python bench/fp_ab.py [--batch 8 64] [--rounds 300] [--python-only]     # needs a GPU
-    OMP_NUM_THREADS=1 python bench/fp_ab.py --cpu-model [--rounds 1000] [--clock thread]  # on a CPU
+    OMP_NUM_THREADS=1 python bench/fp_ab.py --cpu-model [--rounds 1000]     # on a CPU
 
 One tracer runs the Llama-8B-shaped decode step of bench/models.py. Each round runs one step of
 each variant, in shuffled order, device synchronised after each:
 
 - ``plain``   torch's own ``Module.__call__`` put back for that step: nothing of the tracer runs;
 - ``nofp``    the tracer as it comes, fingerprints off for that step;
-- ``fp``      the tracer as it comes, fingerprints on;
+- ``fp``      the tracer as it comes, fingerprints on (every step);
+- ``default`` the tracer as it comes with ``record``'s default schedule of fingerprints (the first
+              4 steps, then every 8th, of this variant's own steps): its figure is the MEAN over the
+              rounds (most of its steps take no fingerprints); the median of per-round ratios is
+              printed beside it, and shows the unfingerprinted steps;
 - where tracer/native.py is available (the default where CUDA is, built first):
   ``nofp-py`` and ``fp-py``, the same with the Python call wrapper, layout key and fingerprint
-  table (the tracer with ``TENSOR_TRACE_NATIVE=0``), and ``fp-py2``, a second instance of fp-py (the
-  noise floor of a paired difference); ``nofp-pycall`` and ``fp-pycall``, native keys and table
-  with the Python call wrapper (without tracer/native_call.py's C one); fp's values are checked on one step against fp-py's
+  table (the tracer with ``TENSOR_TRACE_NATIVE=0``), and ``fp-py2``, a second instance of fp-py
+  (the noise floor of a paired difference); ``nofp-pycall`` and ``fp-pycall``, native keys and
+  table with the Python call wrapper (without tracer/native_call.py's C one); fp's values are checked on one step against fp-py's
   and against torch's own at hook time;
-- ``fp-old``  bench/_old_fingerprint.py, an earlier version, when present.
+- ``fp-old``  bench/_old_fingerprint.py, an earlier version, when present;
+- floors, no tracer: ``empty-wrapper`` (``Module.__call__`` replaced by the thinnest Python
+  pass-through to torch's own, the floor of the tracer's ``--intercept call``) and
+  ``empty-hooks`` (two empty global forward hooks on torch's own ``__call__``, the floor of
+  ``--intercept hooks``, as in bench/overhead.py). ``--gpu-step-ms`` gives the ratio to plain
+  that a GPU step of that plain time sees when each step pays a variant's paired host time;
+  ``--thread-time`` times steps by the thread's CPU time (``--cpu-model`` on a shared host).
 
 Switching is a per-step attribute change (the tracer's ``fps`` object, its ``fingerprint``
 flag, the layout key function, ``Module.__call__``: torch's, the Python wrapper or the C one),
-so consecutive steps differ only in the variant. Reports the median step time of each, its ratio to plain (of medians, and the median of per-round ratios),
+so consecutive steps differ only in the variant. Reports the
+median step time of each, its ratio to plain (of medians, and the median of per-round ratios),
 and the median and interquartile range of the per-round difference to fp-py (fp without
 native), and the paired per-step differences nofp - plain, fp - nofp (and of the -py paths).
 
@@ -46,7 +57,9 @@ import call_patterns  # bench/ is this script's folder, first on sys.path
 import models
 from common import header, header_line, paired_median, paired_ratio, shuffled_rounds
 from tensor_trace import tracer
+from tensor_trace.tracer.config import TraceConfig
 from tensor_trace.tracer.fingerprint import StepFingerprints
+from tensor_trace.tracer.steps import FINGERPRINT_FIRST
 
 try:
     import _old_fingerprint as OLD
@@ -153,6 +166,38 @@ def check_same_values(tr, fps, run, sync, names) -> tuple:
     return "; ".join(out), ok, details
 
 
+SCHEDULE_EVERY = TraceConfig().fingerprint_every
+
+
+def _scheduled(n: int) -> bool:
+    """Whether the n-th step (from 0) of the ``default`` variant takes fingerprints."""
+    return n < FINGERPRINT_FIRST or n % SCHEDULE_EVERY == 0
+
+
+FLOORS = ["empty-wrapper", "empty-hooks"]
+
+
+def empty_wrapper(inner):
+    def __call__(m, *a, **k):  # noqa: N807 (Module.__call__'s replacement)
+        return inner(m, *a, **k)
+    return __call__
+
+
+def empty_hooks():
+    """Two empty global forward hooks, as the tracer's hooks intercept installs them; returns
+    their remover."""
+    from torch.nn.modules import module as nn_module
+
+    hooks = [nn_module.register_module_forward_pre_hook(lambda m, a: None),
+             nn_module.register_module_forward_hook(lambda m, a, *r: None, with_kwargs=True, always_call=True)]
+
+    def remove():
+        for h in hooks:
+            h.remove()
+            nn_module._global_forward_hooks_with_kwargs.pop(h.id, None)  # torch leaves it
+    return remove
+
+
 def stub_kernels() -> None:
     """The fingerprint kernels replaced by zeros (--cpu-model): on a CPU, the deferred path's
     host work without Triton."""
@@ -178,13 +223,14 @@ def main() -> None:
     ap.add_argument("--cpu-model", action="store_true",
                     help="the GPU path's host cost on a CPU: call_patterns' Llama, deferred "
                          "fingerprints, native on, kernel launches stubbed")
-    ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
-                    help="thread (--cpu-model only): this thread's CPU time, not wall time (a host "
-                         "shared with other work: time spent descheduled is not counted)")
+    ap.add_argument("--thread-time", action="store_true",
+                    help="time steps by this thread's CPU time (with --cpu-model on a shared host: "
+                         "the time the step was descheduled left out, and so is other threads' work, the writer's)")
+    ap.add_argument("--gpu-step-ms", type=float, nargs="*", default=[],
+                    help="plain GPU step times (ms) to give each variant's host time as a ratio to")
     args = ap.parse_args()
     from tensor_trace.tracer import native, spans
 
-    clock = time.thread_time_ns if args.clock == "thread" and args.cpu_model else time.perf_counter_ns
     if args.cpu_model:
         stub_kernels()
         os.environ["TENSOR_TRACE_NATIVE"] = "1"
@@ -200,6 +246,7 @@ def main() -> None:
         print(f"# native extension {'built/loaded' if have_native else 'UNAVAILABLE'} in "
               f"{time.perf_counter() - t0:.1f} s{'' if have_native else ': ' + str(native.error())}")
     dev = torch.device(args.device)
+    clock = time.thread_time_ns if args.thread_time else time.perf_counter_ns
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     shape = dict(models.LLAMA_SHAPES[args.shape], kv_len=512)
     torch.manual_seed(0)
@@ -209,17 +256,18 @@ def main() -> None:
     else:
         model = models.LlamaForCausalLM(shape, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
     py = ["nofp-py", "fp-py", "fp-py2", "nofp-pycall", "fp-pycall"] if have_native else []
-    variants = (["plain", "nofp", "fp"] + py + (["fp-old"] if OLD is not None else []))
+    variants = (["plain", "nofp", "fp", "default"] + py + (["fp-old"] if OLD is not None else []) + FLOORS)
     ref_v = "fp-py" if have_native else "fp"
     print(header_line("fp_ab", dict(header(sys.argv), torch=torch.__version__), torch.cuda.get_device_name(dev) if dev.type == "cuda" else None))
-    print(f"# rounds={args.rounds} variants={variants} native={have_native} cpu_model={args.cpu_model} "
-          f"clock={'thread' if clock is time.thread_time_ns else 'wall'}")
+    print(f"# rounds={args.rounds} variants={variants} native={have_native} cpu_model={args.cpu_model}"
+          f"{' clock=thread CPU time' if args.thread_time else ''}")
     report = {}
     for batch in args.batch:
         model.set_batch(batch)
         ids = torch.randint(0, shape["vocab"], (batch, 1), device=dev)
         tr = tracer.start(out_dir=tempfile.mkdtemp(prefix="tt-ab-"), fingerprint=True, lineage=False,
                           fingerprint_mode=args.fingerprint_mode)
+        counts = {v: {} for v in variants}  # each variant's own count of steps, for the schedule
         try:
             defer_cuda, defer_cpu = tr.fps.defer_cuda, tr.fps.defer_cpu
             # the default: the C++ table where native is available
@@ -238,25 +286,29 @@ def main() -> None:
 
             wrapper = tr.global_handles[0]  # the tracer's call wrapper (--intercept call)
             plain_call = wrapper.python_call.__wrapped__  # torch's own
+            calls = {"plain": plain_call, "empty-hooks": plain_call, "empty-wrapper": empty_wrapper(plain_call)}
 
             def python_keys(v) -> bool:  # the -py variants (and fp-old): no native at all
                 return v in ("nofp-py", "fp-py", "fp-py2", "fp-old")
 
             def select_call(v) -> None:
-                # plain: torch's own __call__ for this step (nothing of the tracer runs); the
-                # Python wrapper for the -py and -pycall variants; else the C one
-                # (tracer/native_call.py) where native is built
-                if v == "plain":
-                    torch.nn.Module.__call__ = plain_call
+                # plain and the floors: torch's own __call__ (or a pass-through to it) for this
+                # step: nothing of the tracer runs; the Python wrapper for the -py and -pycall
+                # variants; else the C one (tracer/native_call.py) where native is built
+                if v in calls:
+                    torch.nn.Module.__call__ = calls[v]
                     return
                 torch.nn.Module.__call__ = wrapper.python_call  # (CPython's call slots)
                 if not (python_keys(v) or v.endswith("-pycall")):
                     wrapper.use_native()
 
             def run(v) -> int:
-                tr.fingerprint = v not in ("plain", "nofp", "nofp-py", "nofp-pycall")
+                remove_hooks = empty_hooks() if v == "empty-hooks" else None
+                tr.fingerprint = v not in ("plain", "nofp", "nofp-py", "nofp-pycall", *FLOORS)
+                tr.config.fingerprint_every = SCHEDULE_EVERY if v == "default" else 1
+                tr.fp_steps = counts[v]
                 if tr.fingerprint:
-                    tr.fps = fps[v]
+                    tr.fps = fps["fp" if v == "default" else v]
                 # the spans' layout key: native pair_key, or the Python tuple (-py, fp-old)
                 if python_keys(v):
                     spans.use_native_keys(None)
@@ -266,7 +318,10 @@ def main() -> None:
                 t0 = clock()
                 model(ids)
                 sync()
-                return clock() - t0
+                took = clock() - t0
+                if remove_hooks is not None:
+                    remove_hooks()
+                return took
 
             with torch.inference_mode():
                 for _ in range(5):
@@ -300,11 +355,24 @@ def main() -> None:
             print(f"  {v:<8} {med:8.3f}  p10 {rows[v]['p10_ms']:8.3f}  x{rows[v]['ratio_to_plain']:.3f} "
                   f"(paired x{rows[v]['paired_ratio_to_plain']:.3f}) | {v} - {ref_v}: "
                   f"{rows[v]['diff_to_ref_median']:+7.3f} [{rows[v]['diff_p25']:+7.3f}, {rows[v]['diff_p75']:+7.3f}]")
+        mean = {v: statistics.fmean(times[v]) for v in ("plain", "nofp", "fp", "default")}
+        rows["default_mean"] = d = dict(
+            mean_ms={v: m / 1e6 for v, m in mean.items()},
+            mean_ratio_to_plain={v: mean[v] / mean["plain"] for v in ("nofp", "fp", "default")},
+            paired_ratio_median=paired_ratio(times, "default", "plain"),
+            fingerprinted_rounds=sum(1 for n in range(args.rounds) if _scheduled(5 + n)))
+        print(f"  default (schedule, every {SCHEDULE_EVERY}th): MEAN x{d['mean_ratio_to_plain']['default']:.3f} of "
+              f"plain's mean (nofp x{d['mean_ratio_to_plain']['nofp']:.3f}, fp x{d['mean_ratio_to_plain']['fp']:.3f}); "
+              f"median of per-round ratios x{d['paired_ratio_median']:.3f}; fingerprinted in "
+              f"{d['fingerprinted_rounds']} of {args.rounds} rounds")
         for a, b in (("nofp", "plain"), ("fp", "nofp"), ("nofp-py", "plain"), ("fp-py", "nofp-py"),
-                     ("nofp-pycall", "plain"), ("fp-pycall", "plain"), ("fp", "plain")):
+                     ("nofp-pycall", "plain"), ("fp-pycall", "plain"), ("fp", "plain"),
+                     *((f, "plain") for f in FLOORS)):
             if a in times:
                 rows[f"{a} - {b}"] = d = paired_median(times, a, b) / 1e3
-                print(f"  paired {a} - {b}: {d:+.0f} us/step (x{paired_ratio(times, a, b):.3f})")
+                on_gpu = "".join(f"; on a {ms:g} ms GPU step x{(ms + d / 1e3) / ms:.3f}"
+                                 for ms in args.gpu_step_ms if b == "plain")
+                print(f"  paired {a} - {b}: {d:+.0f} us/step (x{paired_ratio(times, a, b):.3f}){on_gpu}")
         report[batch] = rows
     if args.json:
         with open(args.json, "w") as f:

@@ -13,6 +13,8 @@
 #   chain     bench/overhead.py --workload linear-chain --device cuda   (us per module call)
 #   overhead  bench/overhead.py --workload llama8b-decode        (pooled ratios, bytes per span,
 #             torch.profiler); at TP=2 under torchrun as well where two GPUs are present
+#   bytes     bench/trace_bytes.py --workload llama-gpu           (not in the default: bytes per
+#             span with new token ids at every step, by record kind; about 1 min)
 # Output: $OUT (default bench/results/gpu-DATE, git-ignored): gpu-run.txt and one JSON per part.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -76,6 +78,10 @@ if has overhead; then
     timeout "${OVERHEAD_LIMIT:-300}" python3 -m torch.distributed.run --nproc-per-node 2 "$REPO/bench/overhead.py" \
         --workload llama8b-decode --rounds "$ROUNDS" --json "$OUT/overhead-tp2.json" 2>&1 | quiet | grep -v '^  \['
   fi
+fi
+if has bytes; then
+  echo "== trace_bytes.py --workload llama-gpu (bytes per module span by record kind)"
+  timeout "${BYTES_LIMIT:-240}" python3 "$REPO/bench/trace_bytes.py" --workload llama-gpu 2>&1 | quiet
 fi
 date -u
 rm -rf "$PKG"

@@ -4,7 +4,12 @@ Variants, measured in one process, interleaved and repeated:
 
 - ``plain``        no tracing;
 - ``traced-nofp``  ``tracer.start(out_dir=..., fingerprint=False)``;
-- ``traced-fp``    ``tracer.start(out_dir=..., fingerprint=True)``;
+- ``traced-fp``    ``tracer.start(out_dir=..., fingerprint=True, fingerprint_every=1)``: fingerprints
+                   on every step;
+- ``traced-default`` ``tracer.start(out_dir=...)``: ``record``'s defaults, fingerprints on a
+                   schedule (the first 4 steps of a kind, then every 8th): its figure is the MEAN
+                   step time (a few fingerprinted steps among plain ones; the median shows the
+                   unfingerprinted steps alone), printed with the median below the table;
 - ``traced-fp-hooks`` the same with ``intercept="hooks"`` (global forward pre/post hooks
                    instead of the ``Module.__call__`` wrapper that the two above use by default);
 - ``empty-hooks``  two empty global forward hooks, no tracer: the floor of any tracer built on
@@ -64,7 +69,7 @@ from models import LLAMA_SHAPES, TP, LinearChain, LlamaForCausalLM, count_module
 from tensor_trace import tracer
 from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 
-VARIANTS = ("plain", "empty-hooks", "traced-nofp", "traced-fp", "traced-fp-hooks", "profiler")
+VARIANTS = ("plain", "empty-hooks", "traced-nofp", "traced-default", "traced-fp", "traced-fp-hooks", "profiler")
 
 
 # ---------------------------------------------------------------- measuring
@@ -94,8 +99,11 @@ class Bench:
         empty = []
         if variant.startswith("traced"):
             out_dir = os.path.join(self.tmp_root, f"b{self.block_id:04d}-{variant}-r{TP['rank']}")
-            tr = tracer.start(out_dir=out_dir, fingerprint=variant.startswith("traced-fp"),
-                              intercept="hooks" if variant.endswith("-hooks") else "call")
+            if variant == "traced-default":
+                tr = tracer.start(out_dir=out_dir)
+            else:
+                tr = tracer.start(out_dir=out_dir, fingerprint=variant.startswith("traced-fp"), fingerprint_every=1,
+                                  intercept="hooks" if variant.endswith("-hooks") else "call")
         elif variant == "empty-hooks":
             empty = [nn.modules.module.register_module_forward_pre_hook(lambda m, a: None),
                      nn.modules.module.register_module_forward_hook(lambda m, a, *r: None,
@@ -196,16 +204,17 @@ def measure(bench: Bench, step_fn, *, rounds, warmup, steps, seed, label, warm_r
 
 def _verify(res) -> dict:
     """Load the block's rank file(s) with the reader and compare with the tracer's stats."""
-    spans = colls = steps = 0
+    spans = colls = steps = fingerprinted = 0
     problems = []
     for f in res["files"]:
         rt = load_rank_file(f)
         steps += len(rt.steps)
         for st in rt.steps.values():
+            fingerprinted += bool(st.fingerprinted)
             spans += len(st.spans)
             colls += len(st.collectives)
         problems += rt.report.problems()
-    return dict(files=len(res["files"]), steps=steps, spans=spans, collectives=colls,
+    return dict(files=len(res["files"]), steps=steps, fingerprinted_steps=fingerprinted, spans=spans, collectives=colls,
                 matches_stats=(spans == res["spans"] and colls == res["collectives"]),
                 problems=problems)
 
@@ -214,6 +223,7 @@ def summarise(acc, failed, module_calls):
     out = {}
     plain = acc["plain"]
     plain_med = _median(plain["total"])
+    plain_mean = sum(plain["total"]) / len(plain["total"])
     for v in VARIANTS:
         a = acc[v]
         if v in failed or not a["total"]:
@@ -227,6 +237,7 @@ def summarise(acc, failed, module_calls):
                  round_median_min_ns=min(a["round_medians"]), round_median_max_ns=max(a["round_medians"]),
                  host_median_ns=_median(a["host"]), round_host_medians_ns=a["round_host_medians"],
                  ratio=med / plain_med, paired_ratios=paired,
+                 mean_ns=sum(s) / len(s), mean_ratio=sum(s) / len(s) / plain_mean,
                  extra_us_per_call=(med - plain_med) / module_calls / 1e3,
                  paired_ratio_min=min(paired), paired_ratio_max=max(paired),
                  paired_ratio_median=_median(paired),
@@ -265,6 +276,7 @@ def targets_for(workload, variants):
     if workload == "llama8b-decode":
         add("traced-nofp <= x1.15", ratio("traced-nofp"), 1.15, "le")
         add("traced-fp <= x1.30", ratio("traced-fp"), 1.30, "le")
+    add("traced-default (mean) <= x1.10", variants.get("traced-default", {}).get("mean_ratio"), 1.10, "le")
     add("traced-nofp < profiler", ratio("traced-nofp"), prof, "lt")
     add("traced-fp < profiler", ratio("traced-fp"), prof, "lt")
     return checks
@@ -279,7 +291,7 @@ def print_table(res):
           f"R={c['rounds']} W={c['warmup']} N={c['steps']} ==")
     if c.get("note"):
         print(f"   note: {c['note']}")
-    hdr = (f"{'variant':<12} {'median ms':>10} {'p10..p90 ms':>19} {'round med min..max':>20} "
+    hdr = (f"{'variant':<15} {'median ms':>10} {'p10..p90 ms':>19} {'round med min..max':>20} "
            f"{'ratio':>7} {'paired med':>10} {'paired min..max':>16} {'best-rnd':>8} {'host ms':>9} {'+us/call':>8} "
            f"{'B/span':>8} {'KiB/step':>9}")
     print(hdr)
@@ -287,19 +299,28 @@ def print_table(res):
     for v in VARIANTS:
         d = c["variants"][v]
         if "failed" in d:
-            print(f"{v:<12} FAILED: {d['failed']}")
+            print(f"{v:<15} FAILED: {d['failed']}")
             continue
         ms = lambda x: x / 1e6  # noqa: E731
         bps = f"{d['bytes_per_span']:.1f}" if d.get("bytes_per_span") else "-"
         kps = f"{d['bytes_per_step'] / 1024:.1f}" if d.get("bytes_per_step") else "-"
-        print(f"{v:<12} {ms(d['median_ns']):>10.3f} "
+        print(f"{v:<15} {ms(d['median_ns']):>10.3f} "
               f"{ms(d['p10_ns']):>8.3f}..{ms(d['p90_ns']):<9.3f} "
               f"{ms(d['round_median_min_ns']):>9.3f}..{ms(d['round_median_max_ns']):<9.3f} "
               f"{'x%.3f' % d['ratio']:>7} {'x%.3f' % d['paired_ratio_median']:>10} "
               f"{d['paired_ratio_min']:>7.3f}..{d['paired_ratio_max']:<7.3f} "
               f"{'x%.3f' % d['best_round_ratio']:>8} "
               f"{ms(d['host_median_ns']):>9.3f} {d['extra_us_per_call']:>+8.2f} {bps:>8} {kps:>9}")
-    for v in ("traced-nofp", "traced-fp", "traced-fp-hooks"):
+    default = c["variants"]["traced-default"]
+    if "failed" not in default:
+        ver = default.get("verified") or {}
+        means = ", ".join(f"{v} x{c['variants'][v]['mean_ratio']:.3f}" for v in ("traced-nofp", "traced-fp")
+                          if "failed" not in c["variants"][v])
+        print(f"   traced-default (the schedule): MEAN x{default['mean_ratio']:.3f} of plain's mean "
+              f"({means}); median x{default['ratio']:.3f}, paired med x{default['paired_ratio_median']:.3f}; "
+              f"{ver.get('fingerprinted_steps')} of {ver.get('steps')} steps of a block fingerprinted "
+              f"(W={c['warmup']} of them untimed)")
+    for v in ("traced-nofp", "traced-default", "traced-fp", "traced-fp-hooks"):
         d = c["variants"][v]
         if "failed" in d:
             continue

@@ -32,9 +32,9 @@ def _with_capture_info(con, pts: list) -> list:
 
 
 def _placement_at_step(con, pattern, step) -> list[dict]:
-    from tensor_trace.exporters.analysis.evidence import texts
+    from tensor_trace.exporters.analysis.evidence import item, texts
     from tensor_trace.exporters.analysis import groups
-    from tensor_trace.exporters.analysis.verdicts import StoreContext, tp_groups_with_size
+    from tensor_trace.exporters.analysis.verdicts import StoreContext, tp_groups_with_size, unfingerprinted_note
 
     if not con.execute("SELECT 1 FROM steps WHERE step=? LIMIT 1", (step,)).fetchone():
         raise NoAnswer(f"step {step} was not traced; traced steps: " + ", ".join(
@@ -44,15 +44,17 @@ def _placement_at_step(con, pattern, step) -> list[dict]:
     multi = {r[0] for r in con.execute("SELECT DISTINCT module FROM points WHERE call > 0")}
     for procs, size in tp_groups_with_size(con):
         view, verdicts = ctx.judge_step(con, step, procs, size, groups.dp_subgroups(con, procs, ctx.rank_of))
+        note = unfingerprinted_note(con, procs, step)
         for key in sorted(verdicts, key=lambda k: view.times.get(k, (1 << 62, 0, 0))):
             module, call, slot = key
             v = verdicts[key]
+            items = ([item("sampling", note, step=step)] if note else []) + v["items"]
             name = point_name(module, call, slot, module in multi or view.max_call[module] > 0)
             dtypes = set(v["dtypes"].values())
             out.append(dict(point=name, module=module, call=call, slot=slot, placement=v["placement"],
                             reduction=v["reduction"], rule=v["rule"], shapes=v["shapes"],
                             dtype=next(iter(dtypes)) if len(dtypes) == 1 else None,
-                            evidence=texts(v["items"]) + [f"step {step}"], evidence_items=v["items"],
+                            evidence=texts(items) + [f"step {step}"], evidence_items=items,
                             collective=v["collective"], steps=1, fingerprint=v["fp"],
                             **(dict(group=v["group"], data_split=v.get("data_split")) if v.get("group") else {})))
     if pattern:
@@ -125,7 +127,7 @@ def collectives(con, pattern: str | None) -> list[dict]:
         out.append(dict(module=a["module"], op=op, reduce_op=redop, group=gname, group_ranks=json.loads(granks),
                         count=n, bytes=nbytes, time_ms=round(sum(times) / len(times) / 1e6, 3),
                         device_time_ms=round(sum(dev) / len(dev) / 1e6, 3) if dev else None,
-                        per_step={int(k): v for k, v in json.loads(per_step)}, ranks=len(a["procs"])))
+                        per_step=dict(json.loads(per_step)), ranks=len(a["procs"])))
     if not out and pattern:
         raise NoAnswer(f"no collective issued by a module matching {pattern!r}")
     return out
@@ -151,14 +153,12 @@ def diff(con_a, con_b) -> dict:
             fields.append(dict(field="values", a=_fp_text(a[n]), b=_fp_text(b[n])))
         if fields:
             changed.append(dict(point=n, fields=fields))
-    ca = {(c["module"], c["op"], c["reduce_op"], c["group"]): c for c in collectives(con_a, None)}
-    cb = {(c["module"], c["op"], c["reduce_op"], c["group"]): c for c in collectives(con_b, None)}
+    ca, cb = _calls_per_step(con_a), _calls_per_step(con_b)
     for key in sorted(set(ca) | set(cb), key=str):
-        x, y = ca.get(key), cb.get(key)
-        per = lambda c: (round(c["count"] / max(len(c["per_step"]), 1), 3) if c else 0)  # noqa: E731
-        if per(x) != per(y):
+        x, y = ca.get(key, 0), cb.get(key, 0)
+        if x != y:
             changed.append(dict(point=f"collectives:{key[0] or '<root>'}:{key[1]}", fields=[
-                dict(field="count_per_step", a=per(x), b=per(y))]))
+                dict(field="count_per_step", a=x, b=y)]))
     from tensor_trace.exporters.analysis import lineage as lin
 
     for name in sorted(set(lin.points_with_lineage(con_a)) | set(lin.points_with_lineage(con_b))):
@@ -175,6 +175,33 @@ def diff(con_a, con_b) -> dict:
                                         b=[s["point"] for s in lb["sources"]],
                                         mismatches=[m["message"] for m in problems]))
     return dict(added=added, removed=removed, changed=changed)
+
+
+def _calls_per_step(con) -> dict:
+    """(module, op, reduce op, group name) -> calls per step that issued it, of the lowest rank,
+    as ``collectives`` gives them (its ``count`` over its ``per_step``'s length), without
+    decoding every step's count (SQLite counts them)."""
+    order_of = {p: i for i, (p,) in enumerate(con.execute(
+        "SELECT proc FROM processes ORDER BY rank IS NULL, rank, proc"))}
+    modules = dict(con.execute("SELECT module_id, path FROM modules"))
+    names = dict(con.execute("SELECT group_id, name FROM groups"))
+    try:
+        rows = con.execute("SELECT module_id, op, reduce_op, group_id, proc, count, json_array_length(per_step), "
+                           "first FROM collective_summary").fetchall()
+    except sqlite3.OperationalError:  # an SQLite without JSON functions
+        rows = [(*r[:6], len(json.loads(r[6])), r[7]) for r in con.execute(
+            "SELECT module_id, op, reduce_op, group_id, proc, count, per_step, first FROM collective_summary")]
+    agg: dict = {}
+    for mid, op, redop, gid, proc, n, n_steps, first in rows:
+        a = agg.setdefault((mid, op, redop, gid), dict(procs={}, first=first))
+        a["procs"][proc] = (n, n_steps)
+        a["first"] = min(a["first"], first)
+    out = {}
+    for (mid, op, redop, gid), a in sorted(agg.items(), key=lambda kv: (kv[1]["first"], kv[0][1])):
+        n, n_steps = a["procs"][min(a["procs"], key=lambda p: order_of.get(p, 1 << 30))]
+        module = modules.get(mid, "") if mid is not None else ""
+        out[(module, op, redop, names[gid])] = round(n / max(n_steps, 1), 3)
+    return out
 
 
 def _same_values(x: dict, y: dict) -> bool:
@@ -197,18 +224,20 @@ def _fp_text(p: dict) -> str:
 def steps(con, where: dict | None = None) -> list[dict]:
     """Traced steps, one row per process and step, with their attrs (forward mode, batch size,
     tokens, and for SGLang the model that ran and ``draft`` for an EAGLE draft worker's
-    forward), keeping those whose attrs equal every ``where`` item; a value is matched as
-    its text, so ``draft=true`` and ``batch_size=1`` match JSON true and 1."""
+    forward) and whether each took fingerprints (``record --fingerprint-every``), keeping those
+    whose attrs equal every ``where`` item; a value is matched as its text, so ``draft=true``
+    and ``batch_size=1`` match JSON true and 1."""
     where = where or {}
     rank_of = dict(con.execute("SELECT proc, rank FROM processes"))
     out = []
-    for proc, step, root, attrs, n_spans, n_coll, interrupted in con.execute(
-            "SELECT proc, step, root, attrs, n_spans, n_collectives, interrupted FROM steps ORDER BY proc, step"):
+    for proc, step, root, attrs, n_spans, n_coll, interrupted, fingerprinted in con.execute(
+            "SELECT proc, step, root, attrs, n_spans, n_collectives, interrupted, COALESCE(fingerprinted, 1) "
+            "FROM steps ORDER BY proc, step"):
         a = json.loads(attrs) if attrs else {}
         if any(_attr_text(a.get(k)) != v for k, v in where.items()):
             continue
         out.append(dict(proc=proc, rank=rank_of.get(proc), step=step, root=root, attrs=a, spans=n_spans,
-                        collectives=n_coll, interrupted=bool(interrupted)))
+                        collectives=n_coll, interrupted=bool(interrupted), fingerprinted=bool(fingerprinted)))
     return out
 
 

@@ -5,10 +5,16 @@ blobs, lineage refs, point names) it is the only code the writer (tracer) and th
 (exporters, live OTLP) share.
 
 A rank file is ``MAGIC`` + a little-endian u32 ``FORMAT_VERSION``, then a sequence of chunks.
-Each chunk is ``SYNC`` + u32 payload length + u32 CRC-32 of the payload + the payload, a
-msgpack array of records. A writer appends one chunk per flush, so a process killed mid-write
-leaves at most one torn chunk at the tail; a reader that meets a bad chunk scans forward for the
-next ``SYNC`` and reports what it skipped.
+Each chunk is a sync marker + u32 stored length + u32 CRC-32 of the stored bytes + the stored
+bytes: a msgpack array of records, as is after ``SYNC``, zlib-compressed after ``SYNC_ZLIB``
+(format 2: a 256-record chunk of spans and fingerprints shrinks to 0.6-0.7 of its msgpack, for
+zlib's level-1 time in the writer's thread, which lets go of the GIL meanwhile; bench/trace_bytes.py
+prints both). A writer appends whole chunks at each flush, so a process killed mid-write leaves
+at most one torn chunk at the tail; a reader that meets a bad chunk scans forward for the next
+sync marker and reports what it skipped.
+
+Format 1 is format 2 without compressed chunks, and with FINGERPRINTS records in any order of
+indices: readers of format 2 read it as it is (``READABLE_VERSIONS``).
 
 Every record is a msgpack array whose first element is its type. Strings that repeat (module
 paths, dtypes, slot names, group names) are interned once per file with ``STRING`` records and
@@ -28,11 +34,15 @@ import struct
 import zlib
 
 MAGIC = b"\x89TTRACE\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 FILE_PREFIX = MAGIC + struct.pack("<I", FORMAT_VERSION)
-SYNC = b"\xf7TTc"
-CHUNK_HEAD = struct.Struct("<4sII")  # sync, payload length, crc32
-MAX_CHUNK_BYTES = 64 << 20  # a reader refuses longer claims: they are corruption
+SYNC = b"\xf7TTc"  # the chunk's payload is stored as is
+SYNC_ZLIB = b"\xf7TTz"  # the chunk's payload is stored zlib-compressed
+SYNC_STEM = SYNC[:3]  # what both markers start with (a reader resynchronises on it)
+CHUNK_HEAD = struct.Struct("<4sII")  # sync, stored length, crc32 of the stored bytes
+MAX_CHUNK_BYTES = 64 << 20  # a reader refuses longer claims (stored or inflated): corruption
+ZLIB_LEVEL = 1  # levels 6 and 9 save under 1 % more on traces, at several times the time
 RANK_FILE_SUFFIX = ".ttr"
 
 # Record types. The comment after each gives the array layout after the type.
@@ -46,7 +56,9 @@ META = 3  # id, shape (list of int), dtype string id, device string id[, kind (d
 LAYOUT = 4  # id, [[slot string id, meta id], ...]
 MODULE = 5  # path string id, class string id
 GROUP = 6  # group id, name, ranks (list of global ranks), backend, c10d group name
-STEP_BEGIN = 7  # step, root path string id, mono_ns, attrs (dict)
+STEP_BEGIN = 7  # step, root path string id, mono_ns, attrs (dict)[, fingerprinted (bool): whether
+#                 the step takes fingerprints (TraceConfig.fingerprint_every); absent: as the header's
+#                 config says for every step, from a tracer that fingerprinted every step or none]
 STEP_END = 8  # step, mono_ns, n_spans, n_collectives
 SPAN = 9  # step, index, parent index (-1 = none), path id, call, t0, dur, layout id,
 #            fp_pre, fp_post, n_pre, flags (format/records.py names every kind's fields)
@@ -62,7 +74,9 @@ COLLECTIVE = 10  # step, index, parent span index, op id, reduce-op id (-1 none)
 # -1 means no fingerprints.
 FINGERPRINTS = 11  # step, first index, packed little-endian float32 pairs (sum, sum of squares),
 #                    packed u32 indices or None when they run first, first+1, ...; NaN = none
-#                    (encode and decode: tensor_trace/format/fingerprints.py)
+#                    (encode and decode: tensor_trace/format/fingerprints.py). Format 2 writers
+#                    write a step's values in index order, repeats included: one record of
+#                    consecutive indices (indices None) where every index has a value
 ERROR = 12  # mono_ns, where, message, count so far
 END = 13  # dict: reason, stats (spans, collectives, steps, bytes, errors, dropped)
 # 14: no longer written (it was SKIPPED_STEPS)
@@ -98,9 +112,31 @@ FLAG_REPLAYED = 32  # (merged store only) a CUDA-graph replay's copy of a captur
 # Collective slots: "input.0" ..., "output.0" ... (point names: tensor_trace/format/points.py)
 
 
-def chunk(payload: bytes) -> bytes:
-    """Frame one msgpack payload as a chunk."""
+def chunk(payload: bytes, compress: bool = True) -> bytes:
+    """Frame one msgpack payload as a chunk, zlib-compressed unless ``compress`` is false or
+    that would not make it shorter. (zlib lets go of the GIL while it compresses: the writer
+    thread's compression does not hold up the traced program's own threads.)"""
+    if compress:
+        packed = zlib.compress(payload, ZLIB_LEVEL)
+        if len(packed) < len(payload):
+            return CHUNK_HEAD.pack(SYNC_ZLIB, len(packed), zlib.crc32(packed)) + packed
     return CHUNK_HEAD.pack(SYNC, len(payload), zlib.crc32(payload)) + payload
+
+
+def chunk_payload(sync: bytes, stored) -> bytes:
+    """The msgpack payload of a chunk whose CRC matched: ``stored`` as is after ``SYNC``,
+    inflated after ``SYNC_ZLIB`` (at most ``MAX_CHUNK_BYTES``). Raises ValueError for bytes
+    that do not inflate, or inflate past the bound."""
+    if sync == SYNC:
+        return stored
+    try:
+        inflater = zlib.decompressobj()
+        payload = inflater.decompress(stored, MAX_CHUNK_BYTES)
+    except zlib.error as exc:
+        raise ValueError(f"a compressed chunk does not inflate: {exc}") from None
+    if inflater.unconsumed_tail or not inflater.eof:
+        raise ValueError("a compressed chunk inflates past its bound or is cut short")
+    return payload
 
 
 # Environment variables through which `tensor-trace record` configures every child process.

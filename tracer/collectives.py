@@ -33,7 +33,7 @@ import types
 import torch
 
 from tensor_trace import schema
-from tensor_trace.tracer import functional
+from tensor_trace.tracer import functional, host_values
 from tensor_trace.tracer.functional import bind_args, tensors_of
 from tensor_trace.tracer.patching import ORIGINAL, is_wrapped
 
@@ -175,7 +175,10 @@ class CollectiveInterceptor:
                 continue
             for attr, value in items:
                 hit = by_original.get(id(value))
-                if hit is None and type(value) is _FUNCTION and ORIGINAL in value.__dict__:
+                # (getattr: reading a function's __dict__ creates one for every function of every
+                # module, and those allocations set off full garbage collections over torch's
+                # objects: 82 ms of each traced process's start against 12)
+                if hit is None and type(value) is _FUNCTION and getattr(value, ORIGINAL, None) is not None:
                     inner = functional.original_of(value)
                     hit = by_original.get(id(inner))
                     if hit is not None and hit[1] is inner and value is not self.wrappers[hit[0]]:
@@ -446,9 +449,12 @@ def _nonzero_rows(inputs):
         if type(t) is not torch.Tensor or t.device.type != "cpu" or t.dim() == 0 or t.numel() == 0 \
                 or t.is_complex() or t.layout is not torch.strided:
             return None
-        nz = torch.nonzero(t.reshape(t.shape[0], -1).ne(0).any(1)).flatten()
-        n = int(nz.numel())
-        out.append([int(nz[0]), int(nz[-1]), n] if n else [0, 0, 0])
+        rows = host_values.nonzero_rows(t)  # (numpy: about 9 us against 84 for these torch ops)
+        if rows is None:
+            nz = torch.nonzero(t.reshape(t.shape[0], -1).ne(0).any(1)).flatten()
+            n = int(nz.numel())
+            rows = [int(nz[0]), int(nz[-1]), n] if n else [0, 0, 0]
+        out.append(rows)
     return out or None
 
 

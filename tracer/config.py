@@ -35,6 +35,12 @@ class TraceConfig:
     # kind (root module, and a framework's forward mode / draft flag), then in every Nth of that
     # kind. 1 = every step.
     lineage_every: int = 32
+    # Values change from step to step but the placement of a point does not, and fingerprinting
+    # is most of what a traced step costs (bench/RESULTS.md): fingerprints are taken in the first
+    # FINGERPRINT_FIRST traced steps of each kind (as lineage's kinds), then in every Nth of that
+    # kind, and in every step that records lineage. Spans are recorded on every traced step.
+    # 1 = every step; ``fingerprint=False`` turns them off entirely.
+    fingerprint_every: int = 8
     # How module calls are intercepted. "call": ``torch.nn.Module.__call__`` is wrapped while
     # steps are traced (one Python frame per call, bench/RESULTS.md); "hooks": global forward
     # pre/post hooks (``always_call=True``), torch's own mechanism, whose slow path in

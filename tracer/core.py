@@ -88,6 +88,7 @@ class Tracer:
         self.device_times = CollectiveDeviceTimes()
         self.lineage = None  # LineageRecorder, when config.lineage
         self.lineage_steps: dict = {}  # step kind -> traced steps of that kind so far
+        self.fp_steps: dict = {}  # the same count, for the fingerprints' schedule
         self.leaf_quiet: list = []  # (leaf module, torch-function-off context) while it runs
         if config.lineage:
             from tensor_trace.tracer.lineage import LineageRecorder
@@ -177,7 +178,8 @@ class Tracer:
                       host=host, argv=list(sys.argv), mono_ns=self.now(), wall_ns=time.time_ns(),
                       clock_offset_ns=self.absolute(0), torch=torch.__version__,
                       config=dict(modules=cfg.modules, exclude=cfg.exclude, steps=list(cfg.steps),
-                                  fingerprint=cfg.fingerprint))
+                                  fingerprint=cfg.fingerprint, fingerprint_every=cfg.fingerprint_every,
+                                  fingerprint_first=steps.FINGERPRINT_FIRST))
         self.writer = RankWriter(path, header, flush_interval_s=cfg.flush_interval_s,
                                  idle_flush_s=cfg.idle_flush_s)
         self.layouts = spans.SpanLayouts()

@@ -11,8 +11,9 @@ Two ways to compute them:
 
 - *Immediate* (CPU tensors, integer tensors, large CUDA tensors): computed when the hook sees
   the tensor, so the values are those of that moment, whatever happens to the tensor later, and
-  no tensor is held. A CPU tensor numpy can read gets two BLAS dot products (with ones, with
-  itself) as Python floats; anything else one ``sum`` and one ``vector_norm`` on its device.
+  no tensor is held. A CPU tensor numpy can read gets two BLAS reductions (its sum against
+  ones, a dot with itself; tracer/host_values.py) as Python floats; anything else one ``sum``
+  and one ``vector_norm`` on its device.
 - *Deferred* (floating CUDA tensors of up to ``DEFER_MAX_NUMEL`` elements): the tensor is
   kept until the end of the step (or until ``DEFER_BYTES`` are held); then one Triton kernel
   launch per dtype reads them all where they are (``tracer/multi_tensor.py``), and the rest
@@ -43,7 +44,8 @@ import weakref
 import torch
 
 from tensor_trace import schema
-from tensor_trace.tracer import config, kinds, multi_tensor, native
+from tensor_trace.format.fingerprints import dense_order, dense_values
+from tensor_trace.tracer import config, host_values, kinds, multi_tensor, native
 
 _F32 = torch.float32
 _sum = torch.sum
@@ -123,12 +125,13 @@ class ReplayPlan:
     computed here (Python per fingerprint at every replay cost about 0.4 ms of host time on the
     H200 for a Llama-8B-shaped step's 906 fingerprints)."""
 
-    __slots__ = ("first", "idx_bytes", "rep_first", "rep_idx_bytes", "rep_rows")
+    __slots__ = ("first", "idx_bytes", "rep_first", "rep_idx_bytes", "rep_rows", "dense_rows")
 
     def __init__(self, base: int, indices, dups):
         idx = [base + i for i in indices]
         dst, rows = _repeat_rows(idx, [(base + i, base + j) for i, j in dups])
         self.first = self.idx_bytes = self.rep_first = self.rep_idx_bytes = self.rep_rows = None
+        self.dense_rows = None  # the buffer's rows in index order, repeats included (format 2)
         if idx:
             record = _record(0, idx, b"")
             self.first, self.idx_bytes = record[2], record[4]
@@ -136,6 +139,11 @@ class ReplayPlan:
             record = _record(0, dst, b"")
             self.rep_first, self.rep_idx_bytes = record[2], record[4]
             self.rep_rows = torch.tensor(rows, dtype=torch.long)
+        order = dense_order(idx + dst) if dst or self.idx_bytes is not None else None
+        if order is not None:
+            src = list(range(len(idx))) + rows
+            self.first = order[0]
+            self.dense_rows = torch.tensor([src[k] for k in order[1]], dtype=torch.long)
 
     def records(self, step: int, host) -> list:
         """FINGERPRINTS records of one replay from its copied ``[n, 2]`` (sum, l2 norm) buffer."""
@@ -144,6 +152,8 @@ class ReplayPlan:
         if host.is_inference():  # copied under inference_mode, collected outside it
             host = host.clone()
         host[:, 1].square_()
+        if self.dense_rows is not None:
+            return [(schema.FINGERPRINTS, step, self.first, _f32_bytes(host.index_select(0, self.dense_rows)), None)]
         out = [(schema.FINGERPRINTS, step, self.first, _f32_bytes(host), self.idx_bytes)]
         if self.rep_rows is not None:
             out.append((schema.FINGERPRINTS, step, self.rep_first,
@@ -889,12 +899,26 @@ class StepFingerprints:
             if not idx_all:
                 continue
             data = datas[0] if len(datas) == 1 else b"".join(datas)
-            records.append(_record(step, idx_all, data))
-            dst, repeated = _repeats(idx_all, dups, data)
-            if dst:
-                records.append(_record(step, dst, repeated))
+            records += _step_records(step, idx_all, data, dups)
         self._pending = keep
         return records
+
+
+def _step_records(step, idx_all, data, dups) -> list:
+    """A step's FINGERPRINTS records: its values and repeats in index order as one record
+    without indices where they cover a run of indices (format 2: 8 bytes a value, not 12),
+    else the values and the repeats apart, with their indices."""
+    dst, repeated = _repeats(idx_all, dups, data)
+    if not dst and idx_all[-1] - idx_all[0] == len(idx_all) - 1 and idx_all == list(
+            range(idx_all[0], idx_all[0] + len(idx_all))):
+        return [(schema.FINGERPRINTS, step, idx_all[0], data, None)]  # in order already
+    dense = dense_values(idx_all + dst, data + repeated)
+    if dense is not None:
+        return [(schema.FINGERPRINTS, step, dense[0], dense[1], None)]
+    records = [_record(step, idx_all, data)]
+    if dst:
+        records.append(_record(step, dst, repeated))
+    return records
 
 
 def _repeats(idx_all, dups, data) -> tuple:
@@ -973,54 +997,11 @@ def _pair(t, host: bool = True):
 
 
 _HOST_DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32)
-_numpy: list = []  # [numpy module] once imported, [None] when unavailable
-_ONES: dict = {}  # (numel, numpy dtype) -> ones vector
-_ONES_F32: dict = {}  # numel -> float32 ones vector
-_NP_F32: list = []  # [numpy's float32 dtype] once numpy is imported
-
-
-def _host_pair(t):
-    """(sum, sum of squares) of a CPU tensor as Python floats, through numpy on its memory.
-
-    Two torch reductions from Python cost about 7 us on a CPU (``vector_norm`` alone about 4);
-    two BLAS dot products over the same flat buffer (with ones, with itself) cost about 1 us,
-    and give floats at once, so the step end has no 0-d tensors to stack. Sums accumulate in
-    the tensor's dtype, as torch's do (integers in float64).
-    None when numpy is missing or the tensor is not one numpy can view (the caller uses torch)."""
-    np = _numpy[0] if _numpy else _import_numpy()
-    if np is None:
-        return None
-    try:
-        a = t.numpy().ravel()  # a view of a contiguous tensor (a 1-D dot skips vdot's ravels)
-        if a.dtype is _NP_F32[0]:  # the common case first: one lookup, by size
-            ones = _ONES_F32.get(a.size)
-            if ones is None:  # sum as a dot with ones: one BLAS call, a third of a ufunc reduce
-                if len(_ONES_F32) >= 256:
-                    _ONES_F32.clear()
-                ones = _ONES_F32[a.size] = np.ones(a.size, dtype=np.float32)
-            return (float(a.dot(ones)), float(a.dot(a)))
-        if not t.is_floating_point():  # token ids, positions: exact in float64
-            a = a.astype(np.float64)
-        key = (a.size, a.dtype.char)
-        ones = _ONES.get(key)
-        if ones is None:
-            if len(_ONES) >= 256:
-                _ONES.clear()
-            ones = _ONES[key] = np.ones(a.size, dtype=a.dtype)
-        return (float(a.dot(ones)), float(a.dot(a)))
-    except Exception:  # conjugate or negative views, and whatever else numpy cannot view
-        return None
-
-
-def _import_numpy():
-    try:
-        import numpy
-    except Exception:
-        numpy = None
-    else:
-        _NP_F32.append(numpy.dtype(numpy.float32))
-    _numpy.append(numpy)
-    return numpy
+# (sum, sum of squares) of a CPU tensor as Python floats, through numpy on its memory, or None
+# (tracer/host_values.py). Two torch reductions from Python cost about 7 us on a CPU
+# (``vector_norm`` alone about 4); two BLAS calls over the same flat buffer cost about 1 us, and
+# give floats at once, so the step end has no 0-d tensors to stack.
+_host_pair = host_values.pair
 
 
 def _record(step, idx, data) -> tuple:

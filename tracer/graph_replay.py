@@ -87,6 +87,7 @@ def _begin_replay_step(t, c) -> bool:
     t.ensure_writer()
     t.in_step = t.tracing_step = True
     t.capturing = False
+    # Fingerprinted whatever the schedule: the graph's own kernels computed the values already
     steps.open_traced_step(t, t.fingerprint)
     t.span_flags = 0
     t.step_root = t.step_frame = None
@@ -94,7 +95,7 @@ def _begin_replay_step(t, c) -> bool:
     attrs = {k: v for k, v in (c.attrs or {}).items() if k != "captured"}
     attrs["replay_of"] = c.step
     t.step_info = (path, cls, attrs)
-    t.writer.add((schema.STEP_BEGIN, t.step, t.writer.module(path, cls), t.step_t0, attrs))
+    t.writer.add((schema.STEP_BEGIN, t.step, t.writer.module(path, cls), t.step_t0, attrs, t.fp_now))
     return True
 
 

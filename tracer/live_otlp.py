@@ -266,11 +266,13 @@ def _protocol_from_env() -> str:
     return "http" if value.startswith("http") else "grpc"
 
 
-def make_exporter(endpoint: str, protocol: str, timeout_s: float | None = None):
+def make_exporter(endpoint: str, protocol: str, timeout_s: float | None = None,
+                  max_request_size: int | None = None):
     """(opentelemetry-sdk OTLP span exporter, the endpoint it sends to), for ``record``'s live
     stream and for ``tensor-trace export otlp`` alike. The OTEL_EXPORTER_OTLP_* variables apply;
-    without a timeout from them the timeout is 30 s. Raises ValueError for a bad protocol or URL,
-    ImportError without the otlp extra."""
+    without a timeout from them the timeout is 30 s. ``max_request_size`` (HTTP): the SDK's
+    limit on a request's bytes (its default without). Raises ValueError for a bad protocol or
+    URL, ImportError without the otlp extra."""
     import logging
     from urllib.parse import urlparse
 
@@ -296,16 +298,37 @@ def make_exporter(endpoint: str, protocol: str, timeout_s: float | None = None):
     from opentelemetry.sdk.trace.export import SpanExportResult
 
     class HttpBatches(Http):
+        """A SpanBatch goes as the request bytes it built through the SDK's own client (retries,
+        compression, headers) and export metrics. A batch over the SDK's request size limit
+        (which the SDK drops whole) is sent as two halves, each split again while too large."""
+
         def export(self, spans):
             if not isinstance(spans, SpanBatch):
                 return super().export(spans)
             if self._shutdown:
                 return SpanExportResult.FAILURE
-            ok = self._client.export(spans.request().SerializePartialToString()).success
-            return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
+            data = spans.serialized()
+            too_large = 0 < getattr(self, "_max_request_size", 0) < len(data)
+            if too_large and len(spans) > 1:
+                del data
+                for half in spans.halves():
+                    if self.export(half) != SpanExportResult.SUCCESS:
+                        return SpanExportResult.FAILURE
+                return SpanExportResult.SUCCESS
+            with self._metrics.export_operation(len(spans)) as result:
+                if too_large:  # one span alone
+                    result.error = ValueError(f"one span of {len(data)} bytes, over max_request_size")
+                    return SpanExportResult.FAILURE
+                sent = self._client.export(data)
+                if not sent.success:
+                    result.error = sent.error
+                    return SpanExportResult.FAILURE
+            return SpanExportResult.SUCCESS
 
     if url.path in ("", "/"):
         endpoint = endpoint.rstrip("/") + "/v1/traces"
+    if max_request_size is not None:
+        kwargs["max_request_size"] = max_request_size
     return HttpBatches(endpoint=endpoint, **kwargs), endpoint
 
 

@@ -25,6 +25,10 @@ _get_ident = threading.get_ident
 _now = time.monotonic_ns
 
 LINEAGE_FIRST = 2  # traced steps of each kind that always record lineage
+# Traced steps of each kind that always take fingerprints: enough for the verdicts' three sampled
+# steps of each kind (exporters/analysis/verdicts.py) and one more, e.g. a decode step whose
+# padded rows a DP-attention rank fills with NaN (exporters/analysis/rules.py, non-finite-values).
+FINGERPRINT_FIRST = 4
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 
@@ -86,15 +90,42 @@ def root_post(t, module, args, *rest):
     return None
 
 
-def _lineage_due(t, path: str, attrs) -> bool:
+def step_kind(path: str, attrs) -> tuple:
+    """What kind of step this is, for the schedules of lineage and fingerprints: its root, and
+    a framework's forward mode, draft flag (an EAGLE draft's steps are not the target's) and
+    CUDA-graph role (SGLang's warm-up runs before a capture are not the decode steps they
+    precede, and would use up the first steps of that kind).
+
+    Under DP attention each DP rank has a forward mode of its own (idle where it has no
+    tokens, extend on one while another decodes): counted by mode, the ranks' schedules would
+    drift apart, and values are evidence only where every rank of a group took them. There the
+    mode is replaced by what every rank knows alike: which DP ranks have tokens (``dp_tokens``)."""
+    if not attrs:
+        return (path,)
+    mode = attrs.get("forward_mode")
+    dp_tokens = attrs.get("dp_tokens")
+    if isinstance(dp_tokens, (list, tuple)) and len(dp_tokens) > 1:
+        mode = ("dp", tuple(bool(n) for n in dp_tokens))
+    return (path, mode, attrs.get("draft"), attrs.get("cuda_graph"))
+
+
+def due(counts: dict, kind, first: int, every: int) -> bool:
+    """Count one more step of ``kind`` in ``counts``; whether it is one of the first ``first``
+    of its kind or an ``every``-th one after them (``every`` <= 1: all are)."""
+    n = counts.get(kind, 0)
+    counts[kind] = n + 1
+    return every <= 1 or n < first or n % every == 0
+
+
+def _lineage_due(t, kind) -> bool:
     """Whether this step records lineage (``TraceConfig.lineage_every``)."""
-    every = t.config.lineage_every
-    if every <= 1:
-        return True
-    kind = (path, attrs.get("forward_mode"), attrs.get("draft")) if attrs else (path,)
-    n = t.lineage_steps.get(kind, 0)
-    t.lineage_steps[kind] = n + 1
-    return n < LINEAGE_FIRST or n % every == 0
+    return due(t.lineage_steps, kind, LINEAGE_FIRST, t.config.lineage_every)
+
+
+def _fingerprint_due(t, kind, lineage_now: bool) -> bool:
+    """Whether this (uncaptured) step takes fingerprints (``TraceConfig.fingerprint_every``).
+    A step that records lineage always does: its refs name the values they carry."""
+    return due(t.fp_steps, kind, FINGERPRINT_FIRST, t.config.fingerprint_every) or lineage_now
 
 
 def open_traced_step(t, fingerprint: bool) -> int:
@@ -129,28 +160,35 @@ def begin_step(t, root, args) -> None:
         _poll_native(t)
     t.tracing_step = True
     t.capturing = is_capturing()
-    # Under a capture, fingerprint kernels become part of the graph (tracer/cuda_graphs.py);
-    # only a capture begun through CUDAGraph.capture_begin can hand its buffer to replays.
-    graph_fp = t.capturing and t.graphs is not None and t.graphs.capturing is not None
-    t0 = open_traced_step(t, t.fingerprint and (not t.capturing or graph_fp))
-    if graph_fp and t.fp_now:
-        t.fps.begin_capture()
-    t.span_flags = schema.FLAG_CAPTURED if t.capturing else 0
     entry = t.names.get(root)
     if entry is None:
         t.names[root] = entry = naming.module_entry(t, "", root)
-    path_id = t.writer.module(entry[0], entry[1])
     attrs = t.step_attrs or {}
+    kind = step_kind(entry[0], attrs)
+    lineage_now = t.lineage is not None and _lineage_due(t, kind)
+    # Under a capture, fingerprint kernels become part of the graph (tracer/cuda_graphs.py) and
+    # run at every replay: a capture is fingerprinted whatever the schedule (and counts in no
+    # kind's), but only one begun through CUDAGraph.capture_begin can hand its buffer to replays.
+    graph_fp = t.capturing and t.graphs is not None and t.graphs.capturing is not None
+    if t.capturing:
+        fp_now = t.fingerprint and graph_fp
+    else:
+        fp_now = t.fingerprint and _fingerprint_due(t, kind, lineage_now)
+    t0 = open_traced_step(t, fp_now)
+    if graph_fp and fp_now:
+        t.fps.begin_capture()
+    t.span_flags = schema.FLAG_CAPTURED if t.capturing else 0
+    path_id = t.writer.module(entry[0], entry[1])
     if t.capturing:
         attrs = dict(attrs, captured=True)
     if not t.identity.get("device"):
         dev = _first_device(args)
         if dev is not None:
             t.update_identity(device=dev)
-    t.writer.add((schema.STEP_BEGIN, t.step, path_id, t.step_t0, attrs))
+    t.writer.add((schema.STEP_BEGIN, t.step, path_id, t.step_t0, attrs, fp_now))
     t.step_info = (entry[0], entry[1], attrs)
     spans.push_root(t, root, args, entry, t0)
-    if t.lineage is not None and _lineage_due(t, entry[0], attrs):
+    if lineage_now:
         t.lineage.begin_step()
         t.set_quiet_hooks(True)
 
@@ -238,13 +276,13 @@ def end_step(t, error: bool = False, result=None, kwargs=None) -> None:
             _end_captured_step(t, step)
         elif t.fp_now:
             t.fps.finish_step(step)
-            for rec in t.fps.collect():
-                t.writer.add(rec)
         else:
             t.fps.reset()
         if not t.capturing:  # no event may be queried while a stream is being captured
-            for rec in t.device_times.collect():
-                t.writer.add(rec)
+            # (an earlier step's deferred values too, when this one took none)
+            for source in (t.fps, t.device_times):
+                for rec in source.collect():
+                    t.writer.add(rec)
         t.stats["spans"] += t.span_count
         t.stats["collectives"] += t.coll_count
         t.writer.flush_when_idle()  # on disk soon if no step follows (never written here)

@@ -48,8 +48,12 @@ class RankWriter:
         self.chunks_written = 0
         self.write_errors = 0
         # Records queued for the next chunk. The hooks append to it themselves (``add``
-        # inlined, a Python call less per span: tracer/spans.py); ``flush`` swaps in a new list.
+        # inlined, a Python call less per span: tracer/spans.py), some after Python code run
+        # between reading ``pending`` and appending (a span's fingerprint): so ``flush`` takes
+        # the records out of this one list and never replaces it, or a record appended to a
+        # list it had already written would be lost.
         self.pending: list = []
+        self.taken = 0  # records flush has taken out of pending so far
         self._lock = threading.Lock()  # one chunk written at a time, in order
         self._packer = msgpack.Packer(use_bin_type=True)
         self._strings: dict[str, int] = {}
@@ -144,9 +148,12 @@ class RankWriter:
     def flush(self) -> None:
         """Write every queued record as one chunk. Safe from any thread; never raises."""
         with self._lock:
-            if self._closed or not self.pending:
+            pending = self.pending
+            if self._closed or not pending:
                 return
-            buf, self.pending = self.pending, []
+            buf = pending[:]
+            del pending[:len(buf)]  # what was appended since stays for the next chunk
+            self.taken += len(buf)
             start = self.bytes_written
             try:
                 # Chunks of bounded size: damage to one costs at most CHUNK_RECORDS records.
@@ -221,11 +228,10 @@ class RankWriter:
             idle_chunk = False
             if wake.wait(max(0.0, due - clock())) and not stop.is_set():
                 wake.clear()
-                buf = self.pending
-                n = len(buf)
+                taken, n = self.taken, len(self.pending)
                 if stop.wait(self.idle_flush_s):
                     return
-                idle = self.pending is buf and len(buf) == n
+                idle = self.taken == taken and len(self.pending) == n  # no flush, no record
                 if not idle and clock() < due:
                     continue  # records keep coming: the periodic flush takes them
                 idle_chunk = idle and n > 0

@@ -32,7 +32,7 @@ import json
 import math
 
 from tensor_trace.errors import NoAnswer
-from tensor_trace.exporters.analysis.compare_steps import Side, pair_steps, parse_steps
+from tensor_trace.exporters.analysis.compare_steps import Side, pair_steps, parse_steps, with_values
 from tensor_trace.exporters.analysis.compare_vector import PairColumns
 from tensor_trace.exporters.analysis.tolerance import eps
 
@@ -182,7 +182,8 @@ def _fmt(w: Whole) -> str:
 
 def compare(con_a, con_b, pattern: str | None = None, steps=None, vector: bool = True) -> dict:
     """The contract's ``compare`` object: ``first_divergence``, ``points``, ``tolerance``
-    (plus ``steps``, the pairs compared, and ``unpaired``). ``vector``: settle the plain points
+    (plus ``steps``, the pairs compared, ``unpaired``, and ``steps_not_fingerprinted``: pairs
+    left out because a side's step took no fingerprints). ``vector``: settle the plain points
     of aligned steps by columns (``compare_vector``; the same results), else point by point."""
     a, b = Side(con_a, "A"), Side(con_b, "B")
     explicit = parse_steps(steps)
@@ -191,6 +192,7 @@ def compare(con_a, con_b, pattern: str | None = None, steps=None, vector: bool =
     if not pairs:
         raise NoAnswer(f"no step of A pairs with a step of B (A has {len(a.steps)} complete step(s), B "
                        f"{len(b.steps)}, of other kinds); pair them with --steps A:B")
+    pairs, no_values = with_values(a, b, pairs)
 
     def wanted(key) -> bool:
         if pattern is None:
@@ -305,6 +307,7 @@ def compare(con_a, con_b, pattern: str | None = None, steps=None, vector: bool =
                          evidence=_evidence(a, b, key, wa, wb, results))
     return dict(first_divergence=first_div, points=points, tolerance=tol.describe(),
                 steps=[list(p) for p in pairs], unpaired=dict(a=left_a, b=left_b),
+                steps_not_fingerprinted=[list(p) for p in no_values],
                 groups=dict(a=dict(ranks=a.ranks, size=a.size), b=dict(ranks=b.ranks, size=b.size)))
 
 

@@ -14,7 +14,7 @@ import json
 import struct
 from itertools import chain
 
-from tensor_trace.errors import BadInput
+from tensor_trace.errors import BadInput, NoAnswer
 from tensor_trace.exporters.analysis.compare_vector import StepColumns, read_columns
 from tensor_trace.exporters.analysis.tolerance import eps
 from tensor_trace.exporters.analysis.verdicts import tp_groups_with_size
@@ -45,14 +45,17 @@ class Side:
             self.points[(module, call, slot)] = (name, placement, reduction, items)
         ph = ",".join("?" * len(self.procs))
         rows = con.execute(
-            f"SELECT step, attrs FROM steps WHERE proc IN ({ph}) AND t_end IS NOT NULL AND span_first IS NOT NULL "
-            f"AND NOT interrupted "
+            f"SELECT step, attrs, MIN(COALESCE(fingerprinted, 1)) FROM steps WHERE proc IN ({ph}) "
+            f"AND t_end IS NOT NULL AND span_first IS NOT NULL AND NOT interrupted "
             f"GROUP BY step HAVING COUNT(*) = ? ORDER BY step", (*self.procs, len(self.procs))).fetchall()
         self._plans: dict = {}  # a step's span structure -> Plan
         self._aligned: dict = {}  # the plans of a step's processes -> whether their points align
         self.steps = []  # (step, kind)
         self.attrs = {}
-        for step, attrs in rows:
+        self.fingerprinted = set()  # steps every process took fingerprints in
+        for step, attrs, fingerprinted in rows:
+            if fingerprinted:
+                self.fingerprinted.add(step)
             a = json.loads(attrs or "{}")
             self.attrs[step] = a
             if a.get("captured"):
@@ -288,6 +291,22 @@ def pair_steps(a: Side, b: Side, explicit: list) -> tuple:
             left_a.append(step)
     left_b = sorted(s for q in queues.values() for s in q)
     return pairs, left_a, left_b
+
+
+def with_values(a: Side, b: Side, pairs: list) -> tuple:
+    """(pairs whose steps took fingerprints in both runs, the other pairs): values are compared
+    on the first only (``record --fingerprint-every`` fingerprints some steps). Where no pair
+    has them on both sides but neither run fingerprinted any step, every pair is kept (the
+    points are then not comparable, for want of values, as before schedules existed)."""
+    valued = [p for p in pairs if p[0] in a.fingerprinted and p[1] in b.fingerprinted]
+    skipped = [p for p in pairs if p not in valued]
+    if not valued and skipped:
+        if a.fingerprinted or b.fingerprinted:
+            raise NoAnswer(f"no paired step was fingerprinted in both runs (fingerprinted steps: A "
+                           f"{_step_list(a.fingerprinted)}; B {_step_list(b.fingerprinted)}): pair such steps "
+                           f"with --steps A:B, or record with --fingerprint-every 1")
+        return skipped, []
+    return valued, skipped
 
 
 def _step_list(steps) -> str:

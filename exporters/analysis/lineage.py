@@ -476,10 +476,13 @@ def points_with_lineage(con) -> list[str]:
     module inputs that have the values of a module output laid out inside its module."""
     modules = dict(con.execute("SELECT module_id, path FROM modules"))
     names = {}
+    # The span of each slot source is found in its step's run of rowids (spans has no index:
+    # joined on (proc, step, idx) alone, SQLite reads every span of the trace).
     rows = con.execute(
-        "SELECT DISTINCT s.module_id, s.call, s.layout_id, ss.slot FROM slot_sources ss JOIN spans s "
-        "ON s.proc = ss.proc AND s.step = ss.step AND s.idx = ss.span WHERE ss.proc = "
-        "(SELECT MIN(proc) FROM slot_sources)").fetchall()
+        "SELECT DISTINCT s.module_id, s.call, s.layout_id, ss.slot FROM slot_sources ss "
+        "JOIN steps st ON st.proc = ss.proc AND st.step = ss.step "
+        "JOIN spans s ON s.rowid BETWEEN st.span_first AND st.span_last AND s.proc = ss.proc "
+        "AND s.step = ss.step AND s.idx = ss.span WHERE ss.proc = (SELECT MIN(proc) FROM slot_sources)").fetchall()
     layouts = {}
     for mid, call, lay, slot_i in rows:
         if lay not in layouts:

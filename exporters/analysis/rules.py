@@ -113,7 +113,8 @@ def fingerprints(j, pt):
         return _decide(pt, "unknown", "unknown", NONFINITE_RULE)
     kinds = sorted({(t.meta or {}).get("kind") for t in pt.ts if t.fp is None} - {None})
     why = (f"no fingerprint ({', '.join(kinds)})" if kinds else
-           "no fingerprints for these values (recorded with --no-fingerprint or in a CUDA-graph capture)")
+           "no fingerprints for these values (recorded with --no-fingerprint, in a step that "
+           "--fingerprint-every skipped, or in a CUDA-graph capture)")
     says = _declared(pt)
     extra = [item("declared", f"the DTensor declares {says} (not checked against values)")] if says else []
     pt.items.append(item("values", why + ": placement needs them"))

@@ -96,20 +96,47 @@ def inferred_tp_ranks(con) -> dict:
     return out
 
 
-def sample_steps(con, procs) -> list:
-    """A few steps every process of the group traced, one set per kind of step (root, mode)."""
+def group_steps(con, procs) -> list:
+    """[(step, kind, fingerprinted)]: the complete steps every process of the group traced, in
+    order, each with its kind (root, mode, captured, replay) and whether every process took
+    fingerprints in it (``record --fingerprint-every``: only some steps do)."""
     ph = ",".join("?" * len(procs))
     rows = con.execute(
-        f"SELECT step, root, attrs FROM steps WHERE proc IN ({ph}) AND t_end IS NOT NULL "
-        f"GROUP BY step HAVING COUNT(*) = ? ORDER BY step", (*procs, len(procs))).fetchall()
-    kinds: dict = {}
-    for step, root, attrs in rows:
+        f"SELECT step, root, attrs, MIN(COALESCE(fingerprinted, 1)) FROM steps WHERE proc IN ({ph}) "
+        f"AND t_end IS NOT NULL GROUP BY step HAVING COUNT(*) = ? ORDER BY step", (*procs, len(procs))).fetchall()
+    out = []
+    for step, root, attrs, fingerprinted in rows:
         a = json.loads(attrs or "{}")
-        kind = (root, a.get("forward_mode"), a.get("captured"), a.get("replay_of") is not None)
-        kinds.setdefault(kind, [])
-        if len(kinds[kind]) < MAX_SAMPLE_STEPS:
-            kinds[kind].append(step)
-    return sorted(s for steps in kinds.values() for s in steps)
+        out.append((step, (root, a.get("forward_mode"), a.get("captured"), a.get("replay_of") is not None),
+                    bool(fingerprinted)))
+    return out
+
+
+def sample_steps(con, procs) -> list:
+    """A few steps every process of the group traced, one set per kind of step (root, mode):
+    steps with fingerprints, whose values are evidence; a kind without any is sampled all the
+    same (its shapes and collectives still are)."""
+    kinds: dict = {}
+    for step, kind, fingerprinted in group_steps(con, procs):
+        kinds.setdefault(kind, ([], []))[0 if fingerprinted else 1].append(step)
+    return sorted(s for with_fp, without in kinds.values() for s in (with_fp or without)[:MAX_SAMPLE_STEPS])
+
+
+def unfingerprinted_note(con, procs, step) -> str | None:
+    """Evidence for a verdict of ``step`` when the step took no fingerprints on some process of
+    the group: which steps of its kind did. None when it did."""
+    rows = group_steps(con, procs)
+    kind = next((k for s, k, fp in rows if s == step), None)
+    fp_here = con.execute(f"SELECT MIN(COALESCE(fingerprinted, 1)) FROM steps WHERE step=? AND proc IN "
+                          f"({','.join('?' * len(procs))})", (step, *procs)).fetchone()[0]
+    if fp_here is None or fp_here:
+        return None
+    if not any(fp for _, _, fp in rows):
+        return f"step {step} was not fingerprinted, nor was any step (recorded with --no-fingerprint?)"
+    same = [s for s, k, fp in rows if fp and k == kind]
+    listed = ", ".join(map(str, same[:8])) + (" ..." if len(same) > 8 else "") if same else "none"
+    return (f"step {step} was not fingerprinted (fingerprinted steps of this kind: {listed}; "
+            f"record --fingerprint-every 1 for all)")
 
 
 class StoreContext:

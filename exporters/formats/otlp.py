@@ -113,6 +113,13 @@ def span_rows(con):
         def span_id(step, kind, idx):
             return otlp_spans.span_id(run_id, host, pid, step, kind, idx)
 
+        def module_span_id(step, idx, ids):
+            # A module span's id is also its children's parent id: hashed once per step.
+            sid = ids.get(idx)
+            if sid is None:
+                sid = ids[idx] = span_id(step, MODULE_SPAN, idx)
+            return sid
+
         for step, first, last, t_begin, step_attrs in con.execute(
                 "SELECT step, span_first, span_last, t_begin, attrs FROM steps WHERE proc=? AND t_begin IS NOT NULL "
                 "AND span_first IS NOT NULL ORDER BY step", (proc,)).fetchall():
@@ -121,14 +128,15 @@ def span_rows(con):
             sattrs = otlp_spans.step_attributes(step, json.loads(step_attrs or "{}"))
             rows = con.execute("SELECT idx, parent, module_id, call, t0, dur, layout_id, flags FROM spans "
                                "WHERE rowid BETWEEN ? AND ? AND step=?", (first, last, step)).fetchall()
+            ids: dict = {}  # module span index -> its span id
             for idx, parent, mid, call, t0, dur, lid, fl in rows:
                 path = modules.get(mid, "?")
                 name, a = otlp_spans.module_span(path, classes.get(path), call, fl, tensors(lid), sattrs)
                 v = verdicts.get((path, call))
                 if v is not None:
                     a["tensor.placement"], a["tensor.reduction"] = v
-                yield SpanRow(resource, name, trace_id, span_id(step, MODULE_SPAN, idx),
-                              span_id(step, MODULE_SPAN, parent) if parent >= 0 else None,
+                yield SpanRow(resource, name, trace_id, module_span_id(step, idx, ids),
+                              module_span_id(step, parent, ids) if parent >= 0 else None,
                               base + t0, base + t0 + dur, a)
             for idx, parent, op, redop, gid, seq, t0, dur, lid, nbytes, mid, dev in con.execute(
                     "SELECT idx, parent, op, reduce_op, group_id, seq, t0, dur, layout_id, bytes, module_id, "
@@ -139,17 +147,25 @@ def span_rows(con):
                 if dev is not None:
                     a["collective.device_time_ns"] = dev
                 yield SpanRow(resource, name, trace_id, span_id(step, COLLECTIVE_SPAN, idx),
-                              span_id(step, MODULE_SPAN, parent) if parent >= 0 else None,
+                              module_span_id(step, parent, ids) if parent >= 0 else None,
                               base + t0, base + t0 + dur, a)
 
 
 
 
-def export_otlp(trace_dir: str, endpoint: str, protocol: str = "grpc", batch: int = 512,
+# Spans per request (about 400 bytes each, so 200 KiB and 800 KiB: well under the 4 MiB a
+# Collector takes by default). An HTTP request costs more than a gRPC call (the requests library's
+# Python work, a round trip the exporter waits for), so fewer of them; over gRPC a larger message
+# measured no faster.
+BATCH_SPANS = {"grpc": 512, "http": 2048}
+
+
+def export_otlp(trace_dir: str, endpoint: str, protocol: str = "grpc", batch: int | None = None,
                 timeout_s: float | None = None) -> dict:
-    """Send every span of ``trace_dir`` to ``endpoint``. Raises BadInput (one line) when the
-    endpoint refuses or does not answer within the exporter's timeout."""
-    return _export_otlp(trace_dir, endpoint, protocol, batch, timeout_s)
+    """Send every span of ``trace_dir`` to ``endpoint``, ``batch`` spans a request (default
+    ``BATCH_SPANS`` of the protocol). Raises BadInput (one line) when the endpoint refuses or does
+    not answer within the exporter's timeout."""
+    return _export_otlp(trace_dir, endpoint, protocol, batch or BATCH_SPANS.get(protocol, 512), timeout_s)
 
 
 def _export_otlp(trace_dir, endpoint, protocol, batch, timeout_s) -> dict:

@@ -13,7 +13,7 @@ def summarize(trace_dir: str) -> dict:
     """Counts over every rank file of a trace folder."""
     files = rank_files(trace_dir)
     out = dict(dir=os.path.abspath(trace_dir), processes=0, ranks=[], spans=0, collectives=0,
-               steps=0, bytes=0, errors=0, write_errors=0, graph_replays=0, graph_replays_untraced=0, live_sent=0, live_dropped=0, live=False,
+               steps=0, fingerprinted_steps=0, fingerprint_schedule=None, bytes=0, errors=0, write_errors=0, graph_replays=0, graph_replays_untraced=0, live_sent=0, live_dropped=0, live=False,
                problems=[], per_rank=[])
     for path in files:
         try:
@@ -38,7 +38,10 @@ def summarize(trace_dir: str) -> dict:
             out["live"] = True
             out["live_sent"] += end_stats["live_otlp_sent"]
             out["live_dropped"] += end_stats["live_otlp_dropped"]
+        if len(rt.steps) >= out["steps"]:
+            out["fingerprinted_steps"] = sum(1 for st in rt.steps.values() if st.fingerprinted)
         out["steps"] = max(out["steps"], len(rt.steps))
+        out["fingerprint_schedule"] = out["fingerprint_schedule"] or fingerprint_schedule(rt.header)
         if rt.rank is not None:
             out["ranks"].append(rt.rank)
         out["problems"] += [f"{os.path.basename(path)}: {p}" for p in rt.report.problems()]
@@ -47,6 +50,24 @@ def summarize(trace_dir: str) -> dict:
                                     errors=len(rt.errors), file=os.path.basename(path)))
     out["ranks"].sort()
     return out
+
+
+def fingerprint_schedule(header: dict) -> str | None:
+    """The recording's fingerprint schedule in words, from a rank file's header (None: not said)."""
+    cfg = header.get("config") or {}
+    if not cfg:
+        return None
+    if not cfg.get("fingerprint", True):
+        return "off (--no-fingerprint)"
+    every, first = cfg.get("fingerprint_every"), cfg.get("fingerprint_first")
+    if every is None or every <= 1:
+        return "every traced step"
+    return f"first {first} steps of each kind, then every {_ordinal(every)} (--fingerprint-every 1 for all)"
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def format_summary(s: dict) -> str:
@@ -61,6 +82,9 @@ def format_summary(s: dict) -> str:
                      f"{r['steps']:>4} steps {r['spans']:>7} spans  {ops}")
     if len(s["per_rank"]) > 16:
         lines.append(f"  ... and {len(s['per_rank']) - 16} more")
+    if s["fingerprint_schedule"]:
+        lines.append(f"  fingerprints: {s['fingerprint_schedule']}; {s['fingerprinted_steps']} of "
+                     f"{s['steps']} step(s) fingerprinted")
     if s["live"]:
         lines.append(f"  live OTLP: {s['live_sent']} spans sent, {s['live_dropped']} dropped")
     if s["graph_replays"]:

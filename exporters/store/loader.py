@@ -7,12 +7,15 @@ file's intern tables (``format.records.RecordResolver``) and one batch in memory
 from __future__ import annotations
 
 import json
+from array import array
 
 import msgpack
 
 from tensor_trace import progress, schema
 from tensor_trace.errors import BadInput
-from tensor_trace.exporters.store.reader import ReadReport, iter_chunks
+from tensor_trace.exporters.store.merge_align import SequenceDigest, text_code
+from tensor_trace.exporters.store.reader import ReadReport, fingerprinted_by_default, iter_chunks
+from tensor_trace.exporters.store.tables import insert_rows
 from tensor_trace.format.records import RecordResolver
 
 BATCH = 20_000
@@ -53,12 +56,21 @@ class FileLoader:
         self.step_colls: list = []  # this step's collectives, until their modules are known
         self.span_module: dict = {}  # this step's span index -> module id
         self.interrupted: set = set()  # steps whose root call raised (e.g. Ctrl-C mid-forward)
-        self.summary: dict = {}  # (module, op, reduce op, group) -> count, bytes, time, per step
+        self.summary: dict = {}  # (module, op, reduce op, group) -> count, bytes, time, per step, first
         # Spans are stored in file order, so a step's spans are a run of consecutive rowids:
         # (first, last) per step lets a query read one step without an index on spans.
         self.span_ranges: dict = {}
         self.span_rows = 0  # spans stored so far
         self.report = ReadReport(path)
+        self.digest = SequenceDigest()  # what align_collectives compares across processes
+        self.codes: dict = {}  # string id -> text_code of the string
+
+    def code(self, sid) -> int:
+        """``text_code`` of a string id's text (-1: none), as the digest takes it."""
+        code = self.codes.get(sid)
+        if code is None:
+            code = self.codes[sid] = text_code(self.strings.get(sid)) if sid >= 0 else -1
+        return code
 
     def module_id(self, sid):
         mid = self.modules.get(sid)
@@ -73,11 +85,11 @@ class FileLoader:
         con = self.con
         # Emptied in place: load() holds these lists in local variables.
         if self.spans:
-            n = _insert_rows(con, "INSERT INTO spans", SPAN_COLUMNS, self.spans, last)
+            n = insert_rows(con, "INSERT INTO spans", SPAN_COLUMNS, self.spans, last)
             self.span_rows += n
             del self.spans[:n * SPAN_COLUMNS]
         if self.colls:
-            n = _insert_rows(con, "INSERT OR IGNORE INTO collectives", COLLECTIVE_COLUMNS, self.colls, last)
+            n = insert_rows(con, "INSERT OR IGNORE INTO collectives", COLLECTIVE_COLUMNS, self.colls, last)
             del self.colls[:n * COLLECTIVE_COLUMNS]
         if self.fps:
             con.executemany("INSERT INTO fingerprints VALUES (?,?,?,?,?)", self.fps)
@@ -99,11 +111,16 @@ class FileLoader:
             key = (mid, c[4], c[5], c[6])
             a = summary.get(key)
             if a is None:
-                summary[key] = a = [0, 0, 0, {}, c[1] * 1000000 + c[2]]
+                summary[key] = a = [0, 0, 0, array("q"), c[1] * 1000000 + c[2]]
             a[0] += 1
             a[1] += c[15] or 0
             a[2] += c[9] or 0
-            a[3][c[1]] = a[3].get(c[1], 0) + 1
+            per_step = a[3]  # step, count, step, count, ...: 16 bytes a step (a dict took ~70)
+            if per_step and per_step[-2] == c[1]:
+                per_step[-1] += 1
+            elif c[1].__class__ is int:
+                per_step.append(c[1])
+                per_step.append(1)
         self.step_colls.clear()
         span_module.clear()
 
@@ -143,10 +160,11 @@ class FileLoader:
                 (proc, schema.FLAG_REPLAYED)):
             a = summary.get((mid, op, redop, gid))
             if a is None:
-                summary[(mid, op, redop, gid)] = a = [0, 0, 0, {}, step * 1000000]
+                summary[(mid, op, redop, gid)] = a = [0, 0, 0, array("q"), step * 1000000]
             a[0] += n
             a[1] += nbytes or 0
-            a[3][step] = a[3].get(step, 0) + n
+            a[3].append(step)
+            a[3].append(n)
 
     def _add_range(self, step, first, last):
         old = self.span_ranges.get(step)
@@ -157,6 +175,7 @@ class FileLoader:
         resolver = self.resolver
         if kind == schema.STRING:
             self.modules.pop(rec[1], None)
+            self.codes.pop(rec[1], None)
         elif kind == schema.LAYOUT:
             slots = [[slot, shape, dtype, device, *([tensor_kind] if tensor_kind else [])]
                      for slot, (shape, dtype, device, tensor_kind) in resolver.tensors(rec[1])]
@@ -205,7 +224,7 @@ class FileLoader:
                              (strings.get(rec[1], "?"), json.dumps(rec[2], sort_keys=True)))
         elif kind == schema.STEP_BEGIN:
             self.steps[rec[1]] = [strings.get(rec[2], ""), rec[3], None, 0, 0,
-                                  json.dumps(rec[4] or {}, sort_keys=True)]
+                                  json.dumps(rec[4] or {}, sort_keys=True), rec[5] if len(rec) > 5 else None]
         elif kind == schema.STEP_END:
             st = self.steps.get(rec[1])
             if st is not None:
@@ -239,6 +258,10 @@ class FileLoader:
         interrupted = self.interrupted
         add_range = self._add_range
         other = self._record
+        digest_add = self.digest.add
+        code = self.code
+        codes = self.codes
+        sig_codes = self.g.signature_codes
         report = self.report
         S_SPAN, S_COLL, FLAG_ERROR = schema.SPAN, schema.COLLECTIVE, schema.FLAG_ERROR
         # The k-th row of spans will be stored at rowid base + k + 1 (rowids count up from the
@@ -272,11 +295,21 @@ class FileLoader:
                         span_module[rec[2]] = mid
                     elif kind == S_COLL:
                         # The issuing module's span ends after its collectives: resolved at STEP_END.
+                        gid = groups.get(rec[6])
+                        lid = layouts.get(rec[10])
                         step_colls.append([proc, rec[1], rec[2], rec[3], strings.get(rec[4]),
                                            strings.get(rec[5]) if rec[5] >= 0 else None,
-                                           groups.get(rec[6]), rec[7], rec[8], rec[9], layouts.get(rec[10]),
+                                           gid, rec[7], rec[8], rec[9], lid,
                                            rec[11], rec[12], rec[13], rec[14], rec[15], None, None,
                                            _attrs_json(rec[16]) if len(rec) > 16 else None])
+                        if gid is not None and rec[7].__class__ is int:
+                            op = codes.get(rec[4])
+                            if op is None:
+                                op = code(rec[4])
+                            redop = codes.get(rec[5])
+                            if redop is None:
+                                redop = code(rec[5])
+                            digest_add(gid, rec[7], op, redop, -1 if lid is None else sig_codes[lid])
                     else:
                         other(rec, kind)
                 except (IndexError, TypeError, ValueError, AttributeError):
@@ -301,14 +334,17 @@ class FileLoader:
             raise BadInput(f"{self.path}: no header (damaged at its start)")
         steps = self.steps
         for step in ranges:
-            steps.setdefault(step, ["", None, None, 0, 0, "{}"])
-        self.con.executemany("INSERT INTO steps VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                             [(proc, k, *v, *ranges.get(k, (None, None)),
-                               int(k in self.interrupted or v[2] is None), None) for k, v in sorted(steps.items())])
+            steps.setdefault(step, ["", None, None, 0, 0, "{}", None])
+        every_step = fingerprinted_by_default(self.header)
+        self.con.executemany("INSERT INTO steps VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                             [(proc, k, *v[:6], *ranges.get(k, (None, None)),
+                               int(k in self.interrupted or v[2] is None), None,
+                               int(every_step if v[6] is None else bool(v[6])))
+                              for k, v in sorted(steps.items())])
         if self.step_device:
             self.con.executemany("UPDATE steps SET device_ns=? WHERE proc=? AND step=?", self.step_device)
         self.con.executemany("INSERT INTO collective_summary VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", [
-            (mid, op, redop, gid, proc, a[0], a[1], a[2], json.dumps(sorted(a[3].items())), a[4], None, 0)
+            (mid, op, redop, gid, proc, a[0], a[1], a[2], _per_step_json(a[3]), a[4], None, 0)
             for (mid, op, redop, gid), a in self.summary.items()])
         if self.coll_device:
             self.con.executemany("UPDATE collectives SET device_ns=? WHERE proc=? AND step=? AND idx=?",
@@ -327,28 +363,6 @@ class FileLoader:
 
 SPAN_COLUMNS = 13
 COLLECTIVE_COLUMNS = 19
-_MAX_VARIABLES = 999  # bound parameters per statement: the lowest limit SQLite builds have
-
-
-def _insert_rows(con, insert: str, ncols: int, flat: list, last: bool = True) -> int:
-    """``insert`` (``INSERT ... INTO table``) the rows of ``flat``, ``ncols`` values each, one
-    after the other, many rows per statement (about two thirds of the cost of executemany's
-    statement per row); return the number of rows inserted: all, or unless ``last`` only those
-    that fill whole statements (a statement of another length is compiled anew)."""
-    one = "(" + ",".join("?" * ncols) + ")"
-    per = _MAX_VARIABLES // ncols
-    step = per * ncols
-    full = len(flat) - len(flat) % step
-    if full:
-        sql = f"{insert} VALUES " + ",".join([one] * per)
-        for i in range(0, full, step):
-            con.execute(sql, flat[i:i + step])
-    if last and full < len(flat):
-        con.execute(f"{insert} VALUES " + ",".join([one] * ((len(flat) - full) // ncols)), flat[full:])
-        full = len(flat)
-    return full // ncols
-
-
 def _chunks(path, report):
     """The records of every intact chunk of a rank file, one decoded chunk (a list) at a time
     (iter_records without its per-record checks: a malformed record is caught by the loader)."""
@@ -373,6 +387,7 @@ class SharedIds:
         self.con = con
         self.modules: dict = {}
         self.layouts: dict = {}
+        self.signature_codes: list = []  # layout id -> text_code of its signature (shapes, dtypes)
         self.groups: dict = {}
 
     def module(self, path, cls):
@@ -393,6 +408,7 @@ class SharedIds:
         if lid is None:
             lid = len(self.layouts)
             self.layouts[key] = lid
+            self.signature_codes.append(text_code(_signature(key)))
         return lid
 
     def group(self, name, ranks, backend, pg_name):
@@ -408,9 +424,25 @@ class SharedIds:
         con.executemany("INSERT INTO modules VALUES (?,?,?)",
                         [(mid, path, cls) for path, (mid, cls) in self.modules.items()])
         con.executemany("INSERT INTO layouts VALUES (?,?,?)", [
-            (lid, k, json.dumps([[s[1], s[2]] for s in json.loads(k)], separators=(",", ":")))
-            for k, lid in self.layouts.items()])
+            (lid, k, _signature(k)) for k, lid in self.layouts.items()])
         con.executemany("INSERT INTO groups VALUES (?,?,?,?,?)", list(self.groups.values()))
+
+
+def _per_step_json(per_step) -> str:
+    """collective_summary.per_step: [[step, count], ...] in step order, from the loader's flat
+    (step, count) pairs (in the order steps closed; replays' after them)."""
+    pairs = list(zip(per_step[::2], per_step[1::2]))
+    if any(a >= b for (a, _), (b, _) in zip(pairs, pairs[1:])):  # out of order, or a step twice
+        counts: dict = {}
+        for step, n in pairs:
+            counts[step] = counts.get(step, 0) + n
+        pairs = sorted(counts.items())
+    return json.dumps(pairs)
+
+
+def _signature(layout_key: str) -> str:
+    """A layout's shapes and dtypes (layouts.signature): its slots without names and devices."""
+    return json.dumps([[s[1], s[2]] for s in json.loads(layout_key)], separators=(",", ":"))
 
 
 # Tables a rank file's rows go to (the loader's), in the order a worker's part is copied.
@@ -430,6 +462,7 @@ class FileResult:
         self.end = loader.end if loader else None
         self.report = loader.report if loader else None
         self.span_rows = loader.span_rows if loader else 0
+        self.digest = loader.digest if loader else None
 
 
 def load_file(con, proc: int, path: str, g) -> FileResult:

@@ -108,6 +108,7 @@ def merge_ranks(trace_dir: str, warn=None, workers: int | None = None, analyse=N
     con = open_new_store(tmp)
     g = SharedIds(con)
     report = dict(files=len(files), processes=0, problems=[])
+    digests = {}  # proc -> SequenceDigest of its collectives
     loading = _load_rank_files(con, files, g, tmp, workers, report, warn)
     bar = progress.Task.open("merge: rank files", len(files))
     try:
@@ -139,6 +140,7 @@ def merge_ranks(trace_dir: str, warn=None, workers: int | None = None, analyse=N
                 rep.corrupt_chunks, rep.skipped_bytes, int(rep.truncated_tail),
                 (res.end or {}).get("reason"), json.dumps(ident, sort_keys=True)))
             report["processes"] += 1
+            digests[res.proc] = res.digest
         if not report["processes"]:
             raise BadInput(f"{trace_dir}: none of its {len(files)} rank file(s) could be read")
         report["hosts"] = [h for (h,) in con.execute("SELECT DISTINCT host FROM processes WHERE host IS NOT NULL "
@@ -150,7 +152,7 @@ def merge_ranks(trace_dir: str, warn=None, workers: int | None = None, analyse=N
             ("format_version", str(schema.FORMAT_VERSION))])
         con.executescript(INDEX_SQL)
         check_missing_ranks(con, warn, report)
-        report["collective_issues"] = align_collectives(con)
+        report["collective_issues"] = align_collectives(con, digests)
         report["clocks"] = estimate_clock_offsets(con)
         if analyse is not None:
             report["points"] = analyse(con)

@@ -6,10 +6,57 @@ from __future__ import annotations
 
 import json
 import statistics
+import zlib
 
 from tensor_trace import schema
 
 CLOCK_SAMPLE_STEPS = 64
+DIGEST_BLOCK_SEQS = 4096  # sequence numbers per block of a SequenceDigest
+
+
+def text_code(text) -> int:
+    """A number for a string that is the same in every process (str's hash is not), or -1 for None."""
+    return -1 if text is None else zlib.crc32(text.encode())
+
+
+class SequenceDigest:
+    """What one process's collectives say, per group, for ``align_collectives`` to compare
+    across processes without reading them back: the lowest and highest sequence number, and per
+    block of DIGEST_BLOCK_SEQS sequence numbers the count and the sum of a hash of (seq, op,
+    reduce op, shapes and dtypes). Blocks whose digests agree on every process hold no
+    disagreement; only the others are read from the store. A block where a process's sequence
+    numbers did not rise (a repeat, or an async collective recorded after a later one) is marked
+    to be read. Memory: a few numbers per block, whatever the trace's length."""
+
+    def __init__(self):
+        self.block = DIGEST_BLOCK_SEQS
+        self.groups: dict = {}  # group id -> [lo, hi, {block: [count, hash sum]}, {blocks to read}]
+
+    def add(self, gid, seq, op_code: int, redop_code: int, sig_code: int) -> None:
+        g = self.groups.get(gid)
+        b = seq // self.block
+        if g is None:
+            g = self.groups[gid] = [seq, seq, {}, set()]
+        elif seq > g[1]:
+            g[1] = seq
+        else:
+            g[3].add(b)
+            if seq < g[0]:
+                g[0] = seq
+        block = g[2].get(b)
+        h = hash((seq, op_code, redop_code, sig_code))  # ints only: the same in every process
+        if block is None:
+            g[2][b] = [1, h]
+        else:
+            block[0] += 1
+            block[1] += h
+
+    def remapped(self, group_ids: list) -> "SequenceDigest":
+        """The digest with group ids mapped (``group_ids[local id]`` = the store's)."""
+        out = SequenceDigest()
+        out.block = self.block
+        out.groups = {group_ids[gid]: g for gid, g in self.groups.items()}
+        return out
 
 
 def check_missing_ranks(con, warn, report) -> None:
@@ -26,21 +73,33 @@ def check_missing_ranks(con, warn, report) -> None:
         report["problems"].append(msg)
 
 
-def align_collectives(con) -> list:
+def align_collectives(con, digests: dict | None = None) -> list:
     """Match collectives by (group, seq) across the group's ranks, as PyTorch's Flight Recorder
     analyser does; record the first disagreement per group (later ones follow from it): a rank
-    that did not issue a collective the others did, or issued another op, shape or dtype."""
+    that did not issue a collective the others did, or issued another op, shape or dtype.
+
+    ``digests`` (proc -> SequenceDigest of every process in the store, as the loader made them)
+    spare reading the blocks of sequence numbers where every process agrees; without them every
+    collective is read."""
     issues = []
     groups = {gid: json.loads(ranks) for gid, ranks in con.execute("SELECT group_id, ranks FROM groups")}
     rank_of = dict(con.execute("SELECT proc, rank FROM processes"))
+    if digests is not None and set(digests) != set(rank_of):
+        digests = None
     # Compare only the range every present rank covered (a killed rank stops early, and a
     # --steps window starts late). Replayed copies repeat their capture's sequence numbers: the
     # captured call stands for them. One pass over the table for all groups (the index on
     # (group_id, seq) would cost a lookup per row).
     bounds: dict = {}
-    for gid, proc, lo, hi in con.execute("SELECT group_id, proc, MIN(seq), MAX(seq) FROM collectives "
-                                         "WHERE (flags & ?) = 0 GROUP BY proc, group_id", (schema.FLAG_REPLAYED,)):
-        bounds.setdefault(gid, []).append((proc, lo, hi))
+    if digests is not None:
+        for proc, digest in digests.items():
+            for gid, (lo, hi, _blocks, _read) in digest.groups.items():
+                bounds.setdefault(gid, []).append((proc, lo, hi))
+    else:
+        for gid, proc, lo, hi in con.execute("SELECT group_id, proc, MIN(seq), MAX(seq) FROM collectives "
+                                             "WHERE (flags & ?) = 0 GROUP BY proc, group_id",
+                                             (schema.FLAG_REPLAYED,)):
+            bounds.setdefault(gid, []).append((proc, lo, hi))
     # Layouts of equal signatures share a number: comparing it is comparing shapes and dtypes.
     con.execute("CREATE TEMP TABLE IF NOT EXISTS signatures(layout_id INTEGER PRIMARY KEY, sig INTEGER)")
     con.execute("DELETE FROM temp.signatures")
@@ -53,16 +112,20 @@ def align_collectives(con) -> list:
         if len(covered) < len(procs):
             continue
         lo, hi = max(b[1] for b in covered), min(b[2] for b in covered)
-        row = con.execute(
-            "SELECT c.seq, COUNT(*), COUNT(DISTINCT c.op || '|' || COALESCE(c.reduce_op, '') || '|' || l.sig) "
-            "FROM collectives c JOIN temp.signatures l USING(layout_id) WHERE c.group_id=? AND c.seq BETWEEN ? AND ? "
-            "AND (c.flags & ?) = 0 "
-            "GROUP BY c.seq HAVING COUNT(*) != ? OR COUNT(DISTINCT c.op || '|' || COALESCE(c.reduce_op, '') "
-            "|| '|' || l.sig) > 1 ORDER BY c.seq LIMIT 1",
-            (gid, lo, hi, schema.FLAG_REPLAYED, len(procs))).fetchone()
-        if row is None:
+        seq = None
+        for first, last in _ranges_to_read(gid, [p for p, _, _ in covered], lo, hi, digests, len(procs)):
+            row = con.execute(
+                "SELECT c.seq, COUNT(*), COUNT(DISTINCT c.op || '|' || COALESCE(c.reduce_op, '') || '|' || l.sig) "
+                "FROM collectives c JOIN temp.signatures l USING(layout_id) WHERE c.group_id=? "
+                "AND c.seq BETWEEN ? AND ? AND (c.flags & ?) = 0 "
+                "GROUP BY c.seq HAVING COUNT(*) != ? OR COUNT(DISTINCT c.op || '|' || COALESCE(c.reduce_op, '') "
+                "|| '|' || l.sig) > 1 ORDER BY c.seq LIMIT 1",
+                (gid, first, last, schema.FLAG_REPLAYED, len(procs))).fetchone()
+            if row is not None:
+                seq = row[0]
+                break
+        if seq is None:
             continue
-        seq = row[0]
         rows = con.execute("SELECT c.proc, c.op, c.reduce_op, l.signature FROM collectives c JOIN layouts l "
                            "USING(layout_id) WHERE c.group_id=? AND c.seq=? AND (c.flags & ?) = 0",
                            (gid, seq, schema.FLAG_REPLAYED)).fetchall()
@@ -84,6 +147,26 @@ def align_collectives(con) -> list:
                        f"collective #{seq} of group {gid} differs: " + "; ".join(parts)))
     con.executemany("INSERT INTO collective_issues VALUES (?,?,?,?,?)", issues)
     return issues
+
+
+def _ranges_to_read(gid, covering: list, lo: int, hi: int, digests, n_procs: int):
+    """The ranges of sequence numbers in [lo, hi] of group ``gid`` that must be read from the
+    store, in order: all of it without digests; else the blocks that some process marked, that
+    [lo, hi] cuts, or whose digests differ between the processes."""
+    sizes = {digests[p].block for p in covering} if digests is not None else ()
+    if len(sizes) != 1 or len(covering) != n_procs:
+        yield lo, hi
+        return
+    parts = [digests[p].groups[gid] for p in covering]
+    (size,) = sizes
+    for b in range(lo // size, hi // size + 1):
+        first, last = max(lo, b * size), min(hi, b * size + size - 1)
+        whole = first == b * size and last == b * size + size - 1
+        if whole and not any(b in g[3] for g in parts):
+            blocks = [g[2].get(b) for g in parts]
+            if all(x == blocks[0] for x in blocks):
+                continue
+        yield first, last
 
 
 def estimate_clock_offsets(con) -> list:

@@ -35,7 +35,13 @@ from tensor_trace.exporters.store.tables import open_new_store
 ENV_WORKERS = "TENSOR_TRACE_MERGE_WORKERS"  # worker processes besides the merging one; 0 = none
 PARALLEL_MIN_BYTES = 8 << 20  # below this (about 150,000 span records) starting a worker does not pay
 MAX_WORKERS = 3  # the copying of parts is serial: more workers help less and hold more memory
-PARENT_SHARE = 0.9  # of an equal share: the merging process also copies the parts afterwards
+# What the merging process does besides loading its own files, in bytes of rank files it could
+# have loaded in the same time (measured on the 61-layer synthetic trace, bench/merge_bench.py):
+# copying the workers' rows in (per byte of their files), and after that the indexes (per byte of
+# all files) and the verdicts and clock offsets (about the same whatever the trace's length).
+COPY_RATIO = 0.2
+TAIL_RATIO = 0.08
+TAIL_BYTES = 32 << 20
 
 # Columns holding ids that each process gives out on its own, by name wherever they occur, and
 # the SharedIds table each maps through.
@@ -59,7 +65,8 @@ def _usable_cpus() -> int:
 
 def plan(files: list, workers: int | None) -> list:
     """Split the rank files into contiguous groups of ``(proc, path)``: the first for the merging
-    process, one per worker after it. ``workers`` None: as many as the usable cores allow (at
+    process (smaller: it also copies the workers' rows in and does what follows the loading), one
+    per worker after it. ``workers`` None: as many as the usable cores allow (at
     most MAX_WORKERS), and none for a small trace or when ``TENSOR_TRACE_MERGE_WORKERS`` says 0."""
     procs = list(enumerate(files))
     if workers is None:
@@ -84,16 +91,25 @@ def plan(files: list, workers: int | None) -> list:
     n = min(workers + 1, len(files))
     if n < 2:
         return [procs]
-    # Cut where the running byte count comes nearest to each group's target end.
     weights = sizes if sum(sizes) else [1] * len(files)
     cum = [0]
     for w in weights:
         cum.append(cum[-1] + w)
-    first = PARENT_SHARE / n
-    cuts = [0]
-    for k in range(n - 1):
-        target = cum[-1] * (first + k * (1 - first) / (n - 1))
-        lo, hi = cuts[-1] + 1, len(files) - (n - 1 - k)  # every group keeps at least one file
+    total = cum[-1]
+    tail = TAIL_BYTES + TAIL_RATIO * total if sum(sizes) else 0
+
+    def slowest(j):
+        """The longer of the merging process's work (files [0, j), copying the others' rows,
+        what follows) and a worker's (an even share of the rest), in bytes of loading."""
+        rest = total - cum[j]
+        return max(cum[j] + COPY_RATIO * rest + tail, rest / (n - 1))
+
+    # The merging process's files: the cut that finishes soonest; every group keeps at least
+    # one file. The workers' groups: cut where the running byte count comes nearest to even shares.
+    cuts = [0, min(range(1, len(files) - n + 2), key=slowest)]
+    for k in range(1, n - 1):
+        target = cum[cuts[1]] + (total - cum[cuts[1]]) * k / (n - 1)
+        lo, hi = cuts[-1] + 1, len(files) - (n - 1 - k)
         cuts.append(min(range(lo, hi + 1), key=lambda j: abs(cum[j] - target)))
     cuts.append(len(files))
     return [procs[cuts[k]:cuts[k + 1]] for k in range(n)]
@@ -200,6 +216,9 @@ def copy_part(con, part: str, data: dict, g, tables) -> None:
                 "layouts": [g.layout_key(key) for key in data["layouts"]],
                 "groups": [g.group(*args) for args in data["groups"]]}
         exprs = {col: _map_expr(col, maps[kind], con, f"part_{kind}") for col, kind in ID_COLUMNS.items()}
+        for res in data["results"]:
+            if res.digest is not None:
+                res.digest = res.digest.remapped(maps["groups"])
         # Spans keep their order: a part's rowids shifted by the store's last rowid. They run
         # 1, 2, ... without gaps (a skipped file's rows are the part's last ones, and the next
         # file reuses their rowids): the last is the number of spans its files left. Then,

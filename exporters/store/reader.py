@@ -48,15 +48,17 @@ def _check_prefix(path: str, data: bytes) -> None:
     if len(data) < len(schema.FILE_PREFIX):
         raise BadInput(f"{path}: truncated before its format version")
     (version,) = struct.unpack_from("<I", data, len(schema.MAGIC))
-    if version != schema.FORMAT_VERSION:
-        raise BadInput(f"{path}: format version {version}, this tensor-trace reads {schema.FORMAT_VERSION}")
+    if version not in schema.READABLE_VERSIONS:
+        raise BadInput(f"{path}: format version {version}, this tensor-trace reads "
+                       + " and ".join(map(str, schema.READABLE_VERSIONS)))
 
 
 READ_BLOCK = 4 << 20
 
 
 def iter_chunks(path: str, report: ReadReport):
-    """Yield the payload of every intact chunk; resynchronise on the sync marker after damage.
+    """Yield the payload of every intact chunk (inflated where it was stored compressed);
+    resynchronise on the sync marker after damage.
 
     Streams: memory holds one read block plus the chunk being decoded (chunks are at most
     ``schema.MAX_CHUNK_BYTES``), whatever the size of the file."""
@@ -85,16 +87,21 @@ def iter_chunks(path: str, report: ReadReport):
                 report.skipped_bytes += len(buf) - pos
                 return
             sync, length, crc = head.unpack_from(buf, pos)
-            if sync == schema.SYNC and length <= schema.MAX_CHUNK_BYTES:
+            if (sync == schema.SYNC or sync == schema.SYNC_ZLIB) and length <= schema.MAX_CHUNK_BYTES:
                 if need(head.size + length):
                     start = pos + head.size
-                    payload = buf[start:start + length]
-                    if zlib.crc32(payload) == crc:
-                        report.chunks += 1
-                        pos = start + length
-                        yield payload
-                        continue
-                elif buf.find(schema.SYNC, pos + 1) == -1:
+                    stored = buf[start:start + length]
+                    if zlib.crc32(stored) == crc:
+                        try:
+                            payload = schema.chunk_payload(sync, stored)
+                        except ValueError:
+                            payload = None
+                        if payload is not None:
+                            report.chunks += 1
+                            pos = start + length
+                            yield payload
+                            continue
+                elif buf.find(schema.SYNC_STEM, pos + 1) == -1:
                     # The last chunk was cut short: the process died while writing it.
                     report.truncated_tail = True
                     report.skipped_bytes += len(buf) - pos
@@ -102,12 +109,12 @@ def iter_chunks(path: str, report: ReadReport):
             # Damage: skip to the next sync marker.
             report.corrupt_chunks += 1
             while True:
-                nxt = buf.find(schema.SYNC, pos + 1)
+                nxt = buf.find(schema.SYNC_STEM, pos + 1)
                 if nxt != -1:
                     report.skipped_bytes += nxt - pos
                     pos = nxt
                     break
-                keep = len(schema.SYNC) - 1  # a marker may straddle two blocks
+                keep = len(schema.SYNC_STEM) - 1  # a marker may straddle two blocks
                 report.skipped_bytes += max(0, len(buf) - pos - keep)
                 pos = max(pos, len(buf) - keep)
                 if not need(len(buf) - pos + 1):
@@ -187,6 +194,7 @@ class Step:
     spans: list = dataclasses.field(default_factory=list)
     collectives: list = dataclasses.field(default_factory=list)
     fingerprints: dict = dataclasses.field(default_factory=dict)  # index -> (sum, sumsq)
+    fingerprinted: bool | None = None  # the step took fingerprints (schema.STEP_BEGIN); None: no record of it
 
 
 @dataclasses.dataclass
@@ -263,6 +271,7 @@ def load_rank_file(path: str) -> RankTrace:
                 begin = decode(rec)
                 st = step_of(begin.step)
                 st.root, st.t_begin, st.attrs = strings.get(begin.root, ""), begin.mono_ns, begin.attrs or {}
+                st.fingerprinted = begin.fingerprinted
             elif kind == schema.STEP_END:
                 step_of(rec[1]).t_end = decode(rec).mono_ns
             elif kind == schema.FINGERPRINTS:
@@ -290,7 +299,10 @@ def load_rank_file(path: str) -> RankTrace:
         for t, ref in plist:
             t.fp = static.get(ref)
         params[path_] = [t for t, _ in plist]
+    every_step = fingerprinted_by_default(header)
     for st in steps.values():
+        if st.fingerprinted is None and st.root:
+            st.fingerprinted = every_step
         # In issue order: a functional collective's record is written once it was waited.
         st.collectives.sort(key=lambda c: c.index)
         if device_ns:
@@ -304,6 +316,12 @@ def load_rank_file(path: str) -> RankTrace:
               for gid, g in resolver.groups.items()}
     modules = {p: "?" if cls is None else cls for p, cls in resolver.modules.items()}
     return RankTrace(path, header, identity, steps, modules, groups, errors, end, report, params)
+
+
+def fingerprinted_by_default(header: dict) -> bool:
+    """Whether a step whose STEP_BEGIN does not say took fingerprints: the tracers that wrote no
+    such flag took them on every step unless the recording had them off."""
+    return bool((header.get("config") or {}).get("fingerprint", True))
 
 
 def rank_files(trace_dir: str) -> list[str]:

@@ -42,6 +42,10 @@ def echo_compare(res: dict) -> None:
     click.echo(f"A: TP {g['a']['size']} (ranks {g['a']['ranks']}), B: TP {g['b']['size']} (ranks {g['b']['ranks']}); "
                f"{len(res['steps'])} step pair(s) compared: "
                + ", ".join(f"A{a}~B{b}" for a, b in res["steps"][:6]) + (" ..." if len(res["steps"]) > 6 else ""))
+    skipped = res.get("steps_not_fingerprinted") or []
+    if skipped:
+        click.echo(f"{len(skipped)} more step pair(s) not compared: not fingerprinted in both runs "
+                   f"(record --fingerprint-every 1 for all)")
     un = res["unpaired"]
     if un["a"] or un["b"]:
         click.echo(f"unpaired steps (no step of the same kind in the other run): A {un['a'][:10]}, B {un['b'][:10]}")

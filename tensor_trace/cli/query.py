@@ -183,7 +183,8 @@ def diff(dir_a, dir_b, as_json):
               help="Keep steps whose attr KEY is VALUE (repeatable), e.g. forward_mode=target_verify, draft=true.")
 @_json
 def steps(trace_dir, where, as_json):
-    """Traced steps and their attrs (forward mode, batch size, tokens, model, draft)."""
+    """Traced steps and their attrs (forward mode, batch size, tokens, model, draft), and whether
+    each took fingerprints."""
     from tensor_trace.errors import BadInput
     from tensor_trace.exporters import query as q
 
@@ -196,10 +197,10 @@ def steps(trace_dir, where, as_json):
     rows = _open(trace_dir).steps(cond)
     if as_json:
         return echo_json(rows)
-    echo_table(["rank", "step", "root", "attrs", "spans", "collectives"],
+    echo_table(["rank", "step", "root", "attrs", "spans", "collectives", "fingerprinted"],
                [[r["rank"] if r["rank"] is not None else f"proc {r['proc']}", r["step"], r["root"],
                  " ".join(f"{k}={q._attr_text(v)}" for k, v in sorted(r["attrs"].items())), r["spans"],
-                 r["collectives"]] for r in rows])
+                 r["collectives"], "yes" if r["fingerprinted"] else "no"] for r in rows])
 
 
 @query.command()

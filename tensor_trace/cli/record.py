@@ -36,6 +36,9 @@ def launcher_run_id(cmd) -> str | None:
 @click.option("--lineage-every", type=click.IntRange(min=1), default=32, show_default=True,
               help="Watch ops for lineage in the first 2 traced steps of each kind, then in every "
                    "Nth step of that kind (1: every step).")
+@click.option("--fingerprint-every", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Take value fingerprints in the first 4 traced steps of each kind, then in every Nth "
+                   "step of that kind (1: every step); spans are recorded on every step.")
 @click.option("--intercept", type=click.Choice(["call", "hooks"]), default="call", show_default=True,
               help="How module calls are seen: 'call' wraps torch.nn.Module.__call__ while steps are "
                    "traced (cheapest); 'hooks' registers global forward pre/post hooks instead.")
@@ -45,7 +48,7 @@ def launcher_run_id(cmd) -> str | None:
                    "exported, else a new one); a folder already holding this run is joined.")
 @click.option("--replace", is_flag=True, help="Overwrite a run already recorded in the folder.")
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED, required=True)
-def record(out_dir, modules, exclude, steps, no_fingerprint, no_lineage, lineage_every, intercept,
+def record(out_dir, modules, exclude, steps, no_fingerprint, no_lineage, lineage_every, fingerprint_every, intercept,
            otlp_endpoint, run_id, replace, cmd):
     """Run CMD with every Python process it starts traced; print a summary; exit with CMD's code."""
     from tensor_trace.exporters.formats.summary import format_summary, summarize
@@ -65,6 +68,7 @@ def record(out_dir, modules, exclude, steps, no_fingerprint, no_lineage, lineage
     config = TraceConfig(out_dir=out_dir, run_id=shared_id or uuid.uuid4().hex[:16], modules=list(modules),
                          exclude=list(exclude), steps=window, fingerprint=not no_fingerprint,
                          lineage=not no_lineage, lineage_every=lineage_every,
+                         fingerprint_every=fingerprint_every,
                          intercept=intercept, otlp_endpoint=otlp_endpoint)
     prepare_out_dir(out_dir, replace, run_id=shared_id)
     code = run_traced(list(cmd), config)

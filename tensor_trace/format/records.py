@@ -36,6 +36,7 @@ class StepBegin(NamedTuple):
     root: int  # string id
     mono_ns: int
     attrs: dict | None
+    fingerprinted: bool | None = None  # None: not said (an older tracer's file)
 
 
 class StepEnd(NamedTuple):

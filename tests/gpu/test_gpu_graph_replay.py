@@ -70,9 +70,10 @@ def test_replays_match_eager_steps_of_the_same_inputs(tmp_path, dtype, tp):
     run = [*launcher(tp), EXAMPLE, *common]
     plain, traced = tmp_path / "plain.json", tmp_path / "traced.json"
     _run([*run, "--cuda-graph", "--out", str(plain)])
-    _run(["-m", "tensor_trace", "record", "-o", str(tmp_path / "graph"), "--",
+    # every eager step fingerprinted: each is compared with a replay (always fingerprinted)
+    _run(["-m", "tensor_trace", "record", "-o", str(tmp_path / "graph"), "--fingerprint-every", "1", "--",
           sys.executable, *run, "--cuda-graph", "--out", str(traced)])
-    _run(["-m", "tensor_trace", "record", "-o", str(tmp_path / "eager"), "--",
+    _run(["-m", "tensor_trace", "record", "-o", str(tmp_path / "eager"), "--fingerprint-every", "1", "--",
           sys.executable, *run, "--out", str(tmp_path / "eager.json")])
     got = replays_against_eager(tmp_path / "eager", tmp_path / "graph")
     print(f"TP={tp} {dtype}: {got['replayed_steps']} replays, {got['points']} points against eager")
@@ -94,7 +95,7 @@ def test_compare_eager_with_replays_and_name_a_stale_input_buffer(tmp_path):
     common = ["--device", "cuda", "--dtype", "float32", "--steps", "5", "--batch", "4", "--seq", "8"]
     runs = {"eager": [], "graph": ["--cuda-graph"], "stale": ["--cuda-graph", "--bug-stale-graph-input"]}
     for name, extra in runs.items():
-        _run(["-m", "tensor_trace", "record", "-o", str(tmp_path / name), "--",
+        _run(["-m", "tensor_trace", "record", "-o", str(tmp_path / name), "--fingerprint-every", "1", "--",
               sys.executable, EXAMPLE, *common, *extra])
 
     def compare(b):

@@ -30,20 +30,22 @@ class ExampleTraces:
         self.root = root
         self.recorded: dict = {}
 
-    def original(self, tp: int, options=EXAMPLE_OPTIONS) -> Path:
-        """The recording itself (read only: take a copy to merge, export or damage it)."""
-        key = (tp, tuple(options))
+    def original(self, tp: int, options=EXAMPLE_OPTIONS, record_options=()) -> Path:
+        """The recording itself (read only: take a copy to merge, export or damage it);
+        ``record_options`` are ``tensor-trace record``'s own."""
+        key = (tp, tuple(options), tuple(record_options))
         if key not in self.recorded:
             out = self.root / f"run{len(self.recorded)}-tp{tp}"
-            record(out, [TORCHRUN, "--standalone", "--nproc-per-node", str(tp), TP_LLAMA, *options], timeout=240)
+            record(out, [TORCHRUN, "--standalone", "--nproc-per-node", str(tp), TP_LLAMA, *options],
+                   *record_options, timeout=240)
             self.recorded[key] = out
         return self.recorded[key]
 
-    def copy(self, tp: int, dest, options=EXAMPLE_OPTIONS) -> str:
+    def copy(self, tp: int, dest, options=EXAMPLE_OPTIONS, record_options=()) -> str:
         """A fresh trace folder at ``dest`` with the recording's run.json and rank files, written
         now (not copying their times: a store is stale when a rank file is newer, as after a
         recording, and test_merge_query.py moves a store's time back a minute to make it so)."""
-        shutil.copytree(self.original(tp, options), dest, ignore=shutil.ignore_patterns("merged.sqlite*"),
+        shutil.copytree(self.original(tp, options, record_options), dest, ignore=shutil.ignore_patterns("merged.sqlite*"),
                         copy_function=shutil.copyfile)
         return str(dest)
 

@@ -155,3 +155,28 @@ def test_standard_otel_variables_are_honoured(trace):
     assert all(m.get("x-team") == "inference" and m.get("x-oncall") == "2am" for m in receiver.metadata)
     spans = flatten(receiver.requests)
     assert {s["resource"]["tensor_trace.tp_rank"] for s in spans} == {0, 1}  # the one TP group
+
+
+def test_http_batch_over_the_size_limit_is_split_not_dropped():
+    """The SDK drops a request over its max_request_size whole; a SpanBatch over it goes as
+    smaller requests, each under the limit, every span received once."""
+    from tensor_trace.format.otlp_encode import SpanBatch, SpanRow
+    from tensor_trace.tracer.live_otlp import export_ok, make_exporter
+
+    batch = SpanBatch("tensor-trace", "v")
+    for i in range(100):
+        res = (("service.name", "tensor-trace"), ("tensor_trace.rank", i % 2))
+        batch.add(SpanRow(res, f"s{i}", 7, 100 + i, None, 5, 9, {"module.path": f"layers.{i}", "step": 3}))
+    limit = len(batch.serialized()) // 5
+    with HttpReceiver() as receiver:
+        exporter, _ = make_exporter(f"http://127.0.0.1:{receiver.port}", "http", 5.0, max_request_size=limit)
+        try:
+            assert export_ok(exporter, batch)
+            one = SpanBatch("tensor-trace", "v")
+            one.add(SpanRow((("service.name", "x" * limit),), "big", 7, 1, None, 5, 9, {}))
+            assert not export_ok(exporter, one)  # a single span over the limit cannot be split
+        finally:
+            exporter.shutdown()
+    assert len(receiver.requests) >= 5
+    assert all(r.ByteSize() <= limit for r in receiver.requests)
+    assert sorted(s["name"] for s in flatten(receiver.requests)) == sorted(f"s{i}" for i in range(100))

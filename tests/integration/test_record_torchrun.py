@@ -199,7 +199,9 @@ def test_traced_results_equal_untraced(tp_run):
     traced, plain = tp_run["traced_json"], tp_run["plain_json"]
     assert traced["tp"] == plain["tp"] == tp_run["nproc"]
     assert len(traced["steps"]) == STEPS
-    assert traced == plain  # same logits_sum, draft_sum and argmax, exactly
+    assert traced.keys() == plain.keys()
+    assert traced["steps"] == plain["steps"]  # same logits_sum, draft_sum and argmax, exactly
+    assert len(traced["step_wall_s"]) == STEPS  # (times differ from run to run)
     # and the trace saw the same values: the root's first output is the gathered logits
     rank0 = tp_run["traces"][0]
     for rec in traced["steps"]:

@@ -54,3 +54,22 @@ def test_record_lineage_every_option(tmp_path, monkeypatch):
     r = CliRunner().invoke(main, ["record", "-o", out, "--replace", "--intercept", "hooks", "--", "true"])
     assert got["cfg"].intercept == "hooks", r.output
     assert TraceConfig.from_env(got["cfg"].to_env()).intercept == "hooks"
+
+
+def test_record_fingerprint_every_option(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from tensor_trace.cli import main
+    from tensor_trace.tracer import launch
+
+    got = {}
+    monkeypatch.setattr(launch, "run_traced", lambda cmd, config: got.setdefault("cfg", config) and 0)
+    out = str(tmp_path / "t")
+    r = CliRunner().invoke(main, ["record", "-o", out, "--", "true"])
+    assert got["cfg"].fingerprint_every == TraceConfig().fingerprint_every == 8, r.output
+    got.clear()
+    r = CliRunner().invoke(main, ["record", "-o", out, "--replace", "--fingerprint-every", "1", "--", "true"])
+    assert got["cfg"].fingerprint_every == 1, r.output
+    assert TraceConfig.from_env(got["cfg"].to_env()).fingerprint_every == 1
+    r = CliRunner().invoke(main, ["record", "-o", out, "--replace", "--fingerprint-every", "0", "--", "true"])
+    assert r.exit_code == 2 and "fingerprint-every" in r.output

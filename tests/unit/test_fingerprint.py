@@ -72,7 +72,7 @@ def test_inference_tensor_reuse_is_one_shot():
 
 
 def test_host_values_through_numpy_equal_torch_and_fall_back_without_it(monkeypatch):
-    from tensor_trace.tracer import fingerprint as fp_mod
+    from tensor_trace.tracer import fingerprint as fp_mod, host_values
 
     torch.manual_seed(1)
     full = torch.randn(6, 10)
@@ -84,7 +84,7 @@ def test_host_values_through_numpy_equal_torch_and_fall_back_without_it(monkeypa
         assert math.isclose(q, f.pow(2).sum().item(), rel_tol=1e-5)
     assert fp_mod._host_pair(torch.randn(3, dtype=torch.bfloat16)) is None  # numpy has no bf16
     assert type(fp_mod._pair(torch.randn(3, dtype=torch.bfloat16))[0]) is torch.Tensor
-    monkeypatch.setattr(fp_mod, "_numpy", [None])  # no numpy: torch reductions, same values
+    monkeypatch.setattr(host_values, "_numpy", [None])  # no numpy: torch reductions, same values
     assert fp_mod._host_pair(full) is None
     s, l2 = fp_mod._pair(full)
     assert math.isclose(float(s), full.sum().item(), rel_tol=1e-5, abs_tol=1e-5)
@@ -204,7 +204,10 @@ def test_captured_tensor_held_twice_keeps_every_repeat():
     for step in (5, 6):  # a step of its own each: fingerprints from 0 again
         fps.add_replay(step, fps.reserve(captured.count), captured)
         fps.reset()
-    vals = _values(fps.collect(wait=True))
+    records = fps.collect(wait=True)
+    # one record a replay, repeats in place, no indices (format 2)
+    assert [(r[1], r[2], len(r[3]) // 8, r[4]) for r in records] == [(5, 0, 4, None), (6, 0, 4, None)]
+    vals = _values(records)
     assert sorted(vals) == [(s, i) for s in (5, 6) for i in range(4)]
     assert vals[(5, 0)] == vals[(5, 2)] == vals[(5, 3)] != vals[(5, 1)]
     assert vals[(6, 0)] == vals[(6, 2)] == vals[(6, 3)] == vals[(5, 0)]
@@ -276,3 +279,23 @@ def test_a_collective_ends_the_repeats_of_the_previous_outputs():
     fps.finish_step(0)
     vals = _values(fps.collect(wait=True))
     assert math.isclose(vals[(0, 1)][0] * 2, vals[(0, 3)][0], rel_tol=1e-5, abs_tol=1e-5)
+
+
+def test_a_step_is_one_record_in_index_order_repeats_included():
+    """Deferred values, host values (integer ids) and repeats come from apart, each with its own
+    indices: a step is still written as one record of consecutive indices, no index bytes
+    (format 2), the values those indices had."""
+    fps = StepFingerprints(defer_cuda=False, defer_cpu=True)
+    q, k, v = (torch.randn(8) for _ in range(3))
+    ids = torch.tensor([3, 1, 2])
+    assert fps.add([q, k]) == 0  # deferred
+    assert fps.add([ids]) == 2  # on the host at once
+    assert fps.add([q, k, v], store=False) == 3  # 3, 4 repeat 0, 1
+    assert fps.add([ids, v]) == 6
+    fps.finish_step(4)
+    records = fps.collect(wait=True)
+    assert [(step, first, len(data) // 8, indices) for _, step, first, data, indices in records] == [(4, 0, 8, None)]
+    vals = _values(records)
+    assert vals[(4, 3)] == vals[(4, 0)] and vals[(4, 4)] == vals[(4, 1)]
+    for i, t in ((0, q), (1, k), (2, ids), (5, v), (6, ids), (7, v)):
+        assert math.isclose(vals[(4, i)][0], t.float().sum().item(), rel_tol=1e-5, abs_tol=1e-5)

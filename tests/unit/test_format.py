@@ -130,6 +130,18 @@ def test_fingerprint_blobs_round_trip():
     assert fpf.fingerprint_refs(3, 1, -1, 5) == [-1, 5, 6]
 
 
+def test_values_of_shuffled_indices_go_in_index_order_without_indices():
+    data = fpf.encode_values([1.0, 1.5, 2.0, 2.5, 3.0, float("nan")])
+    first, dense = fpf.dense_values([11, 9, 10], data)
+    assert first == 9 and dense == fpf.encode_values([2.0, 2.5, 3.0, float("nan"), 1.0, 1.5])
+    assert fpf.decode_fingerprints(first, dense, None, {}) == fpf.decode_fingerprints(
+        0, data, fpf.encode_indices([11, 9, 10]), {})
+    assert fpf.dense_order([5, 7]) is None  # a gap: the indices stay
+    assert fpf.dense_order([5, 6, 5]) is None  # an index twice
+    assert fpf.dense_order([]) is None
+    assert fpf.dense_values([4, 4], data[:16]) is None and fpf.dense_values([4, 6], data[:16]) is None
+
+
 def test_lineage_refs():
     assert lineage_refs.decode_ref([0, 2, 5, 1]) == lineage_refs.SlotRef(2, 5, 1)
     assert lineage_refs.decode_ref([1, 2, 7]) == lineage_refs.NodeRef(2, 7)

@@ -30,9 +30,30 @@ def test_groups_are_contiguous_and_balanced(tmp_path, workers):
     check_partition(groups, files)
     assert len(groups) == min(workers + 1, 8)
     if workers == 1:
-        # Two equal halves: the merging process's share is a little smaller (it also copies the
-        # parts), which rounds to 4 of 8 equal files.
-        assert [len(g) for g in groups] == [4, 4]
+        # Tiny files: the merging process's work after loading outweighs them all; it loads one.
+        assert [len(g) for g in groups] == [1, 7]
+
+
+def sparse_files_of(tmp_path, sizes):
+    """Rank files of these sizes that take no disk (plan reads only their sizes)."""
+    paths = []
+    for k, n in enumerate(sizes):
+        p = tmp_path / f"r{k:02d}.ttr"
+        with open(p, "wb") as f:
+            f.truncate(n)
+        paths.append(str(p))
+    return paths
+
+
+@pytest.mark.parametrize("size_mb, share", [(14, 2), (140, 3)])
+def test_the_merging_process_loads_less_than_a_worker(tmp_path, size_mb, share):
+    """8 rank files of a 2M-record trace (14 MB each) and of a 20M-record one (140 MB): the
+    merging process also copies the worker's rows in and computes the verdicts afterwards, a
+    fixed cost that weighs more in the smaller trace, so it loads 2 and 3 files of 8."""
+    files = sparse_files_of(tmp_path, [size_mb << 20] * 8)
+    groups = merge_workers.plan(files, 1)
+    check_partition(groups, files)
+    assert [len(g) for g in groups] == [share, 8 - share]
 
 
 def test_uneven_files_split_by_bytes(tmp_path):

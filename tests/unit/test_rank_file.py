@@ -1,12 +1,17 @@
 """Rank files: what the writer writes the reader reads, and damage costs only the damaged part."""
 
+import json
 import os
 import random
+import sqlite3
+import zlib
 
+import msgpack
 import pytest
 
 from tensor_trace import schema
 from tensor_trace.errors import BadInput
+from tensor_trace.exporters.store.merge import merge_ranks, store_path
 from tensor_trace.exporters.store.reader import ReadReport, iter_records, load_rank_file
 from tensor_trace.tracer.writer import RankWriter
 
@@ -200,3 +205,107 @@ def test_a_traced_step_is_on_disk_once_the_process_goes_idle(tmp_path):
         assert rt.end is None  # still running: written by the idle flush, not by stop
     finally:
         tracer.stop()
+
+
+FORMAT1 = os.path.join(os.path.dirname(__file__), "data", "format1")
+
+
+def _resolved(rt) -> dict:
+    """What tests/unit/data/format1/make.py kept of a resolved rank file, as JSON has it."""
+    def tensors(ts):
+        return [[t.slot, t.shape, t.dtype, list(t.fp) if t.fp is not None else None] for t in ts]
+    return json.loads(json.dumps(dict(
+        identity=rt.identity, modules=rt.modules, groups={str(k): v for k, v in rt.groups.items()},
+        params={k: tensors(v) for k, v in rt.params.items()},
+        steps={str(s): dict(root=st.root, spans=[[sp.index, sp.parent, sp.path, sp.call, sp.t0, sp.dur, sp.flags,
+                                                  tensors(sp.tensors)] for sp in st.spans],
+                            collectives=[[c.index, c.parent, c.op, c.reduce_op, c.seq, c.bytes, c.flags,
+                                          tensors(c.tensors)] for c in st.collectives],
+                            fingerprints={str(k): list(v) for k, v in sorted(st.fingerprints.items())})
+               for s, st in sorted(rt.steps.items())})))
+
+
+def test_a_format_1_file_reads_as_its_own_version_read_it():
+    """A rank file written by the last format-1 writer (raw chunks, fingerprints with u32
+    indices and repeats apart) resolves to what that version's reader made of it."""
+    with open(os.path.join(FORMAT1, "expected.json")) as f:
+        expected = json.load(f)
+    assert expected.pop("format") == 1
+    rt = load_rank_file(os.path.join(FORMAT1, "rank.ttr"))
+    assert rt.header["format"] == 1 and rt.report.problems() == []
+    assert _resolved(rt) == expected
+    assert sum(len(st.spans) for st in rt.steps.values()) == 14
+
+
+def test_a_format_1_file_merges(tmp_path):
+    os.makedirs(tmp_path / "ranks")
+    with open(os.path.join(FORMAT1, "rank.ttr"), "rb") as src, open(tmp_path / "ranks" / "h-1.ttr", "wb") as dst:
+        dst.write(src.read())
+    merge_ranks(str(tmp_path), warn=lambda msg: None, workers=0)
+    con = sqlite3.connect(store_path(str(tmp_path)))
+    assert con.execute("SELECT COUNT(*), SUM(fp_post >= 0) FROM spans").fetchone() == (14, 14)
+    assert con.execute("SELECT COUNT(*) FROM collectives").fetchone()[0] == 4
+    (indices,) = con.execute("SELECT indices FROM fingerprints WHERE step = 0").fetchone()
+    assert indices is not None  # format 1's blob, stored as it came
+
+
+def test_an_unknown_format_version_is_refused_in_one_line(tmp_path):
+    p = tmp_path / "a.ttr"
+    _write(p, n_chunks=1)
+    data = bytearray(p.read_bytes())
+    data[len(schema.MAGIC):len(schema.FILE_PREFIX)] = (9).to_bytes(4, "little")
+    p.write_bytes(bytes(data))
+    with pytest.raises(BadInput, match=r"a.ttr: format version 9, this tensor-trace reads 1 and 2$"):
+        load_rank_file(str(p))
+
+
+def test_chunks_are_stored_compressed_unless_that_is_longer():
+    records = [[schema.SPAN, 0, i, -1, 3, 0, 1000 * i, 500, 1, -1, -1, 1, 0] for i in range(100)]
+    payload = msgpack.packb(records)
+    framed = schema.chunk(payload)
+    sync, length, crc = schema.CHUNK_HEAD.unpack_from(framed)
+    assert sync == schema.SYNC_ZLIB and length < len(payload) / 2
+    assert schema.chunk_payload(sync, framed[schema.CHUNK_HEAD.size:]) == payload
+    tiny = msgpack.packb([[schema.STEP_END, 1, 2, 3, 4]])
+    assert schema.chunk(tiny)[:4] == schema.SYNC and schema.chunk(payload, compress=False)[:4] == schema.SYNC
+    with pytest.raises(ValueError):
+        schema.chunk_payload(schema.SYNC_ZLIB, b"not zlib")
+    bomb = zlib.compress(bytes(schema.MAX_CHUNK_BYTES + 1))
+    with pytest.raises(ValueError):
+        schema.chunk_payload(schema.SYNC_ZLIB, bomb)
+
+
+def test_a_compressed_chunk_that_does_not_inflate_is_skipped(tmp_path):
+    """A chunk whose CRC holds but whose bytes do not inflate (a writer's bug, not disk damage)
+    costs that chunk only."""
+    p = tmp_path / "a.ttr"
+    _write(p, n_chunks=3)
+    data = p.read_bytes()
+    pos, spans = len(schema.FILE_PREFIX), []
+    while pos < len(data):
+        sync, length, _ = schema.CHUNK_HEAD.unpack_from(data, pos)
+        spans.append((pos, sync, length))
+        pos += schema.CHUNK_HEAD.size + length
+    assert sum(sync == schema.SYNC_ZLIB for _, sync, _ in spans) >= 3
+    at, _, length = [s for s in spans if s[1] == schema.SYNC_ZLIB][1]
+    junk = bytes(length)
+    bad = (data[:at] + schema.CHUNK_HEAD.pack(schema.SYNC_ZLIB, length, zlib.crc32(junk)) + junk
+           + data[at + schema.CHUNK_HEAD.size + length:])
+    p.write_bytes(bad)
+    rt = load_rank_file(str(p))
+    assert rt.report.corrupt_chunks == 1
+    assert 0 in rt.steps and 2 in rt.steps and len(rt.steps[2].spans) == 50
+
+
+def test_a_record_appended_to_the_queue_a_hook_read_before_a_flush_is_kept(tmp_path):
+    """A hook reads the writer's queue, runs Python code (a span's fingerprint) while the
+    writer's thread flushes, then appends: the record goes out with the next chunk (it was lost
+    when a flush swapped in a new list: 5 spans of 20,200 with a flush every 0.5 ms)."""
+    p = tmp_path / "a.ttr"
+    w = RankWriter(str(p), dict(run_id="r"), flush_interval_s=3600)
+    queue = w.pending
+    w.add((schema.ERROR, 1, "first", "m", 1))
+    w.flush()
+    queue.append((schema.ERROR, 2, "second", "m", 2))
+    w.close()
+    assert [e["where"] for e in load_rank_file(str(p)).errors] == ["first", "second"]

@@ -502,3 +502,37 @@ def test_framework_call_patterns_the_same_through_the_call_wrapper_and_the_hooks
     assert tables["call"] == tables["hooks"] and len(tables["call"][1]) > 5
     n_call = calls.index("call")
     assert n_call > 0 and calls.count(1) == 2 * n_call, calls  # both record every such call once
+
+
+def test_a_name_bound_to_a_stopped_tracers_wrapper_gets_the_new_one(tmp_path, monkeypatch):
+    """install rebinds module-level names: originals, and wrappers a stopped tracer left behind
+    (code that imported a collective while it ran); other functions are left as they are."""
+    import sys
+    import types
+
+    import torch.distributed as dist
+    from tensor_trace.tracer.patching import ORIGINAL
+
+    original = dist.all_reduce
+    user = types.ModuleType("tt_user_module")
+
+    def helper():
+        return None
+
+    user.helper = helper
+    user.early = original  # bound before tracing started
+    monkeypatch.setitem(sys.modules, user.__name__, user)
+    tracer.start(out_dir=str(tmp_path / "a"))
+    first = dist.all_reduce
+    assert user.early is first and getattr(first, ORIGINAL) is original
+    user.late = first  # bound while the first tracer ran: stale once it stops
+    tracer.stop()
+    assert user.early is original and user.late is first
+    tracer.start(out_dir=str(tmp_path / "b"))
+    try:
+        second = dist.all_reduce
+        assert second is not first and user.early is second and user.late is second
+        assert user.helper is helper
+    finally:
+        tracer.stop()
+    assert dist.all_reduce is original and user.early is original

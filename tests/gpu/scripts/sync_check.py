@@ -60,7 +60,8 @@ def _sync_calls(prof) -> dict:
 def run_block(model, ids_list, variant, tmp, steps):
     tr = None
     if variant != "plain":
-        tr = tracer.start(out_dir=os.path.join(tmp, variant), fingerprint=variant == "traced-fp")
+        tr = tracer.start(out_dir=os.path.join(tmp, variant), fingerprint=variant == "traced-fp",
+                          fingerprint_every=1)  # traced-fp: fingerprints on every step
     raised = None
     try:
         with torch.inference_mode():
