@@ -91,7 +91,8 @@ def calls_with_tracer(tmp_path, check=lambda tr: None, **options):
         plain = _per_module_call(_calls_per_step)
 
         def traced(model, x):
-            tr = tracer.start(out_dir=str(tmp_path), lineage=False, fingerprint_mode="immediate", **options)
+            tr = tracer.start(out_dir=str(tmp_path), lineage=False, fingerprint_mode="immediate",
+                              fingerprint_every=1, **options)  # (fp: fingerprints on every step)
             try:
                 counts = _calls_per_step(model, x)
                 check(tr)
