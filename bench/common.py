@@ -56,9 +56,12 @@ def _version(dist: str) -> str:
 
 def _git() -> str:
     """HEAD of the library's repository, and whether the library folders differ from it; where
-    the tree is a copy without git (a lent GPU machine), ``$BENCH_COMMIT`` as gpu_run.sh sets it."""
+    the tree is a copy (a lent GPU machine, whose copy may carry a stale ``.git``), the commit
+    named in ``$BENCH_COMMIT`` (gpu_run.sh sets it) wins."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     if not os.path.isdir(os.path.join(ROOT, ".git")) and not os.path.isfile(os.path.join(ROOT, ".git")):
-        return os.environ.get("BENCH_COMMIT", "?")
+        return "?"
     try:
         head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip()
