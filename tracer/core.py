@@ -433,6 +433,8 @@ class Tracer:
                 self.writer = None
             self.stack = []
             self.step = -1  # a forked child counts its own steps (and --steps windows)
+            self.lineage_steps = {}  # and its own steps of each kind, for both schedules
+            self.fp_steps = {}
             self.in_step = self.tracing_step = False
             self.fps = self._new_fingerprints()
             self.native_pending = True

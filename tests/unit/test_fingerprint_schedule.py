@@ -2,6 +2,8 @@
 FINGERPRINT_FIRST traced steps of each kind, then every Nth of that kind, and every step that
 records lineage; spans on every traced step."""
 
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -222,3 +224,32 @@ def test_python_api_takes_the_option_and_query_steps_says(tmp_path):
         assert [r["step"] for r in rows if r["fingerprinted"]] == [0, 1, 2, 3, 4, 6]
         (row,) = trace.sql("SELECT COUNT(DISTINCT step) FROM fingerprints WHERE step >= 0").values
         assert row == [6]
+
+
+def test_a_forked_child_starts_both_schedules_afresh(tmp_path):
+    # The child counts its own steps: its first steps of a kind are fingerprinted, whatever
+    # its parent had traced before the fork.
+    a = A()
+    tracer.start(out_dir=str(tmp_path), fingerprint_every=8)
+    try:
+        for _ in range(6):
+            a(torch.randn(2, 4))
+        pid = os.fork()
+        if pid == 0:  # the child: trace, write its rank file, leave without pytest's teardown
+            code = 1
+            try:
+                for _ in range(FINGERPRINT_FIRST + 1):
+                    a(torch.randn(2, 4))
+                tracer.stop()
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        tracer.stop()
+    files = rank_files(str(tmp_path))
+    assert len(files) == 2
+    child = next(load_rank_file(p) for p in files if load_rank_file(p).header.get("pid") == pid)
+    got = {s: st.fingerprinted for s, st in child.steps.items()}
+    assert got == {s: s < FINGERPRINT_FIRST for s in range(FINGERPRINT_FIRST + 1)}
