@@ -26,6 +26,8 @@ collective's issuing module, device time) is the export's alone.
 
 from __future__ import annotations
 
+import contextlib
+
 import collections
 import os
 import socket
@@ -315,7 +317,7 @@ def make_exporter(endpoint: str, protocol: str, timeout_s: float | None = None,
                     if self.export(half) != SpanExportResult.SUCCESS:
                         return SpanExportResult.FAILURE
                 return SpanExportResult.SUCCESS
-            with self._metrics.export_operation(len(spans)) as result:
+            with _export_operation(self, len(spans)) as result:
                 if too_large:  # one span alone
                     result.error = ValueError(f"one span of {len(data)} bytes, over max_request_size")
                     return SpanExportResult.FAILURE
@@ -340,3 +342,19 @@ def export_ok(exporter, spans) -> bool:
         return exporter.export(spans) == SpanExportResult.SUCCESS
     except Exception:
         return False
+
+
+class _Outcome:
+    error = None
+
+
+@contextlib.contextmanager
+def _bare_operation():
+    yield _Outcome()
+
+
+def _export_operation(exporter, n: int):
+    """The SDK exporter's metrics context for one export (``_metrics``, in recent SDKs), or a bare
+    one where this SDK has none: pyproject admits opentelemetry-sdk from 1.20."""
+    metrics = getattr(exporter, "_metrics", None)
+    return metrics.export_operation(n) if metrics is not None else _bare_operation()

@@ -180,3 +180,23 @@ def test_http_batch_over_the_size_limit_is_split_not_dropped():
     assert len(receiver.requests) >= 5
     assert all(r.ByteSize() <= limit for r in receiver.requests)
     assert sorted(s["name"] for s in flatten(receiver.requests)) == sorted(f"s{i}" for i in range(100))
+
+
+def test_http_batch_goes_through_an_sdk_without_export_metrics():
+    """pyproject admits opentelemetry-sdk from 1.20, whose HTTP exporter has no ``_metrics``:
+    a SpanBatch is sent all the same (it raised AttributeError on every batch)."""
+    from tensor_trace.format.otlp_encode import SpanBatch, SpanRow
+    from tensor_trace.tracer.live_otlp import export_ok, make_exporter
+
+    batch = SpanBatch("tensor-trace", "v")
+    for i in range(3):
+        batch.add(SpanRow((("service.name", "tensor-trace"),), f"s{i}", 7, 100 + i, None, 5, 9, {}))
+    with HttpReceiver() as receiver:
+        exporter, _ = make_exporter(f"http://127.0.0.1:{receiver.port}", "http", 5.0)
+        try:
+            exporter.__dict__.pop("_metrics", None)  # as an SDK before export metrics
+            assert not hasattr(exporter, "_metrics")
+            assert export_ok(exporter, batch)
+        finally:
+            exporter.shutdown()
+    assert sorted(s["name"] for s in flatten(receiver.requests)) == ["s0", "s1", "s2"]
