@@ -27,7 +27,7 @@ def run_replay(t, captured: list, fn, *args, **kwargs):
     started = None
     t.busy = True
     try:
-        if own and not _begin_replay_step(t, captured[0]):
+        if own and not _begin_replay_step(t, captured):
             own = None
         else:
             static = next((c.fps.static for c in captured
@@ -79,7 +79,8 @@ def _record_replays(t, captured, started, t0, t1) -> None:
     t.stats["graph_replays"] = t.stats.get("graph_replays", 0) + 1
 
 
-def _begin_replay_step(t, c) -> bool:
+def _begin_replay_step(t, captured) -> bool:
+    c = captured[0]
     t.step += 1
     if not t.config.in_window(t.step):
         t.stats["steps_skipped"] += 1
@@ -87,8 +88,10 @@ def _begin_replay_step(t, c) -> bool:
     t.ensure_writer()
     t.in_step = t.tracing_step = True
     t.capturing = False
-    # Fingerprinted whatever the schedule: the graph's own kernels computed the values already
-    steps.open_traced_step(t, t.fingerprint)
+    # Fingerprinted whatever the schedule, where the graph holds fingerprint kernels (they
+    # computed the values already); a capture not begun through capture_begin holds none, and
+    # its replays must not claim values that never come.
+    steps.open_traced_step(t, t.fingerprint and any(x.fps is not None for x in captured))
     t.span_flags = 0
     t.step_root = t.step_frame = None
     path, cls = c.root
