@@ -202,13 +202,15 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
     return 0;
   }
   Py_DECREF(next);
+  // Own what is borrowed from the tracer's containers before fingerprint_input runs Python
+  // (torch ops that may let go of the GIL), which may change them.
+  c.stack = Py_NewRef(stack);
+  c.parent = Py_NewRef(PyList_GET_ITEM(top, top_selected ? 1 : 2));
+  c.path_id = Py_NewRef(path_id);
   c.fp_pre = c.fp ? fingerprint_input(self, args[0]) : PyLong_FromLong(-1);
   if (c.fp_pre == nullptr) return -1;
   for (Py_ssize_t i = 0; i < n; ++i) PyTuple_SET_ITEM(c.args, i, Py_NewRef(args[i]));
   c.module = module;
-  c.stack = Py_NewRef(stack);
-  c.parent = Py_NewRef(PyList_GET_ITEM(top, top_selected ? 1 : 2));
-  c.path_id = Py_NewRef(path_id);
   c.t0 = now_ns();
   PyObject* t0 = PyLong_FromLongLong(c.t0);
   if (t0 == nullptr) return 0;

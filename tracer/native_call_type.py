@@ -9,6 +9,7 @@ PyObject* active_call = nullptr;
 ternaryfunc lookup_slot = nullptr;  // the slot that looks __call__ up (CPython's), as first seen
 
 PyObject* traced_tp_call(PyObject* module, PyObject* args, PyObject* kwargs) {
+  if (active_call == nullptr) return lookup_slot(module, args, kwargs);  // closed: CPython's own
   Py_ssize_t n = PyTuple_GET_SIZE(args);
   Py_ssize_t nk = kwargs == nullptr ? 0 : PyDict_GET_SIZE(kwargs);
   PyObject* small[8];
@@ -32,7 +33,10 @@ PyObject* traced_tp_call(PyObject* module, PyObject* args, PyObject* kwargs) {
       ++j;
     }
   }
-  PyObject* r = traced_call_vector(active_call, stack, static_cast<size_t>(1 + n), kwnames);
+  // A strong reference for the call: the tracer may close (and drop) it from inside this call.
+  PyObject* handle = Py_NewRef(active_call);
+  PyObject* r = traced_call_vector(handle, stack, static_cast<size_t>(1 + n), kwnames);
+  Py_DECREF(handle);
   Py_XDECREF(kwnames);
   return r;
 }
@@ -93,6 +97,9 @@ void traced_call_dealloc(PyObject* self) {
 
 PyObject* traced_call_close(PyObject* self, PyObject*) {
   reinterpret_cast<TracedCall*>(self)->active = 0;
+  // Classes whose slot is still patched call CPython's own slot from now on, so the module
+  // global no longer keeps this object, and through it the tracer, alive for the process.
+  if (active_call == self) Py_CLEAR(active_call);
   Py_RETURN_NONE;
 }
 
