@@ -182,8 +182,10 @@ def _fmt(w: Whole) -> str:
 
 def compare(con_a, con_b, pattern: str | None = None, steps=None, vector: bool = True) -> dict:
     """The contract's ``compare`` object: ``first_divergence``, ``points``, ``tolerance``
-    (plus ``steps``, the pairs compared, ``unpaired``, and ``steps_not_fingerprinted``: pairs
-    left out because a side's step took no fingerprints). ``vector``: settle the plain points
+    (plus ``steps``, the pairs whose values were compared, ``unpaired``, and
+    ``steps_not_fingerprinted``: pairs whose values were not compared because a side's step took
+    no fingerprints; their structure, shapes and dtypes still are, so a point in one run only or
+    a changed layout on such a step is reported). ``vector``: settle the plain points
     of aligned steps by columns (``compare_vector``; the same results), else point by point."""
     a, b = Side(con_a, "A"), Side(con_b, "B")
     explicit = parse_steps(steps)
@@ -192,7 +194,8 @@ def compare(con_a, con_b, pattern: str | None = None, steps=None, vector: bool =
     if not pairs:
         raise NoAnswer(f"no step of A pairs with a step of B (A has {len(a.steps)} complete step(s), B "
                        f"{len(b.steps)}, of other kinds); pair them with --steps A:B")
-    pairs, no_values = with_values(a, b, pairs)
+    valued, no_values = with_values(a, b, pairs)
+    skip_values = set(no_values)
 
     def wanted(key) -> bool:
         if pattern is None:
@@ -227,6 +230,15 @@ def compare(con_a, con_b, pattern: str | None = None, steps=None, vector: bool =
         for key in only_b:
             _result(results, key, da, db)["in_b"] = True
         entries = common
+        if (sa, sb) in skip_values:
+            # no fingerprints on a side: the point is in both runs, its values are not compared
+            for key, *_ in common:
+                r = results.get(key)
+                if r is None or not r["in_b"] or not r["in_a"]:
+                    r = _result(results, key, da, db)
+                    r["in_a"] = r["in_b"] = True
+                r["unvalued"] = True
+            continue
         if m is not None and da.values is not None and db.values is not None:
             vec = vectors.get(plan_key)
             if vec is None:
@@ -291,7 +303,8 @@ def compare(con_a, con_b, pattern: str | None = None, steps=None, vector: bool =
                    placement_a=ent_a[1] if ent_a else None, placement_b=ent_b[1] if ent_b else None,
                    steps_compared=r["steps"])
         if status == NOT_COMPARABLE:
-            row["reason"] = r["reason"] or "no step of both runs holds it"
+            row["reason"] = r["reason"] or ("values not compared: no step pair holding it was fingerprinted in "
+                                            "both runs" if r.get("unvalued") else "no step of both runs holds it")
         points.append(row)
         r["row"] = row
     if pattern and not points:
@@ -306,7 +319,7 @@ def compare(con_a, con_b, pattern: str | None = None, steps=None, vector: bool =
                                  f"A {_fmt(wa)}; B {_fmt(wb)}"),
                          evidence=_evidence(a, b, key, wa, wb, results))
     return dict(first_divergence=first_div, points=points, tolerance=tol.describe(),
-                steps=[list(p) for p in pairs], unpaired=dict(a=left_a, b=left_b),
+                steps=[list(p) for p in valued], unpaired=dict(a=left_a, b=left_b),
                 steps_not_fingerprinted=[list(p) for p in no_values],
                 groups=dict(a=dict(ranks=a.ranks, size=a.size), b=dict(ranks=b.ranks, size=b.size)))
 

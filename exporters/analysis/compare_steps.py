@@ -295,18 +295,14 @@ def pair_steps(a: Side, b: Side, explicit: list) -> tuple:
 
 def with_values(a: Side, b: Side, pairs: list) -> tuple:
     """(pairs whose steps took fingerprints in both runs, the other pairs): values are compared
-    on the first only (``record --fingerprint-every`` fingerprints some steps). Where no pair
-    has them on both sides but neither run fingerprinted any step, every pair is kept (the
-    points are then not comparable, for want of values, as before schedules existed)."""
+    on the first only (``record --fingerprint-every`` fingerprints some steps); every pair, of
+    either list, still has its structure, shapes and dtypes compared. Where neither run
+    fingerprinted any step, every pair is in the first (its points are then not comparable,
+    for want of values, as before schedules existed)."""
+    if not a.fingerprinted and not b.fingerprinted:
+        return list(pairs), []
     valued = [p for p in pairs if p[0] in a.fingerprinted and p[1] in b.fingerprinted]
-    skipped = [p for p in pairs if p not in valued]
-    if not valued and skipped:
-        if a.fingerprinted or b.fingerprinted:
-            raise NoAnswer(f"no paired step was fingerprinted in both runs (fingerprinted steps: A "
-                           f"{_step_list(a.fingerprinted)}; B {_step_list(b.fingerprinted)}): pair such steps "
-                           f"with --steps A:B, or record with --fingerprint-every 1")
-        return skipped, []
-    return valued, skipped
+    return valued, [p for p in pairs if p not in valued]
 
 
 def _step_list(steps) -> str:

@@ -45,7 +45,7 @@ def echo_compare(res: dict) -> None:
     skipped = res.get("steps_not_fingerprinted") or []
     if skipped:
         click.echo(f"{len(skipped)} more step pair(s) not compared: not fingerprinted in both runs "
-                   f"(record --fingerprint-every 1 for all)")
+                   f"(structure and shapes compared, values not; record --fingerprint-every 1 for all)")
     un = res["unpaired"]
     if un["a"] or un["b"]:
         click.echo(f"unpaired steps (no step of the same kind in the other run): A {un['a'][:10]}, B {un['b'][:10]}")
