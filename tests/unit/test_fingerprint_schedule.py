@@ -199,14 +199,13 @@ def test_placement_note_when_no_step_has_values(tmp_path):
 def test_compare_keeps_pairs_fingerprinted_on_both_sides():
     from types import SimpleNamespace
 
-    from tensor_trace.errors import NoAnswer
     from tensor_trace.exporters.analysis.compare_steps import with_values
 
     pairs = [(0, 0), (1, 1), (2, 5), (3, 6)]
     a, b = SimpleNamespace(fingerprinted={0, 1, 2, 3}), SimpleNamespace(fingerprinted={0, 1, 6})
     assert with_values(a, b, pairs) == ([(0, 0), (1, 1), (3, 6)], [(2, 5)])
-    with pytest.raises(NoAnswer, match="no paired step was fingerprinted in both runs"):
-        with_values(a, b, [(2, 5)])
+    # no pair with values on both sides: every pair's structure is still compared, values on none
+    assert with_values(a, b, [(2, 5)]) == ([], [(2, 5)])
     # runs without any fingerprints (--no-fingerprint): the pairs stay (their points: not comparable)
     none = SimpleNamespace(fingerprinted=set())
     assert with_values(none, none, pairs) == (pairs, [])
