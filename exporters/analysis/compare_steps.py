@@ -45,7 +45,7 @@ class Side:
             self.points[(module, call, slot)] = (name, placement, reduction, items)
         ph = ",".join("?" * len(self.procs))
         rows = con.execute(
-            f"SELECT step, attrs, MIN(COALESCE(fingerprinted, 1)) FROM steps WHERE proc IN ({ph}) "
+            f"SELECT step, attrs, MIN(COALESCE(fingerprinted, 0)) FROM steps WHERE proc IN ({ph}) "
             f"AND t_end IS NOT NULL AND span_first IS NOT NULL AND NOT interrupted "
             f"GROUP BY step HAVING COUNT(*) = ? ORDER BY step", (*self.procs, len(self.procs))).fetchall()
         self._plans: dict = {}  # a step's span structure -> Plan

@@ -102,7 +102,7 @@ def group_steps(con, procs) -> list:
     fingerprints in it (``record --fingerprint-every``: only some steps do)."""
     ph = ",".join("?" * len(procs))
     rows = con.execute(
-        f"SELECT step, root, attrs, MIN(COALESCE(fingerprinted, 1)) FROM steps WHERE proc IN ({ph}) "
+        f"SELECT step, root, attrs, MIN(COALESCE(fingerprinted, 0)) FROM steps WHERE proc IN ({ph}) "
         f"AND t_end IS NOT NULL GROUP BY step HAVING COUNT(*) = ? ORDER BY step", (*procs, len(procs))).fetchall()
     out = []
     for step, root, attrs, fingerprinted in rows:

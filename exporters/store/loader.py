@@ -14,7 +14,7 @@ import msgpack
 from tensor_trace import progress, schema
 from tensor_trace.errors import BadInput
 from tensor_trace.exporters.store.merge_align import SequenceDigest, text_code
-from tensor_trace.exporters.store.reader import ReadReport, fingerprinted_by_default, iter_chunks
+from tensor_trace.exporters.store.reader import ReadReport, iter_chunks, step_fingerprinted
 from tensor_trace.exporters.store.tables import insert_rows
 from tensor_trace.format.records import RecordResolver
 
@@ -333,13 +333,13 @@ class FileLoader:
         if not self.header:
             raise BadInput(f"{self.path}: no header (damaged at its start)")
         steps = self.steps
+        begun = set(steps)  # the steps whose STEP_BEGIN was read
         for step in ranges:
             steps.setdefault(step, ["", None, None, 0, 0, "{}", None])
-        every_step = fingerprinted_by_default(self.header)
         self.con.executemany("INSERT INTO steps VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                              [(proc, k, *v[:6], *ranges.get(k, (None, None)),
                                int(k in self.interrupted or v[2] is None), None,
-                               int(every_step if v[6] is None else bool(v[6])))
+                               _int_or_none(step_fingerprinted(self.header, k in begun, v[6])))
                               for k, v in sorted(steps.items())])
         if self.step_device:
             self.con.executemany("UPDATE steps SET device_ns=? WHERE proc=? AND step=?", self.step_device)
@@ -476,3 +476,7 @@ def load_file(con, proc: int, path: str, g) -> FileResult:
             con.execute(f"DELETE FROM {table} WHERE proc=?", (proc,))
         return FileResult(proc, path, skipped=str(exc))
     return FileResult(proc, path, loader)
+
+
+def _int_or_none(x):
+    return None if x is None else int(x)

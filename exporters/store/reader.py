@@ -223,6 +223,7 @@ def load_rank_file(path: str) -> RankTrace:
     resolver = RecordResolver()
     strings = resolver.strings
     steps: dict = {}
+    begun: set = set()  # the steps whose STEP_BEGIN was read
     errors: list = []
     header: dict = {}
     identity: dict = {}
@@ -272,6 +273,7 @@ def load_rank_file(path: str) -> RankTrace:
                 st = step_of(begin.step)
                 st.root, st.t_begin, st.attrs = strings.get(begin.root, ""), begin.mono_ns, begin.attrs or {}
                 st.fingerprinted = begin.fingerprinted
+                begun.add(begin.step)
             elif kind == schema.STEP_END:
                 step_of(rec[1]).t_end = decode(rec).mono_ns
             elif kind == schema.FINGERPRINTS:
@@ -299,10 +301,8 @@ def load_rank_file(path: str) -> RankTrace:
         for t, ref in plist:
             t.fp = static.get(ref)
         params[path_] = [t for t, _ in plist]
-    every_step = fingerprinted_by_default(header)
     for st in steps.values():
-        if st.fingerprinted is None and st.root:
-            st.fingerprinted = every_step
+        st.fingerprinted = step_fingerprinted(header, st.step in begun, st.fingerprinted)
         # In issue order: a functional collective's record is written once it was waited.
         st.collectives.sort(key=lambda c: c.index)
         if device_ns:
@@ -316,6 +316,17 @@ def load_rank_file(path: str) -> RankTrace:
               for gid, g in resolver.groups.items()}
     modules = {p: "?" if cls is None else cls for p, cls in resolver.modules.items()}
     return RankTrace(path, header, identity, steps, modules, groups, errors, end, report, params)
+
+
+def step_fingerprinted(header: dict, begun: bool, flag) -> bool | None:
+    """Whether a step took fingerprints, as loader and reader both store it: its STEP_BEGIN's
+    flag; the header's default where that record carries none (an older tracer); None
+    (unknown) where no STEP_BEGIN of the step was read (lost in a damaged chunk). Analysis
+    treats None as not known to be fingerprinted: such a step's values are not sampled first
+    nor compared."""
+    if not begun:
+        return None
+    return fingerprinted_by_default(header) if flag is None else bool(flag)
 
 
 def fingerprinted_by_default(header: dict) -> bool:

@@ -252,3 +252,25 @@ def test_a_forked_child_starts_both_schedules_afresh(tmp_path):
     child = next(load_rank_file(p) for p in files if load_rank_file(p).header.get("pid") == pid)
     got = {s: st.fingerprinted for s, st in child.steps.items()}
     assert got == {s: s < FINGERPRINT_FIRST for s in range(FINGERPRINT_FIRST + 1)}
+
+
+def test_a_step_without_its_step_begin_is_not_known_to_be_fingerprinted(tmp_path):
+    from tensor_trace.exporters.analysis.verdicts import sample_steps
+    from tensor_trace.exporters.store.reader import step_fingerprinted
+
+    on, off = {"config": {"fingerprint": True}}, {"config": {"fingerprint": False}}
+    assert step_fingerprinted(on, False, None) is None and step_fingerprinted(off, False, None) is None
+    assert step_fingerprinted(on, True, None) is True and step_fingerprinted(off, True, None) is False
+    assert step_fingerprinted(off, True, 1) is True and step_fingerprinted(on, True, 0) is False
+    # unknown (NULL, its STEP_BEGIN lost) is not sampled before steps known to hold values
+    con = _store(tmp_path, [(0, s, "decode", None if s < 3 else int(s % 2)) for s in range(12)])
+    assert sample_steps(con, [0]) == [3, 5, 7]
+
+
+def test_loader_and_reader_store_the_same_flags(tmp_path):
+    from tensor_trace.exporters import pipeline as mg
+
+    got = _run(tmp_path, 12, fingerprint_every=3, lineage=False)
+    con = mg.open_store(str(tmp_path))
+    stored = dict(con.execute("SELECT step, fingerprinted FROM steps"))
+    assert stored == {s: int(st.fingerprinted) for s, st in got.items()}
