@@ -224,20 +224,22 @@ def _fp_text(p: dict) -> str:
 def steps(con, where: dict | None = None) -> list[dict]:
     """Traced steps, one row per process and step, with their attrs (forward mode, batch size,
     tokens, and for SGLang the model that ran and ``draft`` for an EAGLE draft worker's
-    forward) and whether each took fingerprints (``record --fingerprint-every``), keeping those
+    forward) and whether each took fingerprints (``record --fingerprint-every``; None where its
+    step record was lost, as analysis reads it: not known to hold values), keeping those
     whose attrs equal every ``where`` item; a value is matched as its text, so ``draft=true``
     and ``batch_size=1`` match JSON true and 1."""
     where = where or {}
     rank_of = dict(con.execute("SELECT proc, rank FROM processes"))
     out = []
     for proc, step, root, attrs, n_spans, n_coll, interrupted, fingerprinted in con.execute(
-            "SELECT proc, step, root, attrs, n_spans, n_collectives, interrupted, COALESCE(fingerprinted, 1) "
+            "SELECT proc, step, root, attrs, n_spans, n_collectives, interrupted, fingerprinted "
             "FROM steps ORDER BY proc, step"):
         a = json.loads(attrs) if attrs else {}
         if any(_attr_text(a.get(k)) != v for k, v in where.items()):
             continue
         out.append(dict(proc=proc, rank=rank_of.get(proc), step=step, root=root, attrs=a, spans=n_spans,
-                        collectives=n_coll, interrupted=bool(interrupted), fingerprinted=bool(fingerprinted)))
+                        collectives=n_coll, interrupted=bool(interrupted),
+                        fingerprinted=None if fingerprinted is None else bool(fingerprinted)))
     return out
 
 

@@ -127,7 +127,7 @@ def unfingerprinted_note(con, procs, step) -> str | None:
     the group: which steps of its kind did. None when it did."""
     rows = group_steps(con, procs)
     kind = next((k for s, k, fp in rows if s == step), None)
-    fp_here = con.execute(f"SELECT MIN(COALESCE(fingerprinted, 1)) FROM steps WHERE step=? AND proc IN "
+    fp_here = con.execute(f"SELECT MIN(COALESCE(fingerprinted, 0)) FROM steps WHERE step=? AND proc IN "
                           f"({','.join('?' * len(procs))})", (step, *procs)).fetchone()[0]
     if fp_here is None or fp_here:
         return None

@@ -200,7 +200,7 @@ def steps(trace_dir, where, as_json):
     echo_table(["rank", "step", "root", "attrs", "spans", "collectives", "fingerprinted"],
                [[r["rank"] if r["rank"] is not None else f"proc {r['proc']}", r["step"], r["root"],
                  " ".join(f"{k}={q._attr_text(v)}" for k, v in sorted(r["attrs"].items())), r["spans"],
-                 r["collectives"], "yes" if r["fingerprinted"] else "no"] for r in rows])
+                 r["collectives"], {True: "yes", False: "no"}.get(r["fingerprinted"], "unknown")] for r in rows])
 
 
 @query.command()

@@ -274,3 +274,15 @@ def test_loader_and_reader_store_the_same_flags(tmp_path):
     con = mg.open_store(str(tmp_path))
     stored = dict(con.execute("SELECT step, fingerprinted FROM steps"))
     assert stored == {s: int(st.fingerprinted) for s, st in got.items()}
+
+
+def test_a_step_of_unknown_fingerprinting_is_shown_and_noted_as_such(tmp_path):
+    # query steps and the placement note read a lost STEP_BEGIN (NULL) as analysis does: not
+    # known to hold values, never as fingerprinted
+    from tensor_trace.exporters import query as q
+    from tensor_trace.exporters.analysis.verdicts import unfingerprinted_note
+
+    con = _store(tmp_path, [(0, 0, "decode", 1), (0, 1, "decode", None), (0, 2, "decode", 0)])
+    assert [r["fingerprinted"] for r in q.steps(con)] == [True, None, False]
+    note = unfingerprinted_note(con, [0], 1)
+    assert note is not None and note.startswith("step 1 was not fingerprinted") and ": 0;" in note
