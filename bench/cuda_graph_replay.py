@@ -7,8 +7,12 @@ sequence, a fixed KV cache read by SDPA), batches 8 and 64. Variants, interleave
 order for R rounds after one discarded warm-up round, each block W warm-up + N timed steps:
 
 - ``replay``         a graph captured untraced, replayed;
-- ``traced-replay``  tracing on (fingerprints on); the graph is captured while traced, so
-                     its fingerprint kernels are in it; each replay is a traced step;
+- ``traced-replay``  tracing on with record's defaults; the graph is captured while traced,
+                     so its fingerprint kernels are in it; each replay is a traced step, and
+                     the fingerprint schedule (first 4 replays, then every 8th) picks the
+                     replays whose kernels read their tensors (gated off on the others);
+- ``traced-replay-fp1``  the same with every replay fingerprinted (``fingerprint_every=1``);
+- ``traced-replay-nofp`` the same without fingerprints (no kernels in the graph);
 - ``eager``          the model called eagerly;
 - ``traced-eager``   the same, traced (fingerprints on, deferred for small tensors).
 - ``traced-replay-<M>m`` (with ``--graph-defer-mib M ...``): traced replay with captures that
@@ -19,11 +23,12 @@ order for R rounds after one discarded warm-up round, each block W warm-up + N t
                      reduced, as before that kernel existed.
 
 Every step copies the next of 4 input-id tensors into the input (the graph's static buffer for
-the replays) and ends with ``torch.cuda.synchronize()``. Reported: median step time, p10..p90,
+the replays) and ends with ``torch.cuda.synchronize()``. Reported: median and mean step time
+(a schedule makes some steps dearer: the mean is what a run pays), p10..p90,
 min..max of the round medians, ratios to ``replay`` and to ``eager``; the extra graph-pool
 memory of a traced capture (peak allocated during capture, traced minus untraced) and the static
-fingerprint buffer; and, read back from a traced-replay block's rank file, how many of a replay's
-fingerprints changed when its input ids changed.
+fingerprint buffer; and, read back from a traced-replay-fp1 block's rank file (else
+traced-replay's), how many of a replay's fingerprints changed when its input ids changed.
 """
 from __future__ import annotations
 
@@ -49,8 +54,8 @@ from common import header as run_header, header_line, percentile
 from tensor_trace.tracer import fingerprint as fp_mod
 from tensor_trace.tracer import multi_tensor
 
-VARIANTS = ("replay", "traced-replay", "traced-replay-stacked", "eager", "traced-eager",
-            "traced-eager-stacked")
+VARIANTS = ("replay", "traced-replay", "traced-replay-fp1", "traced-replay-nofp",
+            "traced-replay-stacked", "eager", "traced-eager", "traced-eager-stacked")
 
 
 def capture(model, static_ids):
@@ -85,7 +90,11 @@ def run_block(variant, model, ids, static_ids, plain_graph, tmp, warmup, steps, 
         fp_mod.GRAPH_DEFER_BYTES = int(variant[len("traced-replay-"):-1]) << 20
     if variant.startswith("traced"):
         out_dir = os.path.join(tmp, f"b{block:04d}-{variant}")
-        tr = tracer.start(out_dir=out_dir, fingerprint=True, fingerprint_every=1)  # eager: every step
+        if variant == "traced-replay":  # record's defaults: fingerprints on its schedule
+            tr = tracer.start(out_dir=out_dir, fingerprint=True)
+        else:  # eager, fp1, stacked: every step; nofp: none
+            tr = tracer.start(out_dir=out_dir, fingerprint=not variant.endswith("-nofp"),
+                              fingerprint_every=1)
     try:
         if variant.startswith("traced-replay"):
             graph, _ = capture(model, static_ids)  # traced capture: not timed
@@ -120,7 +129,10 @@ def fingerprint_change(out_dir) -> dict:
     if not files:
         return {}
     rt = load_rank_file(files[0])
-    reps = [rt.steps[s] for s in sorted(rt.steps) if rt.steps[s].attrs.get("replay_of") is not None]
+    # (fingerprinted replays only; the bench's input ids cycle through 4, so under a schedule
+    # two consecutive fingerprinted replays may have had the same ids)
+    reps = [rt.steps[s] for s in sorted(rt.steps)
+            if rt.steps[s].attrs.get("replay_of") is not None and rt.steps[s].fingerprints]
     changed = total = 0
     for a, b in zip(reps, reps[1:]):
         for k, v in a.fingerprints.items():
@@ -181,6 +193,7 @@ def main(argv=None) -> int:
                     tracer.stop()
                 del g_traced
                 rng = random.Random(args.seed + batch)
+                change_from = "traced-replay-fp1" if "traced-replay-fp1" in VARIANTS else "traced-replay"
                 acc = {v: dict(times=[], round_medians=[]) for v in VARIANTS}
                 change = {}
                 for r in range(-1, args.rounds):
@@ -193,7 +206,7 @@ def main(argv=None) -> int:
                         if r >= 0:
                             acc[v]["times"] += times
                             acc[v]["round_medians"].append(percentile(times, 50))
-                            if v == "traced-replay" and not change:
+                            if v == change_from and not change:
                                 change = fingerprint_change(out_dir)
                                 change["tracer_errors"] = stats.get("errors")
                         if out_dir:
@@ -202,13 +215,16 @@ def main(argv=None) -> int:
                         print(f"  [b{batch}] round {r + 1}/{args.rounds}: " + "  ".join(
                             f"{v}={acc[v]['round_medians'][-1] / 1e6:.3f}" for v in VARIANTS), flush=True)
             med = {v: percentile(acc[v]["times"], 50) for v in VARIANTS}
+            mean = {v: sum(acc[v]["times"]) / max(1, len(acc[v]["times"])) for v in VARIANTS}
             res = dict(batch=batch, module_calls_per_step=calls, graph_fingerprints=n_fp,
                        capture_peak_bytes=dict(plain=mem_plain, traced=mem_traced, extra=mem_traced - mem_plain),
                        static_buffer_bytes=static_bytes, fingerprint_change=change, variants={})
             for v in VARIANTS:
                 t = acc[v]["times"]
                 res["variants"][v] = dict(
-                    median_ms=med[v] / 1e6, p10_ms=percentile(t, 10) / 1e6, p90_ms=percentile(t, 90) / 1e6,
+                    median_ms=med[v] / 1e6, mean_ms=mean[v] / 1e6,
+                    p10_ms=percentile(t, 10) / 1e6, p90_ms=percentile(t, 90) / 1e6,
+                    mean_vs_replay=mean[v] / mean["replay"],
                     round_median_min_ms=min(acc[v]["round_medians"]) / 1e6,
                     round_median_max_ms=max(acc[v]["round_medians"]) / 1e6,
                     vs_replay=med[v] / med["replay"], vs_eager=med[v] / med.get("eager", float("nan")),
@@ -219,20 +235,24 @@ def main(argv=None) -> int:
             results.append(res)
             print(f"\n== batch {batch}: {calls} module calls/step, {n_fp} fingerprinted tensors per replay ==")
             print(f"{'variant':<21} {'median ms':>9} {'p10..p90 ms':>17} {'round med min..max':>19} "
-                  f"{'x replay':>8} {'x eager':>8} {'paired min..max':>16}")
+                  f"{'x replay':>8} {'mean x':>8} {'x eager':>8} {'paired min..max':>16}")
             for v in VARIANTS:
                 x = res["variants"][v]
                 pr = x["paired_vs_base"]
                 print(f"{v:<21} {x['median_ms']:9.3f} {x['p10_ms']:8.3f}..{x['p90_ms']:<8.3f} "
                       f"{x['round_median_min_ms']:9.3f}..{x['round_median_max_ms']:<9.3f} "
-                      f"x{x['vs_replay']:<7.3f} x{x['vs_eager']:<7.3f} {min(pr or [math.nan]):.3f}..{max(pr or [math.nan]):.3f}")
+                      f"x{x['vs_replay']:<7.3f} x{x['mean_vs_replay']:<7.3f} x{x['vs_eager']:<7.3f} "
+                      f"{min(pr or [math.nan]):.3f}..{max(pr or [math.nan]):.3f}")
             print(f"   capture peak allocated: untraced {mem_plain / 2**20:.1f} MiB, traced "
                   f"{mem_traced / 2**20:.1f} MiB (extra {(mem_traced - mem_plain) / 2**20:.1f} MiB); "
                   f"static fingerprint buffer {static_bytes} bytes")
             print(f"   fingerprints across replays with different ids: {change}")
-            tr_ratio = res["variants"]["traced-replay"]["vs_replay"]
-            print(f"   target traced replay <= x1.05 of replay: x{tr_ratio:.3f} "
-                  f"{'PASS' if tr_ratio <= 1.05 else 'FAIL'}")
+            if "traced-replay" in VARIANTS:
+                tr = res["variants"]["traced-replay"]
+                worst = max(tr["vs_replay"], tr["mean_vs_replay"])
+                print(f"   #22 target: traced replay (record's defaults) <= x1.02 of replay, median "
+                      f"x{tr['vs_replay']:.3f} mean x{tr['mean_vs_replay']:.3f}: "
+                      f"{'PASS' if worst <= 1.02 else 'FAIL'}")
             del plain_graph
             torch.cuda.empty_cache()
     finally:

@@ -9,7 +9,8 @@
 # PARTS (default "tests ab replay chain overhead"), each under its own time limit:
 #   tests     python -m pytest tests/gpu                        (~3 min on one H200)
 #   ab        bench/fp_ab.py --batch 8 64 --rounds $AB_ROUNDS  overhead ratios, the method of record
-#   replay    bench/cuda_graph_replay.py, replay and traced-replay, $ROUNDS rounds (default 3)
+#   replay    bench/cuda_graph_replay.py, replay and traced-replay (defaults, every step, no fp),
+#             $ROUNDS rounds (default 3)
 #   chain     bench/overhead.py --workload linear-chain --device cuda   (us per module call)
 #   overhead  bench/overhead.py --workload llama8b-decode        (pooled ratios, bytes per span,
 #             torch.profiler); at TP=2 under torchrun as well where two GPUs are present
@@ -62,7 +63,7 @@ fi
 if has replay; then
   echo "== cuda_graph_replay.py"
   timeout "${REPLAY_LIMIT:-300}" python3 "$REPO/bench/cuda_graph_replay.py" --rounds "$ROUNDS" \
-      --variants replay traced-replay --json "$OUT/replay.json" 2>&1 | quiet
+      --variants replay traced-replay traced-replay-fp1 traced-replay-nofp --json "$OUT/replay.json" 2>&1 | quiet
 fi
 if has chain; then
   echo "== overhead.py --workload linear-chain --device cuda: us per module call"

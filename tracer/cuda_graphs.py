@@ -15,8 +15,10 @@ its work at capture time and leaves the rest to the graph:
   the graph rewrites and reads them at every replay, traced or not.
 - *Replay* (``CUDAGraph.replay``): a replay of such a graph is recorded as a step (or, inside a
   framework's own step such as SGLang's ``ModelRunner.forward``, as part of it): which capture
-  it replays, host time, device time from two CUDA events, and the static buffer copied to
-  pinned host memory without waiting, read once its event has completed. The merge gives the
+  it replays, host time, device time from two CUDA events, and, on a step the fingerprint
+  schedule picks, the static buffer copied to pinned host memory without waiting, read once its
+  event has completed. On the other replays the kernels are gated off (multi_tensor's
+  ``ReplayGate``: one int on the device that they read first), so they read no tensor. The merge gives the
   replayed step the captured step's spans with the replay's fingerprints, so placement and
   reduction are judged as for an eager step.
 
@@ -88,11 +90,13 @@ class GraphTracker:
                 self.origs[name] = orig
 
     def uninstall(self) -> None:
-        try:  # a replay after this point is not wrapped: order the tables' copies before it now
+        try:  # a replay after this point is not wrapped: order the tables' copies before it
+            # now, and let its fingerprint kernels read nothing (no one reads their values)
             for captured in list(self.graphs.values()):
                 for c in captured:
                     if c.fps is not None:
                         c.fps.before_replay()
+                        c.fps.read_at_replay(False)
         except Exception:
             pass
         for name, orig in self.origs.items():
@@ -160,12 +164,15 @@ class GraphTracker:
                 captured = tracker.graphs.get(graph) if tracker.graphs else None
             except TypeError:  # not a graph object we could have captured
                 captured = None
+            untraced = captured is None or not tracer.enabled
             for fps in getattr(graph, "_tensor_trace_buffers", ()):
                 try:
                     fps.before_replay()
+                    if untraced:
+                        fps.read_at_replay(False)
                 except Exception as exc:
                     tracer.on_error("graph replay", exc)
-            if captured is None or not tracer.enabled:
+            if untraced:
                 tracker.count_untraced()
                 return orig(graph, *args, **kwargs)
             return tracer.run_replay(captured, orig, graph, *args, **kwargs)

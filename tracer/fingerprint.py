@@ -118,6 +118,15 @@ class CapturedFingerprints:
         for fill in self.fills:
             fill.before_replay()
 
+    def read_at_replay(self, on: bool) -> None:
+        """Whether the graph's fingerprint kernels read their tensors at the next replays
+        (tracer/multi_tensor.py's ``ReplayGate``; the stacked part of a capture, where the
+        kernel was missing or its arena full, always runs)."""
+        for fill in self.fills:
+            gate = fill.gate
+            if gate is not None and gate.value != on:
+                gate.set(on)
+
 
 class ReplayPlan:
     """A captured step's record layout, resolved once: every replay writes the same rows, so its

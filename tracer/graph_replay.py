@@ -22,6 +22,9 @@ def run_replay(t, captured: list, fn, *args, **kwargs):
     """Run ``fn`` (the real ``CUDAGraph.replay``) as a traced replay of ``captured`` steps:
     a step of its own, or part of the step a framework has open."""
     if t.busy or (t.in_step and (not t.tracing_step or _get_ident() != t.step_thread)):
+        for c in captured:  # values that no one reads
+            if c.fps is not None:
+                c.fps.read_at_replay(False)
         return fn(*args, **kwargs)
     own = not t.in_step
     started = None
@@ -39,6 +42,15 @@ def run_replay(t, captured: list, fn, *args, **kwargs):
         own = None if not t.in_step else own
     finally:
         t.busy = False
+    # The graph's fingerprint kernels read their tensors only where the values are kept: a
+    # replay step the schedule picks, or the framework step it is part of being fingerprinted.
+    read = own is not None and t.fp_now
+    for c in captured:
+        if c.fps is not None:
+            try:
+                c.fps.read_at_replay(read)
+            except Exception as exc:
+                t.on_error("graph replay", exc)
     if own is None:
         return fn(*args, **kwargs)
     t0 = _now()
@@ -88,15 +100,18 @@ def _begin_replay_step(t, captured) -> bool:
     t.ensure_writer()
     t.in_step = t.tracing_step = True
     t.capturing = False
-    # Fingerprinted whatever the schedule, where the graph holds fingerprint kernels (they
-    # computed the values already); a capture not begun through capture_begin holds none, and
-    # its replays must not claim values that never come.
-    steps.open_traced_step(t, t.fingerprint and any(x.fps is not None for x in captured))
-    t.span_flags = 0
-    t.step_root = t.step_frame = None
     path, cls = c.root
     attrs = {k: v for k, v in (c.attrs or {}).items() if k != "captured"}
+    # Fingerprinted on the schedule of eager steps, counted apart for replays of each kind
+    # (the graph's kernels are gated off on the others), where the graph holds fingerprint
+    # kernels: a capture not begun through capture_begin holds none, and its replays must not
+    # claim values that never come.
+    fp_now = (t.fingerprint and any(x.fps is not None for x in captured)
+              and steps.replay_fingerprint_due(t, steps.step_kind(path, attrs)))
     attrs["replay_of"] = c.step
+    steps.open_traced_step(t, fp_now)
+    t.span_flags = 0
+    t.step_root = t.step_frame = None
     t.step_info = (path, cls, attrs)
     t.writer.add((schema.STEP_BEGIN, t.step, t.writer.module(path, cls), t.step_t0, attrs, t.fp_now))
     return True

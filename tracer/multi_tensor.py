@@ -120,15 +120,17 @@ def _build():
     # four int64: the address, start | end << 32 (element offsets in the tensor), out row |
     # columns << 32 (columns 0: contiguous; else rows of that many elements, ``row stride``
     # apart), and the row stride.
+    # ``gate``: one int64 of the capture's arena (``ReplayGate``); 0 makes every program read
+    # nothing, so a replay outside the fingerprint schedule costs the launch, not the reads.
     @triton.jit
-    def sum_sumsq_chunks(table, out, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
+    def sum_sumsq_chunks(table, out, gate, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
         p = tl.program_id(0).to(tl.int64)
         base = tl.load(table + 4 * p).to(tl.pointer_type(DTYPE))
         span = tl.load(table + 4 * p + 1)
         where = tl.load(table + 4 * p + 2)
         end64 = span >> 32
         start = (span - (end64 << 32)).to(tl.int32)
-        end = end64.to(tl.int32)
+        end = tl.where(tl.load(gate) != 0, end64.to(tl.int32), start)
         cols64 = where >> 32
         row = where - (cols64 << 32)
         cols = cols64.to(tl.int32)
@@ -219,18 +221,43 @@ def _row_layout(sizes, strides):
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-ARENA_ENTRIES = 16384  # int64: 4096 chunks of a captured graph (four entries each)
+ARENA_ENTRIES = 16386  # int64: the gate, a pad, and 4096 chunks of a captured graph (four each)
+
+
+class ReplayGate:
+    """Whether the fingerprint kernels of one captured graph read their tensors at a replay.
+
+    A captured kernel runs at every replay, while values are wanted only on the replays that
+    the fingerprint schedule picks (tracer/graph_replay.py). The kernels read this one int64 on
+    the device (entry 0 of the capture's arena) and read nothing when it is 0. ``set`` writes it
+    in stream order before a replay, and only when it changes: a scheduled replay costs one
+    small launch before and after it, the others none."""
+
+    __slots__ = ("flag", "value")
+
+    def __init__(self, flag):
+        self.flag = flag  # a one-element int64 view of the arena
+        self.value = 1
+
+    def set(self, on: bool) -> None:
+        value = 1 if on else 0
+        if value != self.value:
+            self.flag.fill_(value)
+            self.value = value
 
 
 class TableArena:
-    """Device memory for the tables of one capture, allocated outside the graph's pool."""
+    """Device memory for the tables of one capture, allocated outside the graph's pool; its
+    first entry is the capture's ``ReplayGate`` (on at first)."""
 
-    __slots__ = ("buf", "used")
+    __slots__ = ("buf", "used", "gate")
 
     def __init__(self, device, entries: int = ARENA_ENTRIES):
         # Zeros: where the kernel runs at once (Triton's interpreter on a CPU) it reads no tensor.
         self.buf = torch.zeros(entries, dtype=torch.int64, device=device)
-        self.used = 0
+        self.buf[0] = 1
+        self.gate = ReplayGate(self.buf[0:1])
+        self.used = 2  # (16-byte aligned tables after the gate)
 
     def take(self, n: int):
         """A slice of ``n`` entries (16-byte aligned, so the kernel's specialisation matches the
@@ -258,10 +285,10 @@ class TableFill:
     the replaying stream wait for that event (a replay may come on another stream than the
     capture's, before the copy has run)."""
 
-    __slots__ = ("table", "values", "done")
+    __slots__ = ("table", "values", "done", "gate")
 
-    def __init__(self, table, values):
-        self.table, self.values, self.done = table, values, None
+    def __init__(self, table, values, gate=None):
+        self.table, self.values, self.done, self.gate = table, values, None, gate
 
     def run(self) -> None:
         host = torch.tensor(self.values, dtype=torch.int64)
@@ -294,7 +321,8 @@ def sum_l2(tensors, capturing: bool = False, layouts=None):
 
     Returns ``(order, values, fill)``: ``values`` a ``[k, 2]`` fp32 tensor of (sum, l2 norm) on
     the tensors' device, computed in stream order, row ``i`` for ``tensors[order[i]]``; ``fill``
-    a ``TableFill`` to run after the capture ends when ``capturing``, else None. Returns None
+    a ``TableFill`` to run after the capture ends when ``capturing`` (its ``gate`` is the
+    capture's ``ReplayGate``), else None. Returns None
     when capturing without room in the capture's arena (the caller stacks them). The tensors
     must stay alive until the kernel has run (eagerly: stream order covers it; captured: the
     graph's pool keeps them for replays).
@@ -315,11 +343,11 @@ def sum_l2(tensors, capturing: bool = False, layouts=None):
         if table is None:
             return None
         out = torch.zeros((len(tensors), 2), dtype=torch.float32, device=device)
-        _state["chunks"][(len(values) // 4,)](table, out, BLOCK=BLOCK,
+        _state["chunks"][(len(values) // 4,)](table, out, arena.gate.flag, BLOCK=BLOCK,
                                               DTYPE=_state["tl_dtypes"][first.dtype],
                                               num_warps=NUM_WARPS)
         out[:, 1].sqrt_()
-        return range(len(tensors)), out, TableFill(table, values)
+        return range(len(tensors)), out, TableFill(table, values, arena.gate)
     # Eagerly the host is the bottleneck (a Triton launch costs tens of microseconds from
     # Python) and deferred tensors are small (at most DEFER_MAX_NUMEL elements, 16 chunks):
     # one launch as wide as the largest, whose surplus programs return at once.
@@ -443,16 +471,18 @@ def warm_up(device) -> bool:
             rows = torch.arange(1, 9, dtype=dtype, device=device).view(2, 4)[:, 1:3]
             sum_l2([rows], layouts=[row_layout(rows)])
             # the capture's kernel too, with a table 16-byte aligned as the arena's slices are
-            arena = TableArena(device, 16)
+            arena = TableArena(device, 18)
             table_values = capture_chunks([flat, rows], [None, row_layout(rows)], 16)
             table = arena.take(len(table_values))
             table.copy_(torch.tensor(table_values, dtype=torch.int64))
-            got = torch.zeros((2, 2), dtype=torch.float32, device=device)
-            _state["chunks"][(len(table_values) // 4,)](table, got, BLOCK=BLOCK,
-                                                        DTYPE=_state["tl_dtypes"][dtype],
-                                                        num_warps=NUM_WARPS)
-            if got.tolist() != [[10.0, 30.0], [18.0, 98.0]]:
-                raise RuntimeError(f"capture kernel self-check failed: {got.tolist()}")
+            for on, expect in ((True, [[10.0, 30.0], [18.0, 98.0]]), (False, [[0.0, 0.0]] * 2)):
+                arena.gate.set(on)
+                got = torch.zeros((2, 2), dtype=torch.float32, device=device)
+                _state["chunks"][(len(table_values) // 4,)](table, got, arena.gate.flag, BLOCK=BLOCK,
+                                                            DTYPE=_state["tl_dtypes"][dtype],
+                                                            num_warps=NUM_WARPS)
+                if got.tolist() != expect:
+                    raise RuntimeError(f"capture kernel self-check failed: {got.tolist()}")
     except Exception as exc:  # e.g. a Triton that cannot compile it: stack instead, say so once
         _state["kernel"] = None
         sys.stderr.write(f"tensor-trace: multi-tensor fingerprint kernel unavailable ({exc!r:.200}); "

@@ -122,6 +122,12 @@ def _lineage_due(t, kind) -> bool:
     return due(t.lineage_steps, kind, LINEAGE_FIRST, t.config.lineage_every)
 
 
+def replay_fingerprint_due(t, kind) -> bool:
+    """Whether a CUDA-graph replay run as a step of its own takes fingerprints: the schedule of
+    ``_fingerprint_due``, with replays of a kind counted apart from its eager steps."""
+    return due(t.fp_steps, ("replay",) + tuple(kind), FINGERPRINT_FIRST, t.config.fingerprint_every)
+
+
 def _fingerprint_due(t, kind, lineage_now: bool) -> bool:
     """Whether this (uncaptured) step takes fingerprints (``TraceConfig.fingerprint_every``).
     A step that records lineage always does: its refs name the values they carry."""

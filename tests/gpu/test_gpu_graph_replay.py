@@ -38,10 +38,13 @@ def replays_against_eager(eager_dir, graph_dir) -> dict:
     that differ, the fingerprints outside the tolerance of exporters/analysis/tolerance.py, and
     the placement/reduction verdicts that differ."""
     ce, cg = open_store(str(eager_dir)), open_store(str(graph_dir))
-    steps = [(s, json.loads(a or "{}")) for s, a in cg.execute("SELECT DISTINCT step, attrs FROM steps ORDER BY step")]
-    replays = [s for s, a in steps if a.get("replay_of") is not None]
-    out = dict(replayed_steps=len(replays), points=0, point_sets_differ=[], fingerprints_off=[], verdicts_off=[])
-    for gstep in replays:
+    steps = [(s, json.loads(a or "{}"), f) for s, a, f in cg.execute(
+        "SELECT step, attrs, MIN(fingerprinted) FROM steps GROUP BY step ORDER BY step")]
+    replays = [s for s, a, _ in steps if a.get("replay_of") is not None]
+    fingerprinted = [s for s, a, f in steps if a.get("replay_of") is not None and f]
+    out = dict(replayed_steps=len(replays), fingerprinted=fingerprinted, points=0,
+               point_sets_differ=[], fingerprints_off=[], verdicts_off=[])
+    for gstep in fingerprinted:  # (a replay the schedule skipped has no values to compare)
         e, g = points_of_step(ce, gstep - 1), points_of_step(cg, gstep)
         if e.keys() != g.keys():
             out["point_sets_differ"].append((gstep, sorted(e.keys() ^ g.keys())[:5]))
@@ -70,7 +73,7 @@ def test_replays_match_eager_steps_of_the_same_inputs(tmp_path, dtype, tp):
     run = [*launcher(tp), EXAMPLE, *common]
     plain, traced = tmp_path / "plain.json", tmp_path / "traced.json"
     _run([*run, "--cuda-graph", "--out", str(plain)])
-    # every eager step fingerprinted: each is compared with a replay (always fingerprinted)
+    # every step fingerprinted, eager and replayed: each replay is compared with an eager step
     _run(["-m", "tensor_trace", "record", "-o", str(tmp_path / "graph"), "--fingerprint-every", "1", "--",
           sys.executable, *run, "--cuda-graph", "--out", str(traced)])
     _run(["-m", "tensor_trace", "record", "-o", str(tmp_path / "eager"), "--fingerprint-every", "1", "--",
@@ -86,6 +89,26 @@ def test_replays_match_eager_steps_of_the_same_inputs(tmp_path, dtype, tp):
     assert len(plain_steps) == len(traced_steps) == 5
     assert [(p["logits_sha256"], p["draft_sha256"]) for p in plain_steps] == \
         [(t["logits_sha256"], t["draft_sha256"]) for t in traced_steps]
+
+
+def test_replays_on_a_schedule_gate_the_kernels_and_match_eager(tmp_path):
+    """Under a fingerprint schedule the graph's kernels are gated off on the replays it skips and
+    on again on the ones it picks: those still match the eager steps of the same inputs (a gate
+    left off would give zero sums; one left on, values nobody asked for, which is only cost)."""
+    common = ["--device", "cuda", "--dtype", "bfloat16", "--steps", "12", "--batch", "4", "--seq", "8"]
+    _run(["-m", "tensor_trace", "record", "-o", str(tmp_path / "graph"), "--fingerprint-every", "3", "--",
+          sys.executable, EXAMPLE, *common, "--cuda-graph"])
+    _run(["-m", "tensor_trace", "record", "-o", str(tmp_path / "eager"), "--fingerprint-every", "1", "--",
+          sys.executable, EXAMPLE, *common])
+    got = replays_against_eager(tmp_path / "eager", tmp_path / "graph")
+    print(f"schedule every 3: {got['replayed_steps']} replays, fingerprinted {got['fingerprinted']}, "
+          f"{got['points']} points against eager")
+    assert got["replayed_steps"] == 11
+    # graph-run steps 2..12 are replays 0..10: the first 4, then every 3rd
+    assert got["fingerprinted"] == [2 + n for n in range(11) if n < 4 or n % 3 == 0]
+    assert got["points"] > 0 and not got["point_sets_differ"], got["point_sets_differ"]
+    assert not got["fingerprints_off"], got["fingerprints_off"][:6]
+    assert not got["verdicts_off"], got["verdicts_off"][:6]
 
 
 def test_compare_eager_with_replays_and_name_a_stale_input_buffer(tmp_path):

@@ -194,6 +194,46 @@ def test_a_replay_inside_a_framework_step_joins_that_step(tmp_path, graphs):
     assert {k: v for k, v in in_step.items() if k in eager} == eager
 
 
+def test_replays_follow_the_fingerprint_schedule_and_gate_the_graph_kernels(tmp_path, graphs):
+    """Replays run as steps of their own take fingerprints on the schedule (first 4 of the kind,
+    then every Nth, counted apart from eager steps); on the others the graph's kernels are gated
+    off before the replay runs, and after the tracer stops they stay off."""
+    from tensor_trace.tracer.multi_tensor import ReplayGate, TableFill
+
+    model = Net().eval()
+    x = torch.randn(4, 8)
+    gate_at_replay = []
+    tr = tracer.start(out_dir=str(tmp_path), fingerprint_every=3)
+    try:
+        with torch.no_grad():
+            for _ in range(6):
+                model(x)                  # steps 0-5: eager, their own schedule
+            g, _ = _capture(model, x)     # step 6: captured
+            (cap,) = tr.graphs.graphs[g]
+            # On a GPU the kernel's table comes with the capture's gate; a stand-in one here.
+            gate = ReplayGate(torch.ones(1, dtype=torch.int64))
+            cap.fps.fills.append(TableFill(torch.zeros(4, dtype=torch.int64), [0] * 4, gate))
+            g.on_replay = lambda: gate_at_replay.append(int(gate.flag.item()))
+            for _ in range(9):
+                g.replay()                # steps 7-15
+    finally:
+        tracer.stop()
+    g.replay()                            # untraced: no one reads the values
+    rt = load_rank_file(rank_files(str(tmp_path))[0])
+    replays = [rt.steps[s] for s in range(7, 16)]
+    assert all(st.attrs == {"replay_of": 6} for st in replays)
+    due = [n < 4 or n % 3 == 0 for n in range(9)]  # the 5th eager-step count does not carry over
+    assert [bool(st.fingerprints) for st in replays] == due
+    assert gate_at_replay == [int(d) for d in due] + [0]
+    fp_base = [r[5] for r in iter_records(rank_files(str(tmp_path))[0]) if r[0] == schema.REPLAY]
+    assert [b >= 0 for b in fp_base] == due
+    merge_ranks(str(tmp_path))
+    con = open_store(str(tmp_path))
+    flags = [r[0] for r in con.execute(
+        "SELECT fingerprinted FROM steps WHERE step BETWEEN 7 AND 15 ORDER BY step")]
+    assert flags == [int(d) for d in due]
+
+
 def test_no_fingerprint_replays_keep_structure(tmp_path, graphs):
     model = Net().eval()
     tracer.start(out_dir=str(tmp_path), fingerprint=False)

@@ -25,6 +25,7 @@ def test_kernel_values_and_bookkeeping_under_interpreter():
     assert report["hook_table_launches"] == [4, 1]  # one kind: the hooks' table, launched once
     assert report["capture_table_filled"] == 5
     assert report["capture_chunks"] == 50  # one program per chunk, contiguous and row-strided
+    assert report["gated_off_sums"] == 0.0  # a replay the schedule skips: the kernel reads nothing
     assert report["capture_chunks_short_arena"] == 7  # 16 times as long: the first that fits in 7
 
 

@@ -158,7 +158,7 @@ captured = fps.finish_capture()
 assert not fps.capturing and fps.defer_bytes > (64 << 20)
 assert len(captured.fills) == 1, captured.fills
 table = captured.fills[0].table
-assert table.data_ptr() == arena.buf.data_ptr(), "the table is a slice of the arena"
+assert table.data_ptr() == arena.buf[2:].data_ptr(), "the table is a slice of the arena, after its gate"
 n_chunks = 1 + 1 + 41 + 6 + 1  # 32 and 48 elements; 40 chunks and 3; 5 rows of CC + 100: 6
 #                               chunks; an empty tensor: one chunk that reads nothing
 assert table.numel() == 4 * n_chunks and table.eq(0).all(), table  # not filled during the "capture"
@@ -174,13 +174,15 @@ for row, t in enumerate(group):
         expect.append([t.data_ptr(), start + (min(n, start + CC) << 32), where,
                        0 if layout is None else layout[1]])
 assert entries == expect, (entries[:3], expect[:3])
-assert arena.buf[4 * n_chunks:].eq(0).all()
+assert arena.buf[2 + 4 * n_chunks:].eq(0).all() and arena.buf[0].item() == 1  # the gate: on
 
 
-def run_chunks(table, k, dtype):
+def run_chunks(table, k, dtype, gate=None):
     out = torch.zeros(k, 2)
+    if gate is None:
+        gate = torch.ones(1, dtype=torch.int64)
     multi_tensor._state["chunks"][(table.numel() // 4,)](
-        table, out, BLOCK=multi_tensor.BLOCK, DTYPE=multi_tensor._state["tl_dtypes"][dtype])
+        table, out, gate, BLOCK=multi_tensor.BLOCK, DTYPE=multi_tensor._state["tl_dtypes"][dtype])
     return out
 
 
@@ -193,6 +195,14 @@ def check_values(out, ts):
 
 
 check_values(run_chunks(table, len(group), torch.float32), group)  # what a replay computes
+# A replay outside the fingerprint schedule: the capture's gate off, its kernel reads nothing.
+gate = captured.fills[0].gate
+assert gate is arena.gate
+captured.read_at_replay(False)
+assert arena.buf[0].item() == 0
+report["gated_off_sums"] = run_chunks(table, len(group), torch.float32, gate.flag).abs().sum().item()
+captured.read_at_replay(True)
+check_values(run_chunks(table, len(group), torch.float32, gate.flag), group)
 # A short arena: longer chunks, the same values.
 multi_tensor.begin_capture(torch.device("cpu"))
 multi_tensor._state["arena"].used = multi_tensor.ARENA_ENTRIES - 4 * 7
