@@ -254,8 +254,11 @@ class TableArena:
 
     def __init__(self, device, entries: int = ARENA_ENTRIES):
         # Zeros: where the kernel runs at once (Triton's interpreter on a CPU) it reads no tensor.
-        self.buf = torch.zeros(entries, dtype=torch.int64, device=device)
-        self.buf[0] = 1
+        # Not an inference tensor, though captured under inference_mode: the gate is written
+        # before replays that may run outside it (an inference tensor cannot be, there).
+        with torch.inference_mode(False):
+            self.buf = torch.zeros(entries, dtype=torch.int64, device=device)
+            self.buf[0] = 1
         self.gate = ReplayGate(self.buf[0:1])
         self.used = 2  # (16-byte aligned tables after the gate)
 

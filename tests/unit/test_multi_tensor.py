@@ -37,3 +37,31 @@ def test_kernel_not_used_without_opt_in_on_cpu():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the interpreter is on in this process")
     assert not multi_tensor.usable(torch.ones(3))
+
+
+def test_replay_gate_of_an_arena_made_under_inference_mode_is_written_outside_it():
+    """SGLang captures under inference_mode and may replay (and the tracer stops) outside it:
+    the gate must stay writable, and is written only when its value changes."""
+    import torch
+
+    from tensor_trace.tracer import multi_tensor
+
+    with torch.inference_mode():
+        arena = multi_tensor.TableArena(torch.device("cpu"), 18)
+    gate = arena.gate
+    assert arena.buf[0].item() == 1 and gate.value == 1 and arena.used == 2
+    flag, writes = gate.flag, []
+
+    class Counting:  # the gate's one-element view, its device writes counted
+        def fill_(self, v):
+            writes.append(v)
+            return flag.fill_(v)
+
+    gate.flag = Counting()
+    with torch.no_grad():
+        gate.set(False)
+        gate.set(False)
+    assert arena.buf[0].item() == 0 and writes == [0]
+    with torch.inference_mode():
+        gate.set(True)
+    assert arena.buf[0].item() == 1 and writes == [0, 1]
