@@ -130,7 +130,8 @@ def _build():
         where = tl.load(table + 4 * p + 2)
         end64 = span >> 32
         start = (span - (end64 << 32)).to(tl.int32)
-        end = tl.where(tl.load(gate) != 0, end64.to(tl.int32), start)
+        on = tl.load(gate) != 0
+        end = tl.where(on, end64.to(tl.int32), start)
         cols64 = where >> 32
         row = where - (cols64 << 32)
         cols = cols64.to(tl.int32)
@@ -156,8 +157,8 @@ def _build():
                 acc += x
                 acc2 += x * x
                 i += BLOCK
-        tl.atomic_add(out + 2 * row, tl.sum(acc, axis=0))
-        tl.atomic_add(out + 2 * row + 1, tl.sum(acc2, axis=0))
+        tl.atomic_add(out + 2 * row, tl.sum(acc, axis=0), mask=on)
+        tl.atomic_add(out + 2 * row + 1, tl.sum(acc2, axis=0), mask=on)
 
     _state["chunks"] = sum_sumsq_chunks
     _state["tl_dtypes"] = {torch.float32: tl.float32, torch.float16: tl.float16,
