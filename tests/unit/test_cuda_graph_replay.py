@@ -234,6 +234,37 @@ def test_replays_follow_the_fingerprint_schedule_and_gate_the_graph_kernels(tmp_
     assert flags == [int(d) for d in due]
 
 
+def test_a_replay_inside_a_framework_step_reads_values_on_that_steps_schedule(tmp_path, graphs):
+    """SGLang's decode replays inside ModelRunner.forward: the step's own schedule decides, and
+    the graph's kernels are gated the same way."""
+    from tensor_trace.tracer.multi_tensor import ReplayGate, TableFill
+
+    model = Net().eval()
+    x = torch.randn(4, 8)
+
+    class Runner(nn.Module):
+        pass
+
+    runner = Runner()
+    gate_at_replay = []
+    tr = tracer.start(out_dir=str(tmp_path), fingerprint_every=2)
+    try:
+        with torch.no_grad():
+            g, _ = _capture(model, x)                                     # step 0
+            (cap,) = tr.graphs.graphs[g]
+            gate = ReplayGate(torch.ones(1, dtype=torch.int64))
+            cap.fps.fills.append(TableFill(torch.zeros(4, dtype=torch.int64), [0] * 4, gate))
+            g.on_replay = lambda: gate_at_replay.append(int(gate.flag.item()))
+            for _ in range(8):                                            # steps 1-8
+                tr.run_external_step(runner, (x,), {"forward_mode": "decode"}, g.replay)
+    finally:
+        tracer.stop()
+    due = [n < 4 or n % 2 == 0 for n in range(8)]
+    assert gate_at_replay == [int(d) for d in due]
+    rt = load_rank_file(rank_files(str(tmp_path))[0])
+    assert [bool(rt.steps[s].fingerprints) for s in range(1, 9)] == due
+
+
 def test_no_fingerprint_replays_keep_structure(tmp_path, graphs):
     model = Net().eval()
     tracer.start(out_dir=str(tmp_path), fingerprint=False)
