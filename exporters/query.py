@@ -235,7 +235,7 @@ def steps(con, where: dict | None = None) -> list[dict]:
             "SELECT proc, step, root, attrs, n_spans, n_collectives, interrupted, fingerprinted "
             "FROM steps ORDER BY proc, step"):
         a = json.loads(attrs) if attrs else {}
-        if any(_attr_text(a.get(k)) != v for k, v in where.items()):
+        if any(attr_text(a.get(k)) != v for k, v in where.items()):
             continue
         out.append(dict(proc=proc, rank=rank_of.get(proc), step=step, root=root, attrs=a, spans=n_spans,
                         collectives=n_coll, interrupted=bool(interrupted),
@@ -243,7 +243,8 @@ def steps(con, where: dict | None = None) -> list[dict]:
     return out
 
 
-def _attr_text(value) -> str | None:
+def attr_text(value) -> str | None:
+    """A step attr as ``query steps`` shows it and ``--where`` matches it (JSON true as ``true``)."""
     if value is None:
         return None
     if isinstance(value, bool):

@@ -4,7 +4,8 @@
 - ``step_view``: one step of one TP group, aligned across its ranks;
 - ``evidence``: structured evidence items and the verdict they support;
 - ``declared``: what DTensors and framework layer classes declare (extra evidence);
-- ``rules``: one rule per kind of evidence, in order;
+- ``rules``: one rule per kind of evidence, in order (the families in ``rules_reductions``,
+  ``rules_declared``, ``rules_weights``, ``rules_dataflow`` and ``experts``);
 - ``judge``: the rules applied to a step in execution order (placement propagates along it);
 - ``verdicts``: sampled steps, the vote, the ``points`` table.
 """

@@ -66,6 +66,16 @@ class Side:
         ent = self.points.get(key)
         return ent[1] if ent else "unknown"
 
+    def plans_align(self, plans) -> bool:
+        """Whether the plans of a step's processes have the same points in the same order
+        (found once per combination of plans)."""
+        combo = tuple(map(id, plans))
+        aligned = self._aligned.get(combo)
+        if aligned is None:
+            first = plans[0]
+            aligned = self._aligned[combo] = all(p is first or p.keys == first.keys for p in plans)
+        return aligned
+
     def read_step(self, step: int, wanted=None, vector: bool = False) -> "StepData":
         """Every wanted point of one step on every process of the group; ``vector``: its
         values by columns as well (``compare_vector.StepColumns``)."""
@@ -190,11 +200,7 @@ class StepData:
         self.side, self.step, self.plans, self._cols = side, step, plans, cols
         self.values = values  # compare_vector.StepColumns, or None: ``cols`` only
         first = plans[0]
-        combo = tuple(map(id, plans))
-        aligned = side._aligned.get(combo)
-        if aligned is None:
-            aligned = side._aligned[combo] = all(p is first or p.keys == first.keys for p in plans)
-        self.aligned = aligned
+        self.aligned = side.plans_align(plans)
         self.plan = first
         if not self.aligned:  # processes of another structure: by key, slowly
             self.by_key = [dict(zip(p.keys, c)) for p, c in zip(plans, cols)]

@@ -36,6 +36,11 @@ def dtensor_placement(meta: dict | None, ndim: int) -> str | None:
     return None
 
 
+def dtensor_placement_at(pt) -> str | None:
+    """What a DTensor recorded at a point of a step (``judge.Point``) declares, on its first rank."""
+    return dtensor_placement(pt.tref.meta, pt.ndim) if pt.tref is not None else None
+
+
 def tp_mesh_dim(meta: dict) -> int | None:
     """Which dimension of a DTensor's device mesh is the tensor-parallel one: the one named
     ``tp``, else the innermost (torchtitan's and transformers' convention: ``(dp, tp)``)."""

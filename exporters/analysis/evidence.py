@@ -48,3 +48,15 @@ class Verdict:
     def as_dict(self) -> dict:
         return dict(placement=self.placement, reduction=self.reduction, rule=self.rule,
                     items=self.items, collective=self.collective)
+
+
+def decide(pt, placement, reduction, rule, collective=None, *extra) -> Verdict:
+    """The verdict of ``rule`` on point ``pt``: what was observed of it so far (``pt.items``),
+    the rule, then ``extra`` items."""
+    return Verdict(placement, reduction, rule, pt.items + [item("rule", f"rule: {rule}")] + list(extra),
+                   collective)
+
+
+def coll_item(c, text) -> dict:
+    """An item about collective ``c`` (referenced by its group, sequence number and op)."""
+    return item("collective", text, collective=dict(group=c.group_name, seq=c.seq, op=c.op))

@@ -24,14 +24,9 @@ weights' per-rank fingerprints:
 from __future__ import annotations
 
 from tensor_trace.exporters.analysis import declared
-from tensor_trace.exporters.analysis.evidence import Verdict, item
+from tensor_trace.exporters.analysis.evidence import decide, item
 from tensor_trace.exporters.analysis.step_view import coll_desc, coll_json, next_sum_reduction
 from tensor_trace.exporters.analysis.tolerance import Observed, fp_equal
-
-
-def _decide(pt, placement, reduction, rule, collective=None, *extra) -> Verdict:
-    return Verdict(placement, reduction, rule, pt.items + [item("rule", f"rule: {rule}")] + list(extra),
-                   collective)
 
 
 def enclosing_moe(j, module: str):
@@ -91,7 +86,7 @@ def expert_parallel_local(j, pt):
     params = split_params(j, path, pt.procs)
     if params:
         extra.append(_weights_item(path, params))
-    return _decide(pt, "local", "no-reduction", "expert-parallel-local", None, *extra)
+    return decide(pt, "local", "no-reduction", "expert-parallel-local", None, *extra)
 
 
 def expert_tp_slice(j, pt):
@@ -114,7 +109,7 @@ def expert_tp_slice(j, pt):
         extra.append(_weights_item(path, params))
     elif not pt.equal:
         return None  # values differ and the weights do not say why
-    return _decide(pt, f"shard({pt.ndim - 1})", "no-reduction", "expert-tp-slice", None, *extra)
+    return decide(pt, f"shard({pt.ndim - 1})", "no-reduction", "expert-tp-slice", None, *extra)
 
 
 def declared_partial(j, pt):
@@ -137,5 +132,5 @@ def declared_partial(j, pt):
     if c is not None:
         extra.append(item("collective", f"the next sum-reduction of its size is {coll_desc(c)}",
                           collective=dict(group=c.group_name, seq=c.seq, op=c.op)))
-    return _decide(pt, "partial", "pre-reduction" if c else "unknown", "declared-partial",
-                   coll_json(c, pt.procs[0]) if c else None, *extra)
+    return decide(pt, "partial", "pre-reduction" if c else "unknown", "declared-partial",
+                  coll_json(c, pt.procs[0]) if c else None, *extra)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 
 _finite = math.isfinite
+# A dtype whose name starts with one of these holds floating-point values.
+FLOAT_DTYPES = ("float", "bfloat", "complex")
 EPS = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10, "float32": 2.0 ** -20, "float64": 2.0 ** -40}
 
 

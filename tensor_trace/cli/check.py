@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import click
 
-from tensor_trace.cli.query import _json, _open, _trace
+from tensor_trace.cli.options import json_option, open_trace, trace_option
 from tensor_trace.cli.table import echo_json
 
 
 @click.command()
-@_trace
-@_json
+@trace_option
+@json_option
 def check(trace_dir, as_json):
     """Findings that need no second run: double reductions, all_reduces that gather, reductions
     outside the TP group, partial sums captured before their reduction, points divergent across
     ranks, collectives skipped or mismatched. Exit 1 when there are any."""
-    findings = _open(trace_dir).check()
+    findings = open_trace(trace_dir).check()
     if as_json:
         echo_json(findings)
     elif not findings:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import click
 
-from tensor_trace.cli.query import _json, _open
-from tensor_trace.cli.report import quiet_option
+from tensor_trace.cli.options import json_option, open_trace, quiet_option
 from tensor_trace.cli.table import echo_json, echo_table
 
 
@@ -16,7 +15,7 @@ from tensor_trace.cli.table import echo_json, echo_table
 @click.option("--steps", "steps", multiple=True, metavar="A:B[,...]",
               help="Pair step A of DIR_A with step B of DIR_B (N: step N of both; A0-A1:B0: a run of "
                    "steps). Default: steps paired by kind (forward mode and tokens), else in order.")
-@_json
+@json_option
 @quiet_option
 def compare(dir_a, dir_b, pattern, steps, as_json, quiet):
     """Compare two traces point by point (any TP sizes): the first point that differs beyond
@@ -25,7 +24,7 @@ def compare(dir_a, dir_b, pattern, steps, as_json, quiet):
     from tensor_trace.exporters.analysis.compare import DIFFERS
 
     progress.set_quiet(quiet)
-    res = _open(dir_a).compare(dir_b, pattern, steps)
+    res = open_trace(dir_a).compare(dir_b, pattern, steps)
     if as_json:
         echo_json(res)
     else:

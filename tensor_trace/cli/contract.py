@@ -6,7 +6,7 @@ import json
 
 import click
 
-from tensor_trace.cli.query import _json, _open, _trace
+from tensor_trace.cli.options import json_option, open_trace, trace_option
 from tensor_trace.cli.table import echo_json
 
 
@@ -18,10 +18,10 @@ def contract():
 @contract.command()
 @click.argument("point")
 @click.option("-o", "--output", "out", required=True, metavar="FILE.json", help="Where to write the contract.")
-@_trace
+@trace_option
 def save(point, out, trace_dir):
     """Write POINT's lineage (sources in order, modules, shapes per rank, dtypes, placements)."""
-    c = _open(trace_dir).contract(point)
+    c = open_trace(trace_dir).contract(point)
     with open(out, "w") as f:
         json.dump(c, f, indent=1)
     click.echo(f"wrote {out}: {c['point']} = {c['op'] or 'no recorded op'} of "
@@ -30,14 +30,14 @@ def save(point, out, trace_dir):
 
 @contract.command()
 @click.argument("contract_file", metavar="FILE.json")
-@_trace
-@_json
+@trace_option
+@json_option
 def check(contract_file, trace_dir, as_json):
     """Compare a trace with a contract; exit 1 with the list of mismatches."""
     from tensor_trace.exporters.analysis import lineage as lin
 
     c = lin.load_contract(contract_file)
-    res = _open(trace_dir).lineage(c["point"])
+    res = open_trace(trace_dir).lineage(c["point"])
     problems = lin.compare(c, res)
     if as_json:
         echo_json(dict(point=c["point"], ok=not problems, mismatches=problems,

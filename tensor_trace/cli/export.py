@@ -2,7 +2,7 @@
 
 import click
 
-from tensor_trace.cli.report import quiet_option
+from tensor_trace.cli.options import quiet_option
 
 
 @click.group()

@@ -4,19 +4,8 @@ from __future__ import annotations
 
 import click
 
+from tensor_trace.cli.options import json_option, open_trace, trace_option
 from tensor_trace.cli.table import echo_json, echo_table, fmt_shapes
-
-_trace = click.option("--trace", "trace_dir", default="tensor-trace-out", show_default=True,
-                      help="Trace folder (merged on demand).")
-_json = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-
-
-def _open(trace_dir):
-    """The trace folder through the Python API (``tensor_trace.open``), which the commands wrap."""
-    import tensor_trace
-
-    return tensor_trace.open(trace_dir)
-
 
 @click.group()
 def query():
@@ -25,12 +14,12 @@ def query():
 
 @query.command()
 @click.argument("pattern", required=False)
-@_trace
+@trace_option
 @click.option("--step", type=int, default=None, help="Judge from this step only.")
-@_json
+@json_option
 def placement(pattern, trace_dir, step, as_json):
     """Placement and reduction of the points matching PATTERN (a glob; default: all outputs)."""
-    pts = _open(trace_dir).points(pattern, step)
+    pts = open_trace(trace_dir).points(pattern, step)
     if as_json:
         return echo_json(pts)
     echo_table(["point", "placement", "reduction", "shape", "dtype", "evidence"],
@@ -59,11 +48,11 @@ def _key_evidence(p: dict) -> str:
 
 @query.command()
 @click.argument("point")
-@_trace
-@_json
+@trace_option
+@json_option
 def reduction(point, trace_dir, as_json):
     """Is POINT pre- or post-reduction, and which collective completes or produced it?"""
-    r = _open(trace_dir).reduction(point)
+    r = open_trace(trace_dir).reduction(point)
     if as_json:
         return echo_json(r)
     click.echo(f"{r['point']}: {r['verdict']} ({_placement_text(r)})")
@@ -78,11 +67,11 @@ def reduction(point, trace_dir, as_json):
 
 @query.command()
 @click.argument("pattern", required=False)
-@_trace
-@_json
+@trace_option
+@json_option
 def collectives(pattern, trace_dir, as_json):
     """Collectives per issuing module (PATTERN: a glob over module paths)."""
-    rows = _open(trace_dir).collectives(pattern)
+    rows = open_trace(trace_dir).collectives(pattern)
     if as_json:
         return echo_json(rows)
     timed = any(r["device_time_ms"] is not None for r in rows)
@@ -101,11 +90,11 @@ def _per_step(per_step: dict) -> str:
 
 @query.command()
 @click.argument("point")
-@_trace
-@_json
+@trace_option
+@json_option
 def shapes(point, trace_dir, as_json):
     """Shapes and dtypes of POINT on every rank (a glob is allowed)."""
-    rows = _open(trace_dir).shapes(point)
+    rows = open_trace(trace_dir).shapes(point)
     if as_json:
         return echo_json(rows)
     echo_table(["point", "shapes", "dtype", "steps"],
@@ -114,11 +103,11 @@ def shapes(point, trace_dir, as_json):
 
 @query.command()
 @click.argument("point")
-@_trace
-@_json
+@trace_option
+@json_option
 def lineage(point, trace_dir, as_json):
     """What POINT's tensor was built from: the ordered sources and the op that combined them."""
-    res = _open(trace_dir).lineage(point)
+    res = open_trace(trace_dir).lineage(point)
     if as_json:
         return echo_json(res)
     echo_lineage(res)
@@ -158,10 +147,10 @@ def echo_lineage(res) -> None:
 @query.command()
 @click.argument("dir_a")
 @click.argument("dir_b")
-@_json
+@json_option
 def diff(dir_a, dir_b, as_json):
     """What changed between two traces: points added, removed, or changed."""
-    d = _open(dir_a).diff(dir_b)
+    d = open_trace(dir_a).diff(dir_b)
     if as_json:
         return echo_json(d)
     for p in d["added"]:
@@ -178,10 +167,10 @@ def diff(dir_a, dir_b, as_json):
 
 
 @query.command()
-@_trace
+@trace_option
 @click.option("--where", "where", multiple=True, metavar="KEY=VALUE",
               help="Keep steps whose attr KEY is VALUE (repeatable), e.g. forward_mode=target_verify, draft=true.")
-@_json
+@json_option
 def steps(trace_dir, where, as_json):
     """Traced steps and their attrs (forward mode, batch size, tokens, model, draft), and whether
     each took fingerprints."""
@@ -194,22 +183,22 @@ def steps(trace_dir, where, as_json):
         if not eq or not key:
             raise BadInput(f"--where {item!r}: expected KEY=VALUE")
         cond[key] = value
-    rows = _open(trace_dir).steps(cond)
+    rows = open_trace(trace_dir).steps(cond)
     if as_json:
         return echo_json(rows)
     echo_table(["rank", "step", "root", "attrs", "spans", "collectives", "fingerprinted"],
                [[r["rank"] if r["rank"] is not None else f"proc {r['proc']}", r["step"], r["root"],
-                 " ".join(f"{k}={q._attr_text(v)}" for k, v in sorted(r["attrs"].items())), r["spans"],
+                 " ".join(f"{k}={q.attr_text(v)}" for k, v in sorted(r["attrs"].items())), r["spans"],
                  r["collectives"], {True: "yes", False: "no"}.get(r["fingerprinted"], "unknown")] for r in rows])
 
 
 @query.command()
 @click.argument("text")
-@_trace
-@_json
+@trace_option
+@json_option
 def sql(text, trace_dir, as_json):
     """Run SQL over the merged store (schema: docs/store-schema.md)."""
-    r = _open(trace_dir).sql(text)
+    r = open_trace(trace_dir).sql(text)
     if as_json:
         return echo_json(r)
     echo_table(r.columns, r.values)

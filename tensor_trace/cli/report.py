@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import click
 
-from tensor_trace.cli.query import _open, _trace
-
-quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress lines on the terminal.")
+from tensor_trace.cli.options import open_trace, quiet_option, trace_option
 
 
 @click.command()
-@_trace
+@trace_option
 @click.option("-o", "--out", default=None, metavar="FILE.html", help="Output file (default DIR/report.html).")
 @click.option("--compare", "compare_dir", default=None, metavar="DIR_B",
               help="Also compare with this trace and highlight the first divergence on the map.")
@@ -22,6 +20,6 @@ def report(trace_dir, out, compare_dir, quiet):
     from tensor_trace import progress
 
     progress.set_quiet(quiet)
-    r = _open(trace_dir).report(out, compare_dir)
+    r = open_trace(trace_dir).report(out, compare_dir)
     click.echo(f"wrote {r['path']} ({r['bytes']:,} bytes): {r['layers']} layers, {r['points']} points, "
                f"{r['findings']} finding(s)")

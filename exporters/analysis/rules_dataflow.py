@@ -1,0 +1,91 @@
+"""Placement rules from the step's dataflow: values that differ across ranks placed by points
+judged earlier in the step: a concatenation of the ranks' tensors seen in the step, a tensor
+built by recorded ops (split, view, add, cat: dataflow.py), the same values as a producer, or a
+local derivation of a shard.
+"""
+
+from __future__ import annotations
+
+from tensor_trace.exporters.analysis import dataflow
+from tensor_trace.exporters.analysis.evidence import decide, item
+from tensor_trace.exporters.analysis.step_view import coll_json, next_sum_reduction
+from tensor_trace.exporters.analysis.tolerance import FLOAT_DTYPES, linked
+
+
+def concatenation(j, pt):
+    hit = j.concat_dim(pt)
+    if hit is None:
+        return None
+    dim, key = hit
+    where = j.name(key) if key else "a collective's output"
+    return decide(pt, f"shard({dim})", "no-reduction", "concatenation", None,
+                  item("concat", f"their concatenation along dim {dim} appears in this step ({where})",
+                       point=where))
+
+
+def lineage_ops(j, pt):
+    """Built by recorded ops (split, view, add, cat...) from points judged earlier."""
+    hit = dataflow.placement_from_lineage(j, pt)
+    if hit is None:
+        return None
+    placement, ops = hit
+    c = next_sum_reduction(j.v, pt) if placement == "partial" else None
+    reduction = "pre-reduction" if c else ("unknown" if placement == "partial" else "no-reduction")
+    return decide(pt, placement, reduction, "lineage-ops", coll_json(c, pt.procs[0]) if c else None,
+                  item("dataflow", f"built by recorded ops: {ops}"))
+
+
+def derived_from_shard_inputs(j, pt):
+    """An output of a parameter-free module all of whose floating-point inputs are shards."""
+    if not pt.is_output or j.params.get((pt.procs[0], pt.module)):
+        return None
+    inputs = [(k, vd) for k, vd in j.call_inputs(pt)
+              if (j.v.points[k].get(pt.procs[0]) or pt.tref).dtype.startswith(FLOAT_DTYPES)]
+    if not inputs or not all(vd.placement.startswith("shard(") for _, vd in inputs):
+        return None
+    return derived_from_shard(j, pt)
+
+
+def same_values_as_producer(j, pt):
+    """Carrying, on every rank, the values of a point judged earlier: an input that is an
+    earlier output, an output that passes its call's input through, or one that returns a
+    child's output."""
+    cands = [k for k, _ in j.call_inputs(pt)] if pt.is_output else []
+    hit = j.by_fp0.get((pt.tref.fp, pt.tref.numel))
+    if hit is not None:
+        cands.append(hit)
+    for prod in cands:
+        pv = j.done.get(prod)
+        if pv is None or pv.placement in ("divergent", "unknown"):
+            continue
+        src = {p: j.v.points[prod][p] for p in pt.procs if p in j.v.points[prod]}
+        if len(src) < len(pt.procs) or linked(src, pt.obs) != 1.0:
+            continue
+        return decide(pt, pv.placement, pv.reduction, "same-values", pv.collective,
+                      item("dataflow", f"the same values as {j.name(prod)} on every rank",
+                           point=j.name(prod)))
+    return None
+
+
+def derived_from_shard(j, pt):
+    """Computed locally from a shard: an output from its call's sharded input, or a tensor
+    inside a call from the latest shard before it in that call."""
+    src = None
+    if pt.is_output:
+        for k, vd in j.call_inputs(pt):
+            if vd.placement.startswith("shard("):
+                src = k
+                break
+    else:
+        src = j.enclosing_shard(pt)
+    if src is None:
+        return None
+    placement = j.done[src].placement
+    d = int(placement[6:-1])
+    src_t = j.v.points[src].get(pt.procs[0])
+    same_rank = src_t is not None and len(src_t.shape) == pt.ndim and d < pt.ndim
+    dim = d if same_rank else pt.ndim - 1
+    return decide(pt, f"shard({dim})", "no-reduction", "derived-from-shard", None,
+                  item("dataflow", f"derived locally from {j.name(src)}, {placement}"
+                                   + ("" if same_rank else f" (another rank of tensor: dim {dim} assumed)"),
+                       point=j.name(src)))

@@ -1,0 +1,68 @@
+"""Placement rules where values and declarations meet: values equal on every rank are
+replicate unless a declaration (a DTensor's placements, a framework's layer class, a weight a
+DTensor declares split) or the step's dataflow says the layer is sharded, which equal values
+cannot refute (identical shards, e.g. dummy weights); values that differ take a DTensor's declared
+placement (a declared Replicate() is reported as a disagreement and decides nothing).
+"""
+
+from __future__ import annotations
+
+from tensor_trace.exporters.analysis import declared, rules_dataflow, rules_weights
+from tensor_trace.exporters.analysis.evidence import coll_item, decide, item
+from tensor_trace.exporters.analysis.step_view import coll_desc, coll_json, next_sum_reduction
+from tensor_trace.exporters.analysis.tolerance import FLOAT_DTYPES
+
+
+def equal_values(j, pt):
+    """Values equal on every rank: replicate, unless a declaration says the layer is sharded."""
+    if not pt.equal:
+        return None
+    says = declared.dtensor_placement_at(pt)
+    note = item("values", "values equal on every rank: identical shards, e.g. dummy weights")
+    if says and says != "replicate":
+        pt.items.append(item("declared", f"the DTensor declares {says}"))
+        if says == "partial":
+            return decide(pt, "partial", "pre-reduction", "declared-dtensor", None, note)
+        return decide(pt, says, "no-reduction", "declared-dtensor", None, note)
+    sem = declared.expected_by_layer(j.layer_attrs.get(pt.module), pt.slot, j.group_size)
+    if sem is not None and sem["placement"] in ("shard", "partial"):
+        pt.items.append(item("semantics", f"{sem['says']} says {sem['placement']}: the verdict follows the layer"))
+        if sem["placement"] == "shard":
+            return decide(pt, f"shard({pt.ndim - 1})", "no-reduction", "layer-semantics", None, note)
+        c = next_sum_reduction(j.v, pt)
+        extra = [coll_item(c, f"the next sum-reduction of its size is {coll_desc(c)}")] if c else []
+        return decide(pt, "partial", "pre-reduction" if c else "unknown", "layer-semantics",
+                      coll_json(c, pt.procs[0]) if c else None, note, *extra)
+    split = rules_weights.sharded_param(j, pt)
+    if split is not None and split[2] == "declared":
+        verdict = rules_weights.from_weight(j, pt, split)
+        if verdict is not None:
+            verdict.items.append(note)
+            return verdict
+    if not pt.tref.dtype.startswith(FLOAT_DTYPES):
+        return decide(pt, "replicate", "no-reduction", "equal-values", None,
+                      item("values", "integer values (ids, positions, lengths) equal on every rank"))
+    # Computed from a shard that only looks whole (identical shards): the dataflow says so.
+    for rule in (rules_dataflow.lineage_ops, rules_dataflow.same_values_as_producer,
+                 rules_dataflow.derived_from_shard_inputs):
+        verdict = rule(j, pt)
+        if verdict is not None and verdict.placement != "replicate":
+            verdict.items.append(note)
+            return verdict
+    return decide(pt, "replicate", "no-reduction", "equal-values", None,
+                  item("values", "not the output of a sum-reduction: computed locally from whole values"))
+
+
+def declared_dtensor(j, pt):
+    says = declared.dtensor_placement_at(pt)
+    if not says:
+        return None
+    if says == "replicate":
+        pt.items.append(item("declared", "the DTensor declares Replicate() -- DISAGREES with values that differ"))
+        return None
+    pt.items.append(item("declared", f"the DTensor declares {says}, and the values differ across ranks"))
+    if says == "partial":
+        c = next_sum_reduction(j.v, pt)
+        return decide(pt, "partial", "pre-reduction" if c else "unknown", "declared-dtensor",
+                      coll_json(c, pt.procs[0]) if c else None)
+    return decide(pt, says, "no-reduction", "declared-dtensor")

@@ -1,0 +1,245 @@
+"""Placement rules from collectives linked by fingerprint on every rank (identity, or one
+common scale, so a view, reshape, clone, cast or scaling in between does not hide the link).
+
+The output of a sum-reduction is post-reduction, its input a partial sum (even when the ranks'
+partial sums happen to be equal), the input of an all_gather a shard, the output of a
+reduce_scatter a reduced shard. Collective linkage outranks value equality. An all_reduce of
+zero-padded slices (their sums of squares add up exactly) is a gather, not a reduction. Per-rank
+sums that add up to a later reduction's output are a partial sum too. ``rules.RULES`` says where
+each is tried.
+"""
+
+from __future__ import annotations
+
+from tensor_trace.exporters.analysis import declared
+from tensor_trace.exporters.analysis.evidence import coll_item, decide, item
+from tensor_trace.exporters.analysis.step_view import GATHER, REDUCE_SCATTER, REDUCING, coll_desc, coll_json
+from tensor_trace.exporters.analysis.tolerance import Observed, close, disjoint_sum, fp_equal, linked
+
+
+def _scale_ok(j, t, scale) -> bool:
+    """A link through a common scale factor is evidence unless the tensor has a single row: a
+    norm over the last dimension scales each row by its own factor, so a one-row tensor's norm
+    looks like a scaled copy. There only averaging over the group (1/N, N) counts."""
+    if scale is None:
+        return False
+    if scale == 1.0 or (t.shape and t.numel > t.shape[-1]):
+        return True
+    n = j.group_size
+    return any(abs(scale - k) <= 1e-3 * k for k in (n, 1.0 / n))
+
+
+def _gathering(c, procs, step_attrs=None) -> bool:
+    """An all_reduce that puts slices together: on each rank its input is zero outside one
+    contiguous, dense range of rows, the ranges follow the ranks' order and tile the tensor, at
+    least two ranks contribute, and the sums of squares add up exactly (no cross terms). A
+    vocab-parallel embedding's masked lookup is zero outside scattered rows, not one range: a
+    reduction. Needs the rows the tracer saw nonzero (collective attribute ``nonzero_rows``).
+
+    A rank may contribute no rows where its step says it holds no tokens of its own while other
+    DP ranks do (DP attention's gather of each DP rank's tokens, ``step_attrs``: proc -> the
+    step's ``tokens`` and ``dp_tokens``): then every rank's slice must be exactly its own tokens."""
+    ins = [c.ins[p][0] for p in procs if c.ins.get(p)]
+    out = c.outs.get(procs[0])
+    if not ins or len(ins) < len(procs) or not out:
+        return False
+    spans = []
+    own = {}
+    for p in procs:
+        rows = (c.attrs_of.get(p) or {}).get("nonzero_rows")
+        if not rows or not isinstance(rows[0], list):
+            return False
+        first, last, dense = rows[0]
+        own[p] = dense
+        if dense:
+            if dense != last - first + 1:
+                return False
+            spans.append((first, last))
+    if not spans or spans[0][0] != 0 or spans[-1][1] != out[0].shape[0] - 1:
+        return False  # the slices must tile the gathered tensor
+    if len(spans) < 2 and not _own_tokens(own, step_attrs):
+        return False
+    if not all(a[1] + 1 == b[0] for a, b in zip(spans, spans[1:])):
+        return False
+    # slices in different rows: equal fingerprints (the same values in each slice) do not refute it
+    return disjoint_sum(ins, out[0], known_distinct=len(spans) > 1)
+
+
+def _own_tokens(rows: dict, step_attrs) -> bool:
+    """Each rank's nonzero rows are its own tokens of a DP-split step: a rank holds as many rows
+    as the tokens its step ran, the ranks ran different token counts (a DP split, ``dp_tokens``)
+    and one of them none."""
+    if not step_attrs:
+        return False
+    tokens = {p: (step_attrs.get(p) or {}).get("tokens") for p in rows}
+    if any(not isinstance(n, int) for n in tokens.values()):
+        return False
+    if not all((step_attrs.get(p) or {}).get("dp_tokens") for p in rows):
+        return False
+    return tokens == rows and 0 in tokens.values() and len(set(tokens.values())) > 1
+
+
+def reduction_output(j, pt, exact=True):
+    """The values of the latest collective output they carry (up to a view, clone, cast or,
+    when ``exact`` is off, a common scale): a sum-reduction's output is post-reduction, a
+    gather's output is not."""
+    for c, _i, scale in j.links(pt)[0]:  # the latest first
+        if c.op in REDUCE_SCATTER or (c.op in REDUCING and not c.sums):
+            continue
+        if not _scale_ok(j, pt.tref, scale) or (exact and scale != 1.0):
+            continue
+        if c.op in GATHER and (scale != 1.0 or any(len(c.outs.get(p) or ()) != 1 for p in pt.procs)):
+            continue  # a list of gathered slices is not the gathered tensor
+        times = f" (times {scale:.4g})" if scale != 1.0 else ""
+        if c.op in GATHER:
+            return decide(pt, "replicate" if pt.equal else "divergent", "no-reduction", "gather-output",
+                          coll_json(c, pt.procs[0]),
+                          coll_item(c, f"equals the output of {coll_desc(c)} on every rank: gathered, not reduced"))
+        if _gathering(c, pt.procs, j.v.step_attrs):
+            return decide(pt, "replicate", "no-reduction", "gathered-by-all-reduce", coll_json(c, pt.procs[0]),
+                          coll_item(c, f"equals the output of {coll_desc(c)}{times}, whose inputs are zero "
+                                       f"outside one slice each: a gather, not a reduction"))
+        return decide(pt, "replicate" if pt.equal else "divergent", "post-reduction",
+                      "reduction-output", coll_json(c, pt.procs[0]),
+                      coll_item(c, f"equals the output of {coll_desc(c)} on every rank{times}"))
+    return None
+
+
+def _input_links(j, pt, exact):
+    """(collective, its inputs as {proc: Observed}, scale) of sum-reductions the point feeds,
+    the nearest first, including a list reduce_scatter whose chunks are views of the point."""
+    seen = set()
+    for c, i, scale in j.links(pt)[1]:
+        if c.sums and c.key not in seen and _scale_ok(j, pt.tref, scale) and (scale == 1.0 or not exact):
+            seen.add(c.key)
+            yield c, {p: c.ins[p][i] for p in pt.procs}, scale
+    if exact:
+        for c in j.v.after(pt.t_point, REDUCE_SCATTER):
+            if c.sums and c.key not in seen and _is_concat_of_inputs(c, pt):
+                yield c, {p: pt.obs[p] for p in pt.procs}, 1.0
+
+
+def reduction_input(j, pt, exact=True):
+    """The input of a later sum-reduction: a partial sum it completes (the very input, or,
+    when ``exact`` is off, a scaled copy)."""
+    for c, ins, scale in _input_links(j, pt, exact):
+        if pt.equal and (scale != 1.0 or _reduced_before(j, c, ins)):
+            # Equal values summed again: a partial only if they are the very input, not a
+            # scaled copy of whole values or the output of an earlier reduction (a double
+            # reduction, which that earlier reduction's output reports).
+            continue
+        times = f" (times {scale:.4g})" if scale != 1.0 else ""
+        if c.op not in REDUCE_SCATTER and _gathering(c, pt.procs, j.v.step_attrs):
+            return decide(pt, "shard(0)", "no-reduction", "gather-by-all-reduce-input", coll_json(c, pt.procs[0]),
+                          coll_item(c, f"is the input of {coll_desc(c)}{times} and zero outside its own "
+                                       f"slice (the sums of squares add up exactly): the all_reduce gathers"))
+        extra = []
+        if pt.equal:
+            extra.append(item("values", "values equal on every rank, and summed by a reduction: identical "
+                                        "shards (e.g. dummy weights), or a double reduction"))
+        return decide(pt, "partial", "pre-reduction", "reduction-input", coll_json(c, pt.procs[0]),
+                      coll_item(c, f"is the input of {coll_desc(c)} on every rank{times}: a partial sum "
+                                   f"that this reduction completes"), *extra)
+    return None
+
+
+def _is_concat_of_inputs(c, pt) -> bool:
+    """A reduce_scatter over a list of chunks: on every rank the point's fingerprint is the sum
+    of the chunks' (the chunks are views of it)."""
+    for p in pt.procs:
+        parts = c.ins.get(p) or []
+        t = pt.obs[p]
+        if len(parts) < 2 or any(x.fp is None or x.fp[1] is None for x in parts) or t.fp is None:
+            return False
+        if sum(x.numel for x in parts) != t.numel:
+            return False
+        whole = Observed(t.shape, t.dtype, (sum(x.fp[0] for x in parts), sum(x.fp[1] for x in parts)))
+        if not fp_equal(whole, t):
+            return False
+    return True
+
+
+def _reduced_before(j, c, ins) -> bool:
+    """The inputs of collective ``c`` are the output of an earlier sum-reduction."""
+    for prev in j.v.before(c.t0, REDUCING - REDUCE_SCATTER):
+        outs = {p: prev.outs[p][0] for p in ins if prev.outs.get(p)}
+        if prev.sums and prev is not c and linked(outs, ins) == 1.0:
+            return True
+    return False
+
+
+def scaled_reduction_output(j, pt):
+    """Identity links are tried first everywhere: with equal values on every rank, x and the
+    all_reduce of x (N times x) are also "a scaled copy" of each other."""
+    return reduction_output(j, pt, exact=False)
+
+
+def scaled_reduction_input(j, pt):
+    return reduction_input(j, pt, exact=False)
+
+
+def _gather_dim(j, pt, c):
+    """Which dimension a gather (or a scatter) puts the ranks' slices along, and why."""
+    says = declared.dtensor_placement_at(pt)
+    if says and says.startswith("shard("):
+        return int(says[6:-1]), f"the DTensor declares {says}"
+    for name in ("gather_dim", "scatter_dim", "dim"):
+        d = (c.attrs or {}).get(name) if c is not None else None
+        if isinstance(d, int):
+            return d % max(pt.ndim, 1), f"the collective's {name}={d}"
+    hit = j.concat_dim(pt)
+    if hit is not None:
+        return hit[0], f"their concatenation along dim {hit[0]} appears in this step"
+    if c is not None and c.op in REDUCE_SCATTER:
+        # the point is the (scattered) output: the input is the larger tensor
+        other, what = c.ins.get(pt.procs[0]), "input"
+    else:
+        other, what = (c.outs.get(pt.procs[0]) if c is not None else None), "output"
+    if other and len(other) == 1 and len(other[0].shape) == pt.ndim:
+        diff = [d for d in range(pt.ndim) if other[0].shape[d] != pt.tref.shape[d]]
+        if len(diff) == 1:
+            return diff[0], f"the collective's {what} is larger along dim {diff[0]}"
+    return pt.ndim - 1, f"the dimension was not seen; dim {pt.ndim - 1} assumed"
+
+
+def _slice_of(j, pt, c, reduction, rule, role, piece):
+    """``pt`` is a slice per rank, the ``role`` of collective ``c``: sharded along its dim."""
+    dim, why = _gather_dim(j, pt, c)
+    return decide(pt, f"shard({dim})", reduction, rule, coll_json(c, pt.procs[0]),
+                  coll_item(c, f"is the {role} of {coll_desc(c)} on every rank: {piece} per rank"),
+                  item("dataflow", why))
+
+
+def gather_input(j, pt):
+    for c, _i, scale in j.links(pt)[1]:
+        if c.op not in GATHER or scale != 1.0:
+            continue
+        if pt.equal:
+            return None  # every rank sends the same values: nothing to tell from this gather
+        return _slice_of(j, pt, c, "no-reduction", "gather-input", "input", "a slice")
+    return None
+
+
+def scatter_output(j, pt):
+    if pt.equal:
+        return None
+    for c, _i, _scale in j.links(pt)[0]:
+        if c.op not in REDUCE_SCATTER:
+            continue
+        return _slice_of(j, pt, c, "post-reduction", "reduce-scatter-output", "output", "a reduced slice")
+    return None
+
+
+def sums_add_up(j, pt):
+    ts, tref = pt.ts, pt.tref
+    total = sum(t.fp[0] for t in ts)
+    for c in j.v.after(pt.t_point, REDUCING - REDUCE_SCATTER):
+        if not c.sums:
+            continue
+        o = c.outs.get(pt.procs[0])
+        if o and o[0].numel == tref.numel and o[0].fp is not None and close(
+                total, o[0].fp[0], tref.numel, sum(t.fp[1] or 0 for t in ts), tref.dtype):
+            return decide(pt, "partial", "pre-reduction", "sums-add-up", coll_json(c, pt.procs[0]),
+                          coll_item(c, f"per-rank sums add up to the output of {coll_desc(c)} ({total:.6g}): "
+                                       f"a partial sum that this reduction completes"))
+    return None
