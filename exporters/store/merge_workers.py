@@ -269,6 +269,12 @@ def copy_part(con, part: str, data: dict, g, tables) -> None:
                             f"{', '.join(sel)} FROM part.spans ORDER BY rowid")
                 continue
             verb = "INSERT OR REPLACE" if table in REPLACED_TABLES else "INSERT"
+            if sel == cols:
+                # Nothing to map: in this form SQLite copies the records as they are stored, in
+                # rowid order, appended (its "transfer optimisation"; ~0.1 us a span row against
+                # ~0.27 column by column), where it can; else it does the same column by column.
+                con.execute(f"{verb} INTO main.{table} SELECT * FROM part.{table}")
+                continue
             order = "" if _without_rowid(con, table) else " ORDER BY rowid"
             con.execute(f"{verb} INTO main.{table}({', '.join(cols)}) SELECT {', '.join(sel)} "
                         f"FROM part.{table}{order}")
