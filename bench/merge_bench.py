@@ -312,6 +312,7 @@ def targets(res: dict) -> list:
         if fl:
             cores = res["header"]["cpus"]
             out.append(dict(name=f"  floor: decode + insert alone ({fl['us_per_span_record']:.2f} µs a span record, "
+                                 f"+ {fl.get('copy_us_per_span_record', 0):.2f} to copy a worker's, "
                                  f"merge_floor.py), over {cores} cores",
                             value=f"{fl['rate']:,.0f} (the merge {big['rate'] / fl['rate']:.2f} of it)",
                             target="", result=""))
