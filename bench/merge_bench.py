@@ -58,6 +58,7 @@ REPEAT_FROM_RECORDS = 4_000_000  # larger traces repeat simulated steps (--repea
 REPEAT_AFTER = 8
 
 import merge_floor  # noqa: E402
+import merge_path  # noqa: E402
 import merge_profile  # noqa: E402
 import query_bench  # noqa: E402
 from common import header, load_summary  # noqa: E402  (torch-free: this process stays small)
@@ -124,7 +125,7 @@ def merge_child(trace_dir: str, out_path: str, module_file: str | None) -> None:
                 yield item
         return wrapper
 
-    events = _critical_path_events(mg)
+    events = merge_path.record_events(mg)
     if hasattr(mg, "_load_rank_files"):
         mg._load_rank_files = timed_gen("load rank files", mg._load_rank_files)
     else:
@@ -139,7 +140,7 @@ def merge_child(trace_dir: str, out_path: str, module_file: str | None) -> None:
     report = mg.merge_ranks(trace_dir, warn=warnings.append, analyse=lambda con: pl.compute_verdicts(con))
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
     phases["other (inserts of processes/globals, indexes, commit)"] = wall - sum(phases.values())
-    critical = _critical_path(events, cpu, c0)
+    critical = merge_path.critical_path(events, cpu, c0)
     res = dict(wall_s=wall, cpu_s=cpu, rss_after_import_kb=rss0, vmrss_after_import_kb=vm0,
                vmhwm_kb=_vm("VmHWM"), rss_peak_self_kb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                phases=dict(phases), vmhwm_after_phase_kb=hwm, points=report["points"], warnings=warnings,
@@ -147,55 +148,6 @@ def merge_child(trace_dir: str, out_path: str, module_file: str | None) -> None:
                workers=report.get("workers", []), counts=store_counts(trace_dir), critical_path=critical)
     with open(out_path, "w") as f:
         json.dump(res, f)
-
-
-def _critical_path_events(mg) -> list:
-    """Record, in CPU time of the merging process, each rank file it loads and each worker part
-    it copies (with the worker's CPU time when it completed that part)."""
-    from tensor_trace.exporters.store import merge_workers
-
-    events = []  # ("load" | "copy", cpu before, cpu after, the worker's cpu at the part or None)
-    seen = {}
-    read, copy, load = merge_workers.read_part, merge_workers.copy_part, getattr(mg, "load_file", None)
-
-    def read_part(part):
-        data = read(part)
-        seen["worker_cpu"] = data.get("stats", {}).get("cpu_s")
-        return data
-
-    def copy_part(*a, **k):
-        t = time.process_time()
-        try:
-            return copy(*a, **k)
-        finally:
-            events.append(("copy", t, time.process_time(), seen.get("worker_cpu")))
-
-    def load_file(*a, **k):
-        t = time.process_time()
-        try:
-            return load(*a, **k)
-        finally:
-            events.append(("load", t, time.process_time(), None))
-
-    merge_workers.read_part, merge_workers.copy_part = read_part, copy_part
-    if load is not None:
-        mg.load_file = load_file
-    return events
-
-
-def _critical_path(events: list, cpu: float, c0: float) -> dict | None:
-    """The merge's wall time on dedicated cores (one a process), from CPU times: the merging
-    process's own loading and copying in turn, each copy starting no earlier than the worker's
-    CPU time when it completed that part, then what follows the loading. On a shared host this
-    is what the wall time would be without the other load; ``None`` without timed events."""
-    if not events:
-        return None
-    t = 0.0
-    for kind, a, b, worker_cpu in events:
-        t = (t if kind == "load" or worker_cpu is None else max(t, worker_cpu)) + (b - a)
-    tail = cpu - (events[-1][2] - c0)
-    return dict(wall_s=t + tail, own_loads_s=sum(b - a for k, a, b, _ in events if k == "load"),
-                copies_s=sum(b - a for k, a, b, _ in events if k == "copy"), after_loading_s=tail)
 
 
 def _vm(key: str) -> int | None:
