@@ -58,6 +58,7 @@ REPEAT_FROM_RECORDS = 4_000_000  # larger traces repeat simulated steps (--repea
 REPEAT_AFTER = 8
 
 import merge_floor  # noqa: E402
+import merge_path  # noqa: E402
 import merge_profile  # noqa: E402
 import query_bench  # noqa: E402
 from common import header, load_summary  # noqa: E402  (torch-free: this process stays small)
@@ -124,6 +125,7 @@ def merge_child(trace_dir: str, out_path: str, module_file: str | None) -> None:
                 yield item
         return wrapper
 
+    events = merge_path.record_events(mg)
     if hasattr(mg, "_load_rank_files"):
         mg._load_rank_files = timed_gen("load rank files", mg._load_rank_files)
     else:
@@ -138,11 +140,12 @@ def merge_child(trace_dir: str, out_path: str, module_file: str | None) -> None:
     report = mg.merge_ranks(trace_dir, warn=warnings.append, analyse=lambda con: pl.compute_verdicts(con))
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
     phases["other (inserts of processes/globals, indexes, commit)"] = wall - sum(phases.values())
+    critical = merge_path.critical_path(events, cpu, c0)
     res = dict(wall_s=wall, cpu_s=cpu, rss_after_import_kb=rss0, vmrss_after_import_kb=vm0,
                vmhwm_kb=_vm("VmHWM"), rss_peak_self_kb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                phases=dict(phases), vmhwm_after_phase_kb=hwm, points=report["points"], warnings=warnings,
                collective_issues=[list(i) for i in report["collective_issues"]],
-               workers=report.get("workers", []), counts=store_counts(trace_dir))
+               workers=report.get("workers", []), counts=store_counts(trace_dir), critical_path=critical)
     with open(out_path, "w") as f:
         json.dump(res, f)
 
@@ -312,6 +315,7 @@ def targets(res: dict) -> list:
         if fl:
             cores = res["header"]["cpus"]
             out.append(dict(name=f"  floor: decode + insert alone ({fl['us_per_span_record']:.2f} µs a span record, "
+                                 f"+ {fl.get('copy_us_per_span_record', 0):.2f} to copy a worker's, "
                                  f"merge_floor.py), over {cores} cores",
                             value=f"{fl['rate']:,.0f} (the merge {big['rate'] / fl['rate']:.2f} of it)",
                             target="", result=""))
@@ -440,6 +444,12 @@ def main(argv=None) -> int:
                         + (f"; workers' VmHWM {', '.join(_mb((w.get('peak_rss_kb') or 0) * 1024) for w in ws)}"
                            if ws else "")
                         + f"), RUSAGE_CHILDREN {_mb(m['rss_children_kb'] * 1024)}, store {_mb(m['store_bytes'])}")
+                    cp = m.get("critical_path")
+                    if cp:
+                        log(f"  critical path from CPU times (dedicated cores): {cp['wall_s']:.2f} s, "
+                            f"{g['span_records'] / cp['wall_s']:,.0f} span records/s (own rank files "
+                            f"{cp['own_loads_s']:.2f} s, copying parts {cp['copies_s']:.2f} s, after the loading "
+                            f"{cp['after_loading_s']:.2f} s)")
                     log("  phases: " + "; ".join(f"{k} {v:.2f} s" for k, v in m["phases"].items()))
                     log("  VmHWM after phase: " + "; ".join(f"{k} {_mb(v * 1024)}" for k, v in m["vmhwm_after_phase_kb"].items()))
                     log(f"  rows: {m['counts']} (expected {expected_counts(g)}): {_complete(m, g)[1]}")

@@ -2,8 +2,8 @@
 
 Streaming: each file is read chunk by chunk and inserted in batches (``loader``); the merge holds
 only one file's intern tables and one batch in memory, whatever the size of the trace. With more than one
-core, worker processes load groups of files at the same time (``merge_workers``) and their rows
-are copied in; the store is the same row for row. The store is built in a temporary file and
+core, worker processes load groups of files at the same time (``merge_workers``), one part store
+per file, and each part is copied in as soon as it is complete; the store is the same row for row. The store is built in a temporary file and
 renamed, so a reader never sees half a store, and merging twice gives the same store (files are
 taken in sorted order; nothing depends on the time of the merge or on the number of workers).
 
@@ -54,8 +54,8 @@ def is_stale(trace_dir: str) -> bool:
 
 def _load_rank_files(con, files, g, tmp, workers, report, warn):
     """Load every rank file into ``con``; yield their results in file order. The first group of
-    files is loaded here while worker processes load the others (``merge_workers``); closing
-    this generator stops them."""
+    files is loaded here while worker processes load the others (``merge_workers``), whose
+    parts are copied in as they complete; closing this generator stops them."""
     groups = merge_workers.plan(files, workers)
     if len(groups) == 1:
         for proc, path in groups[0]:
@@ -65,24 +65,33 @@ def _load_rank_files(con, files, g, tmp, workers, report, warn):
         for proc, path in groups[0]:
             yield load_file(con, proc, path, g)
         report["workers"] = []
-        for group, part, failure in pool.parts():
-            data = None
-            if failure is None:
+        stats = {}  # id(group) -> the worker's latest figures
+        for group, i, part, failure in pool.parts():
+            if failure is not None:
+                # Nothing of these files is in the store yet: this process loads them instead.
+                rest = group[i:]
+                msg = (f"a merge worker failed ({failure}); loaded its {'last ' if i else ''}"
+                       f"{len(rest)} rank file(s) here")
+                warn(msg)
+                report["problems"].append(msg)
+                for proc, path in rest:
+                    yield load_file(con, proc, path, g)
+            else:
                 try:
                     data = merge_workers.read_part(part)
                 except (sqlite3.Error, OSError, TypeError, pickle.UnpicklingError) as exc:
-                    failure = f"its part store is unreadable: {exc}"
-            if data is None:
-                # Nothing of the group is in the store yet: this process loads it instead.
-                msg = f"a merge worker failed ({failure}); loaded its {len(group)} rank file(s) here"
-                warn(msg)
-                report["problems"].append(msg)
-                for proc, path in group:
+                    msg = f"a merge worker's part store is unreadable ({exc}); loaded its rank file here"
+                    warn(msg)
+                    report["problems"].append(msg)
+                    proc, path = group[i]
                     yield load_file(con, proc, path, g)
-                continue
-            merge_workers.copy_part(con, part, data, g, FILE_TABLES)
-            report["workers"].append(data["stats"])
-            yield from data["results"]
+                else:
+                    merge_workers.copy_part(con, part, data, g, FILE_TABLES)
+                    os.remove(part)  # copied: its disk is not needed until the store is complete
+                    stats[id(group)] = data["stats"]
+                    yield from data["results"]
+            if (i == len(group) - 1 or failure is not None) and id(group) in stats:
+                report["workers"].append(stats.pop(id(group)))
 
 
 def merge_ranks(trace_dir: str, warn=None, workers: int | None = None, analyse=None) -> dict:

@@ -197,14 +197,17 @@ def estimate_clock_offsets(con) -> list:
     first_steps = [r[0] for r in con.execute(
         f"SELECT DISTINCT step FROM steps ORDER BY step LIMIT {CLOCK_SAMPLE_STEPS}")]
     last = first_steps[-1] if first_steps else -1
-    cur = con.execute(
-        "SELECT c.proc, c.group_id, c.seq, st.t_begin + c.t0 + c.dur FROM collectives c "
-        "JOIN steps st ON st.proc = c.proc AND st.step = c.step WHERE c.step <= ? AND (c.flags & ?) = 0 "
-        "AND c.op NOT IN ('send','recv','isend','irecv')",
-        (last, schema.FLAG_ASYNC | schema.FLAG_CAPTURED | schema.FLAG_REPLAYED))
-    for proc, gid, seq, end in cur:
-        if end is not None:  # a step whose begin record was lost has no time base
-            ends.setdefault(proc, {})[(gid, seq)] = end
+    # One process at a time, so that the sample is read through the collectives' primary key
+    # (proc, step, idx) rather than by a scan of every collective of the trace.
+    for (proc,) in con.execute("SELECT proc FROM processes ORDER BY proc").fetchall():
+        cur = con.execute(
+            "SELECT c.proc, c.group_id, c.seq, st.t_begin + c.t0 + c.dur FROM collectives c "
+            "JOIN steps st ON st.proc = c.proc AND st.step = c.step WHERE c.proc = ? AND c.step <= ? "
+            "AND (c.flags & ?) = 0 AND c.op NOT IN ('send','recv','isend','irecv') ORDER BY c.step, c.idx",
+            (proc, last, schema.FLAG_ASYNC | schema.FLAG_CAPTURED | schema.FLAG_REPLAYED))
+        for proc_, gid, seq, end in cur:
+            if end is not None:  # a step whose begin record was lost has no time base
+                ends.setdefault(proc_, {})[(gid, seq)] = end
     out = []
     ref_ends = ends.get(ref[0], {})
     for proc, rank, host, mono, wall, _file in procs:

@@ -2,17 +2,22 @@
 
 Decoding a rank file and inserting its rows is CPU-bound Python, so on a machine with more than
 one core the rank files are split into contiguous groups: the merging process loads the first
-group straight into the store while one worker process per other group loads its group into a
-part store of its own (the same schema, ``merged.sqlite.tmp.partK``). Each part is then copied
-into the store in file order by ``INSERT ... SELECT`` (SQLite does that in C), with the part's
-module, layout and group ids mapped to the store's and its span rowids shifted to follow the
-rows already there. Ids are given in first-seen order across files in sorted order and rows are
-copied in that order, so the store is the one a single process would build, row for row.
+group straight into the store while one worker process per other group loads its group, one
+part store per rank file (the same schema, ``merged.sqlite.tmp.partK.I`` for the I-th file of
+worker K), and says on its stdout when each part is complete. The merging process copies each
+part into the store as soon as it is complete and its turn has come, in file order, by
+``INSERT ... SELECT`` (SQLite does that in C), with the part's module, layout and group ids
+mapped to the store's and its span rowids shifted to follow the rows already there: copying
+overlaps the worker's loading of its next files, so after the last worker ends only its last
+file's part is left to copy. Ids are given in first-seen order across files in sorted order
+and rows are copied in that order, so the store is the one a single process would build, row
+for row.
 
 A worker never outlives the merge: the merging process kills and reaps every worker when it
 leaves (error, Ctrl-C included), and a worker exits on its own once the merging process is gone
 (it watches a pipe that only that process holds open). If a worker fails, the merging process
-loads that group itself, so the store is complete either way.
+loads the files of its group that it had not completed itself, so the store is complete either
+way.
 """
 
 from __future__ import annotations
@@ -35,13 +40,10 @@ from tensor_trace.exporters.store.tables import open_new_store
 ENV_WORKERS = "TENSOR_TRACE_MERGE_WORKERS"  # worker processes besides the merging one; 0 = none
 PARALLEL_MIN_BYTES = 8 << 20  # below this (about 150,000 span records) starting a worker does not pay
 MAX_WORKERS = 3  # the copying of parts is serial: more workers help less and hold more memory
-# What the merging process does besides loading its own files, in bytes of rank files it could
-# have loaded in the same time (measured on the 61-layer synthetic trace, bench/merge_bench.py):
-# copying the workers' rows in (per byte of their files), and after that the indexes (per byte of
-# all files) and the verdicts and clock offsets (about the same whatever the trace's length).
-COPY_RATIO = 0.2
-TAIL_RATIO = 0.08
-TAIL_BYTES = 32 << 20
+# Copying a worker's part into the store, in bytes of rank files the merging process could have
+# loaded in the same time (per byte of the part's rank file; measured on the 61-layer synthetic
+# trace, bench/merge_bench.py: ~0.3 us a span record against ~2 us to load it).
+COPY_RATIO = 0.15
 
 # Columns holding ids that each process gives out on its own, by name wherever they occur, and
 # the SharedIds table each maps through.
@@ -65,9 +67,9 @@ def _usable_cpus() -> int:
 
 def plan(files: list, workers: int | None) -> list:
     """Split the rank files into contiguous groups of ``(proc, path)``: the first for the merging
-    process (smaller: it also copies the workers' rows in and does what follows the loading), one
-    per worker after it. ``workers`` None: as many as the usable cores allow (at
-    most MAX_WORKERS), and none for a small trace or when ``TENSOR_TRACE_MERGE_WORKERS`` says 0."""
+    process (it also copies the workers' parts in as they complete), one per worker after it.
+    ``workers`` None: as many as the usable cores allow (at most MAX_WORKERS), and none for a
+    small trace or when ``TENSOR_TRACE_MERGE_WORKERS`` says 0."""
     procs = list(enumerate(files))
     if workers is None:
         env = os.environ.get(ENV_WORKERS, "").strip()
@@ -96,13 +98,14 @@ def plan(files: list, workers: int | None) -> list:
     for w in weights:
         cum.append(cum[-1] + w)
     total = cum[-1]
-    tail = TAIL_BYTES + TAIL_RATIO * total if sum(sizes) else 0
 
     def slowest(j):
-        """The longer of the merging process's work (files [0, j), copying the others' rows,
-        what follows) and a worker's (an even share of the rest), in bytes of loading."""
+        """When the last part is in, in bytes of loading: the merging process loads files
+        [0, j) and copies the workers' parts as they complete; the workers load an even share
+        of the rest each, and the last part to copy is a worker's last file's. What follows
+        (indexes, clocks, verdicts) is the same for every cut."""
         rest = total - cum[j]
-        return max(cum[j] + COPY_RATIO * rest + tail, rest / (n - 1))
+        return max(cum[j] + COPY_RATIO * rest, rest / (n - 1) + COPY_RATIO * weights[-1])
 
     # The merging process's files: the cut that finishes soonest; every group keeps at least
     # one file. The workers' groups: cut where the running byte count comes nearest to even shares.
@@ -120,27 +123,32 @@ def part_paths(store_tmp: str) -> list:
     return glob.glob(glob.escape(store_tmp) + ".part*")
 
 
+def part_path(prefix: str, index: int) -> str:
+    """The part store of a worker's ``index``-th file (``prefix``: the worker's, ``STORE.tmp.partK``)."""
+    return f"{prefix}.{index}"
+
+
 class Pool:
     """Worker processes, one per group, started at once; a context manager that stops and reaps
     every worker still running and removes the part stores when it exits."""
 
     def __init__(self, groups: list, store_tmp: str):
-        self.workers = []  # (group, part path, Popen, log path)
+        self.workers = []  # (group, part prefix, Popen, log path)
         try:
             for k, group in enumerate(groups, 1):
-                part = f"{store_tmp}.part{k}"
-                log = part + ".log"
-                for p in (part, log):
+                prefix = f"{store_tmp}.part{k}"
+                log = prefix + ".log"
+                for p in [log, *glob.glob(glob.escape(prefix) + ".*")]:
                     if os.path.exists(p):
                         os.remove(p)
-                spec = dict(part=part, files=group, path=[p for p in sys.path if isinstance(p, str)])
+                spec = dict(part=prefix, files=group, path=[p for p in sys.path if isinstance(p, str)])
                 env = dict(os.environ)
                 env.pop(schema.ENV_DIR, None)  # a merge run inside a traced program: never traced itself
                 with open(log, "wb") as err:
                     proc = subprocess.Popen([sys.executable, "-c", _BOOT, json.dumps(spec)], env=env,
-                                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err,
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                             close_fds=True)
-                self.workers.append((group, part, proc, log))
+                self.workers.append((group, prefix, proc, log))
         except BaseException:
             self.close()
             raise
@@ -153,13 +161,14 @@ class Pool:
         return False
 
     def close(self) -> None:
-        for _group, part, proc, log in self.workers:
+        for _group, prefix, proc, log in self.workers:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
-            if proc.stdin:
-                proc.stdin.close()
-            for p in (part, log):
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe:
+                    pipe.close()
+            for p in [log, *glob.glob(glob.escape(prefix) + ".*")]:
                 try:
                     os.remove(p)
                 except OSError:
@@ -167,12 +176,17 @@ class Pool:
         self.workers = []
 
     def parts(self):
-        """Yield ``(group, part path, failure)`` in file order, once each worker has finished;
-        failure is None, or why the worker gave no part (the caller then loads the group)."""
-        for group, part, proc, log in self.workers:
-            status = proc.wait()
-            failure = None
-            if status != 0:
+        """Yield ``(group, index, part path, failure)`` for every file of every worker's group, in
+        file order, as soon as its part is complete (the worker goes on with its next file
+        meanwhile). failure is None; or why the worker stopped before completing that file's
+        part (part is None): the caller loads ``group[index:]`` itself, and this goes on with
+        the next worker."""
+        for group, prefix, proc, log in self.workers:
+            for i in range(len(group)):
+                if _part_done(proc.stdout, i):
+                    yield group, i, part_path(prefix, i), None
+                    continue
+                status = proc.wait()
                 failure = f"exit status {status}"
                 try:
                     with open(log, "rb") as f:
@@ -181,7 +195,20 @@ class Pool:
                         failure += f": {tail.splitlines()[-1]}"
                 except OSError:
                     pass
-            yield group, part, failure
+                yield group, i, None, failure
+                break
+
+
+def _part_done(stdout, index: int) -> bool:
+    """Wait for the worker to say that its ``index``-th part is complete (True), or to end
+    without saying so (False). Lines of other output are passed over."""
+    want = b"part %d\n" % index
+    while True:
+        line = stdout.readline() if stdout else b""
+        if not line:
+            return False
+        if line == want:
+            return True
 
 
 def _map_expr(column: str, mapping: list, con, name: str) -> str:
@@ -242,6 +269,12 @@ def copy_part(con, part: str, data: dict, g, tables) -> None:
                             f"{', '.join(sel)} FROM part.spans ORDER BY rowid")
                 continue
             verb = "INSERT OR REPLACE" if table in REPLACED_TABLES else "INSERT"
+            if sel == cols:
+                # Nothing to map: in this form SQLite copies the records as they are stored, in
+                # rowid order, appended (its "transfer optimisation"; ~0.1 us a span row against
+                # ~0.27 column by column), where it can; else it does the same column by column.
+                con.execute(f"{verb} INTO main.{table} SELECT * FROM part.{table}")
+                continue
             order = "" if _without_rowid(con, table) else " ORDER BY rowid"
             con.execute(f"{verb} INTO main.{table}({', '.join(cols)}) SELECT {', '.join(sel)} "
                         f"FROM part.{table}{order}")
@@ -277,24 +310,28 @@ def _status_kb(key: str) -> int | None:
 
 
 def worker_main(spec: dict) -> None:
-    """A worker: load ``spec['files']`` into the part store ``spec['part']``, then save the
-    per-file results and the ids given out, for ``copy_part``."""
+    """A worker: load ``spec['files']`` one by one, each into a part store of its own (``part_path``
+    of ``spec['part']``) saved with the file's load result and the ids given out so far (for
+    ``copy_part``), and say on stdout when each part is complete."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the merging process, which stops us
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     c0, rss0 = time.process_time(), _status_kb("VmRSS")
-    con = open_new_store(spec["part"])
-    g = SharedIds(con)
-    results = [load_file(con, proc, path, g) for proc, path in spec["files"]]
-    data = dict(results=results,
-                modules=[(path, cls) for path, (_mid, cls) in sorted(g.modules.items(), key=lambda e: e[1][0])],
-                layouts=[key for key, _lid in sorted(g.layouts.items(), key=lambda e: e[1])],
-                groups=[(name, json.loads(ranks), backend, pg_name)
-                        for _gid, name, ranks, backend, pg_name in sorted(g.groups.values())],
-                stats=dict(files=len(spec["files"]), peak_rss_kb=_status_kb("VmHWM"), rss_start_kb=rss0,
-                           cpu_s=time.process_time() - c0))
-    con.execute("CREATE TABLE part_result(data BLOB)")
-    con.execute("INSERT INTO part_result VALUES (?)", (pickle.dumps(data),))
-    con.commit()
-    con.close()
-    sys.stdout.flush()
+    g = SharedIds(None)  # its ids go back with each part (copy_part maps them): never written here
+    out = sys.stdout.buffer
+    for i, (proc, path) in enumerate(spec["files"]):
+        con = open_new_store(part_path(spec["part"], i))
+        result = load_file(con, proc, path, g)
+        data = dict(results=[result],
+                    modules=[(p, cls) for p, (_mid, cls) in sorted(g.modules.items(), key=lambda e: e[1][0])],
+                    layouts=[key for key, _lid in sorted(g.layouts.items(), key=lambda e: e[1])],
+                    groups=[(name, json.loads(ranks), backend, pg_name)
+                            for _gid, name, ranks, backend, pg_name in sorted(g.groups.values())],
+                    stats=dict(files=i + 1, peak_rss_kb=_status_kb("VmHWM"), rss_start_kb=rss0,
+                               cpu_s=time.process_time() - c0))
+        con.execute("CREATE TABLE part_result(data BLOB)")
+        con.execute("INSERT INTO part_result VALUES (?)", (pickle.dumps(data),))
+        con.commit()
+        con.close()
+        out.write(b"part %d\n" % i)
+        out.flush()
     os._exit(0)

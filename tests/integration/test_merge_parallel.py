@@ -6,6 +6,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -129,6 +130,49 @@ def test_a_failed_worker_is_replaced_by_the_merging_process(tp3, tmp_path, monke
     many, warnings, report = merged(d, 2)
     assert many == one
     assert report["workers"] == [] and len(warnings) == 2 and all("merge worker failed" in w for w in warnings)
+    assert not any(leftovers(d))
+
+
+@linux_only
+def test_parts_are_copied_while_the_worker_loads_its_next_files(tp3, tmp_path):
+    """The worker completes a part store per rank file; the merging process copies each into the
+    store (and removes it) while the worker goes on with its next file: here a FIFO that keeps it
+    busy until the test writes to it."""
+    d = copy_ranks(tp3, tmp_path / "t")
+    one, warn_one, _ = merged(d, 0)
+    fifo = os.path.join(d, "ranks", "zz.ttr")
+    os.mkfifo(fifo)
+    assert [len(g) for g in merge_workers.plan(sorted(
+        os.path.join(d, "ranks", n) for n in os.listdir(os.path.join(d, "ranks"))), 1)] == [1, 3]
+    first = store_path(d) + ".tmp.part1.0"  # the worker's first file's part
+    out = {}
+    merging = threading.Thread(target=lambda: out.update(result=merged(d, 1)))
+    merging.start()
+    try:
+        seen, deadline = False, time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if os.path.exists(first):
+                seen = True
+            elif seen:
+                break
+            time.sleep(0.005)
+        assert seen and not os.path.exists(first), "the worker's first part was not copied while it worked on"
+        assert merging.is_alive()
+    finally:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the worker opens the FIFO when it gets to it
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                time.sleep(0.01)
+                continue
+            os.write(fd, b"this is not a trace")
+            os.close(fd)
+            break
+        merging.join(120)
+    many, warnings, report = out["result"]
+    assert many == one and len(report["workers"]) == 1
+    assert warnings == warn_one + [w for w in warnings if "not a tensor-trace rank file" in w] and len(warnings) == len(warn_one) + 1
     assert not any(leftovers(d))
 
 

@@ -30,8 +30,9 @@ def test_groups_are_contiguous_and_balanced(tmp_path, workers):
     check_partition(groups, files)
     assert len(groups) == min(workers + 1, 8)
     if workers == 1:
-        # Tiny files: the merging process's work after loading outweighs them all; it loads one.
-        assert [len(g) for g in groups] == [1, 7]
+        # Equal files: the merging process copies the worker's parts while the worker loads its
+        # next files, so both load half; the copying ends with the worker's last file.
+        assert [len(g) for g in groups] == [4, 4]
 
 
 def sparse_files_of(tmp_path, sizes):
@@ -45,15 +46,17 @@ def sparse_files_of(tmp_path, sizes):
     return paths
 
 
-@pytest.mark.parametrize("size_mb, share", [(14, 2), (140, 3)])
-def test_the_merging_process_loads_less_than_a_worker(tmp_path, size_mb, share):
-    """8 rank files of a 2M-record trace (14 MB each) and of a 20M-record one (140 MB): the
-    merging process also copies the worker's rows in and computes the verdicts afterwards, a
-    fixed cost that weighs more in the smaller trace, so it loads 2 and 3 files of 8."""
-    files = sparse_files_of(tmp_path, [size_mb << 20] * 8)
+@pytest.mark.parametrize("size_mb, n_files, share", [(14, 8, 4), (140, 8, 4), (140, 16, 7)])
+def test_the_merging_process_finishes_with_its_worker(tmp_path, size_mb, n_files, share):
+    """Rank files of a 2M-record trace (14 MB each) and of a 20M-record one (140 MB): the merging
+    process loads its files, then copies each of the worker's parts as it completes (COPY_RATIO
+    of loading it), so it takes as many files as leave it done copying when the worker is done
+    loading: half of 8, and fewer than half of 16 (copying 9 parts weighs more than a file).
+    What follows the loading is the same for every cut: the size of the trace does not matter."""
+    files = sparse_files_of(tmp_path, [size_mb << 20] * n_files)
     groups = merge_workers.plan(files, 1)
     check_partition(groups, files)
-    assert [len(g) for g in groups] == [share, 8 - share]
+    assert [len(g) for g in groups] == [share, n_files - share]
 
 
 def test_uneven_files_split_by_bytes(tmp_path):
