@@ -35,7 +35,7 @@ PyObject* traced_tp_call(PyObject* module, PyObject* args, PyObject* kwargs) {
   }
   // A strong reference for the call: the tracer may close (and drop) it from inside this call.
   PyObject* handle = Py_NewRef(active_call);
-  PyObject* r = traced_call_vector(handle, stack, static_cast<size_t>(1 + n), kwnames);
+  PyObject* r = traced_call(handle, stack, static_cast<size_t>(1 + n), kwnames, args);
   Py_DECREF(handle);
   Py_XDECREF(kwnames);
   return r;
@@ -77,7 +77,17 @@ int traced_call_traverse(PyObject* self_, visitproc visit, void* arg) {
   Py_VISIT(self->python_call); Py_VISIT(self->inner); Py_VISIT(self->tracer); Py_VISIT(self->state);
   Py_VISIT(self->tensor_type); Py_VISIT(self->compiler); Py_VISIT(self->span_one);
   Py_VISIT(self->finish); Py_VISIT(self->context); Py_VISIT(self->span_tag);
+  Py_VISIT(self->writer); Py_VISIT(self->writer_dict); Py_VISIT(self->layouts_type);
   return 0;
+}
+
+// What a TracedCall keeps besides the tracer's references (tracer/native_call.py): let go.
+void drop_caches(TracedCall* self) {
+  Py_CLEAR(self->writer); Py_CLEAR(self->writer_dict);
+  PyObject* type = reinterpret_cast<PyObject*>(self->layouts_type);
+  self->layouts_type = nullptr;
+  Py_XDECREF(type);
+  while (self->n_spare > 0) Py_DECREF(self->spare[--self->n_spare]);
 }
 
 int traced_call_clear(PyObject* self_) {
@@ -86,6 +96,7 @@ int traced_call_clear(PyObject* self_) {
   Py_CLEAR(self->tensor_type); Py_CLEAR(self->compiler); Py_CLEAR(self->span_one);
   Py_CLEAR(self->finish); Py_CLEAR(self->context); Py_CLEAR(self->span_tag);
   self->active = 0;
+  drop_caches(self);
   return 0;
 }
 
@@ -97,6 +108,7 @@ void traced_call_dealloc(PyObject* self) {
 
 PyObject* traced_call_close(PyObject* self, PyObject*) {
   reinterpret_cast<TracedCall*>(self)->active = 0;
+  drop_caches(reinterpret_cast<TracedCall*>(self));  // (the writer: no longer kept alive here)
   // Classes whose slot is still patched call CPython's own slot from now on, so the module
   // global no longer keeps this object, and through it the tracer, alive for the process.
   if (active_call == self) Py_CLEAR(active_call);
@@ -139,6 +151,10 @@ PyObject* traced_call_new(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   self->span_tag = Py_NewRef(a[8]);
   self->active = 1;
   self->recorded = 0;
+  self->writer = self->writer_dict = nullptr;
+  self->layouts_type = nullptr;
+  self->one_offset = self->by_call_key_offset = -1;
+  self->n_spare = 0;
   PyObject_GC_Track(reinterpret_cast<PyObject*>(self));
   return reinterpret_cast<PyObject*>(self);
 }
