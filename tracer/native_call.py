@@ -45,6 +45,10 @@ const char* const kNameText[kNames] = {
   "_is_compiling_flag", "fps", "last", "last_version", "last_idx", "add_one"};
 PyObject* names[kNames];
 constexpr int kSpareFrames = 64;
+// Bumped by every attribute assignment or deletion on the tracer's class but span_count's
+// (tracer_setattr, tracer/native_call_type.py): the state a TracedCall read is the same while
+// it has not moved.
+uint64_t state_version = 1;
 
 bool intern_names() {
   for (int i = 0; i < kNames; ++i) {
@@ -76,12 +80,32 @@ struct TracedCall {
   Py_ssize_t one_offset, by_call_key_offset;
   PyObject* spare[kSpareFrames];  // frames no one else holds, items cleared, to open calls with
   int n_spare;
+  bool cache_state;       // the tracer's class counts its assignments in state_version
+  uint64_t seen_version;  // state_version when `cached` was read
+  PyObject* cached[kNames];  // the tracer's attributes then (borrowed: its __dict__ holds them)
 };
 
 PyTypeObject TracedCallType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
-inline PyObject* state_item(TracedCall* self, Name n) {  // borrowed; NULL if missing
-  return PyDict_GetItemWithError(self->state, names[n]);
+// Which attributes of the tracer are kept in `cached`: all this reads but span_count, which
+// changes at every call.
+inline bool cacheable(Name n) { return n != kSpanCount && n != kCompilingFlag; }
+
+void read_state(TracedCall* self) {
+  for (int i = 0; i < kNames; ++i) {
+    Name n = static_cast<Name>(i);
+    self->cached[i] = cacheable(n) ? PyDict_GetItemWithError(self->state, names[i]) : nullptr;
+    if (self->cached[i] == nullptr && PyErr_Occurred()) PyErr_Clear();  // (str keys: never)
+  }
+  self->seen_version = state_version;
+}
+
+// An attribute of the tracer: borrowed, NULL if missing. As it is in its __dict__ now: no
+// assignment has been made since it was read (or it is read there).
+inline PyObject* state_item(TracedCall* self, Name n) {
+  if (!self->cache_state || !cacheable(n)) return PyDict_GetItemWithError(self->state, names[n]);
+  if (self->seen_version != state_version) read_state(self);
+  return self->cached[n];
 }
 
 // An attribute of the tracer's writer (a new reference, or NULL with an exception): read from its

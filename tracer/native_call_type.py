@@ -126,6 +126,65 @@ PyMemberDef traced_call_members[] = {
     {nullptr, 0, 0, 0, nullptr}};
 
 
+// The tracer's class gets these as __setattr__ and __delattr__ (count_assignments): object's own,
+// plus state_version moved, so that a TracedCall knows whether what it read of the tracer's
+// __dict__ is still there (span_count, set at every call, moves nothing: it is never kept).
+PyObject* tracer_setattr(PyObject* self, PyObject* const* a, Py_ssize_t n) {
+  if (n != 2) {
+    PyErr_SetString(PyExc_TypeError, "__setattr__(name, value)");
+    return nullptr;
+  }
+  if (PyObject_GenericSetAttr(self, a[0], a[1]) < 0) return nullptr;
+  if (a[0] != names[kSpanCount]) ++state_version;
+  Py_RETURN_NONE;
+}
+
+PyObject* tracer_delattr(PyObject* self, PyObject* name) {
+  ++state_version;
+  if (PyObject_GenericSetAttr(self, name, nullptr) < 0) return nullptr;
+  Py_RETURN_NONE;
+}
+
+PyMethodDef tracer_setattr_def = {"__setattr__", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(tracer_setattr)),
+                                  METH_FASTCALL, "object.__setattr__, counted (tracer/native_call.py)"};
+PyMethodDef tracer_delattr_def = {"__delattr__", tracer_delattr, METH_O,
+                                  "object.__delattr__, counted (tracer/native_call.py)"};
+
+bool is_method(PyObject* d, PyMethodDef* def) {
+  return d != nullptr && Py_IS_TYPE(d, &PyMethodDescr_Type) &&
+         reinterpret_cast<PyMethodDescrObject*>(d)->d_method == def;
+}
+
+// Whether `type` counts its instances' assignments: made so here where its __setattr__ and
+// __delattr__ are object's own (the tracer's class, once per process); else false (some class
+// of its own: the TracedCall then reads the tracer's __dict__ at every call).
+bool count_assignments(PyTypeObject* type) {
+  PyObject* set_name = PyUnicode_InternFromString("__setattr__");
+  PyObject* del_name = PyUnicode_InternFromString("__delattr__");
+  if (set_name == nullptr || del_name == nullptr) {
+    Py_XDECREF(set_name); Py_XDECREF(del_name);
+    PyErr_Clear();
+    return false;
+  }
+  bool ok = false;
+  PyObject* object_set = PyDict_GetItemWithError(PyBaseObject_Type.tp_dict, set_name);
+  PyObject* object_del = PyDict_GetItemWithError(PyBaseObject_Type.tp_dict, del_name);
+  PyObject* set = _PyType_Lookup(type, set_name);
+  PyObject* del = _PyType_Lookup(type, del_name);
+  if (is_method(set, &tracer_setattr_def) && is_method(del, &tracer_delattr_def)) {
+    ok = true;
+  } else if (set != nullptr && set == object_set && del != nullptr && del == object_del) {
+    PyObject* s = PyDescr_NewMethod(type, &tracer_setattr_def);
+    PyObject* d = PyDescr_NewMethod(type, &tracer_delattr_def);
+    ok = s != nullptr && d != nullptr && PyObject_SetAttr(reinterpret_cast<PyObject*>(type), set_name, s) == 0 &&
+         PyObject_SetAttr(reinterpret_cast<PyObject*>(type), del_name, d) == 0;
+    Py_XDECREF(s); Py_XDECREF(d);
+  }
+  if (PyErr_Occurred()) PyErr_Clear();
+  Py_DECREF(set_name); Py_DECREF(del_name);
+  return ok;
+}
+
 // traced_call(python_call, inner, tracer, tensor_type, compiler_dict, span_one, finish,
 // context, span_tag): a new TracedCall (see tracer/native_call.py).
 PyObject* traced_call_new(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
@@ -155,6 +214,9 @@ PyObject* traced_call_new(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   self->layouts_type = nullptr;
   self->one_offset = self->by_call_key_offset = -1;
   self->n_spare = 0;
+  self->cache_state = count_assignments(Py_TYPE(a[2]));
+  self->seen_version = 0;  // (state_version starts at 1: read at the first call)
+  for (int i = 0; i < kNames; ++i) self->cached[i] = nullptr;
   PyObject_GC_Track(reinterpret_cast<PyObject*>(self));
   return reinterpret_cast<PyObject*>(self);
 }
