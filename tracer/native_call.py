@@ -521,25 +521,32 @@ PyObject* traced_call(PyObject* self_, PyObject* const* args, size_t nargsf, PyO
     }
     return result;
   }
-  PyObject* kwargs = PyDict_New();
-  if (kwargs == nullptr) { Py_DECREF(result); return nullptr; }
+  // The keyword arguments as a dict, made where there are some (record_known takes None for
+  // none, as call_key keys an empty dict) or finish_call is called (the Python wrapper's kwargs).
+  PyObject* kwargs = nullptr;
   Py_ssize_t nk = kwnames == nullptr ? 0 : PyTuple_GET_SIZE(kwnames);
-  for (Py_ssize_t i = 0; i < nk; ++i) {
-    if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[n + i]) < 0) {
-      Py_DECREF(kwargs); Py_DECREF(result);
-      return nullptr;
+  if (nk > 0) {
+    kwargs = PyDict_New();
+    if (kwargs == nullptr) { Py_DECREF(result); return nullptr; }
+    for (Py_ssize_t i = 0; i < nk; ++i) {
+      if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[n + i]) < 0) {
+        Py_DECREF(kwargs); Py_DECREF(result);
+        return nullptr;
+      }
     }
   }
-  int done = on_top ? record_known(self, c, kwargs, result) : 0;
+  int done = on_top ? record_known(self, c, kwargs != nullptr ? kwargs : Py_None, result) : 0;
   if (done < 0) {
-    if (!report_error(self, "forward hook")) { Py_DECREF(kwargs); Py_DECREF(result); return nullptr; }
+    if (!report_error(self, "forward hook")) { Py_XDECREF(kwargs); Py_DECREF(result); return nullptr; }
   } else if (done == 0) {  // intercept.finish_call: as the Python wrapper ends such a call
+    if (kwargs == nullptr) kwargs = PyDict_New();
+    if (kwargs == nullptr) { Py_DECREF(result); return nullptr; }
     PyObject* argv[5] = {self->tracer, c.module, c.args, kwargs, result};
     PyObject* r = PyObject_Vectorcall(self->finish, argv, 5, nullptr);
     if (r == nullptr) { Py_DECREF(kwargs); Py_DECREF(result); return nullptr; }
     Py_DECREF(r);
   }
-  Py_DECREF(kwargs);
+  Py_XDECREF(kwargs);
   return result;
 }
 
