@@ -21,6 +21,22 @@ of every other case:
 It reads the tracer's state from its ``__dict__`` (interned names, no attribute look-up
 machinery), so the Python code that sets those attributes needs no change.
 
+What it keeps between calls (none of it a value of its own; each read again where it may have
+changed), since a GPU step is host-bound and every call's microsecond shows in it:
+
+- what it read of the tracer's ``__dict__`` (borrowed: the dict holds it), until an attribute of
+  the tracer is assigned or deleted: the tracer's class gets object's ``__setattr__`` and
+  ``__delattr__`` in C plus a counter (``state_version``), which every assignment but
+  ``span_count``'s (set at every call, never kept) moves. A tracer class with a ``__setattr__``
+  of its own keeps the look-ups at every call. (Code that writes the tracer's ``__dict__``
+  directly would go unseen: nothing does.)
+- the writer's ``__dict__`` (the writer held while it is the tracer's), where ``generation``,
+  ``pending`` and ``max_buffered`` are read as Python finds them; ``SpanLayouts``' dicts read at
+  their slots' offsets;
+- frames no one else holds once popped (their items let go of, out of the collector's sight),
+  to open later calls with; a call through the class slot keeps torch's argument tuple as the
+  frame's slots instead of a copy.
+
 How calls reach it: ``torch.nn.Module.__call__`` stays the Python wrapper (what torch.compile
 traces and guards on, what code that patches ``__call__`` in a chain reads). What changes is
 the call slot of the classes that take their ``__call__`` from ``Module``: ``patch_call_slots``

@@ -167,8 +167,8 @@ bool count_assignments(PyTypeObject* type) {
     return false;
   }
   bool ok = false;
-  PyObject* object_set = PyDict_GetItemWithError(PyBaseObject_Type.tp_dict, set_name);
-  PyObject* object_del = PyDict_GetItemWithError(PyBaseObject_Type.tp_dict, del_name);
+  PyObject* object_set = _PyType_Lookup(&PyBaseObject_Type, set_name);  // (3.12: no tp_dict to read)
+  PyObject* object_del = _PyType_Lookup(&PyBaseObject_Type, del_name);
   PyObject* set = _PyType_Lookup(type, set_name);
   PyObject* del = _PyType_Lookup(type, del_name);
   if (is_method(set, &tracer_setattr_def) && is_method(del, &tracer_delattr_def)) {
