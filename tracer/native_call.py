@@ -21,6 +21,22 @@ of every other case:
 It reads the tracer's state from its ``__dict__`` (interned names, no attribute look-up
 machinery), so the Python code that sets those attributes needs no change.
 
+What it keeps between calls (none of it a value of its own; each read again where it may have
+changed), since a GPU step is host-bound and every call's microsecond shows in it:
+
+- what it read of the tracer's ``__dict__`` (borrowed: the dict holds it), until an attribute of
+  the tracer is assigned or deleted: the tracer's class gets object's ``__setattr__`` and
+  ``__delattr__`` in C plus a counter (``state_version``), which every assignment but
+  ``span_count``'s (set at every call, never kept) moves. A tracer class with a ``__setattr__``
+  of its own keeps the look-ups at every call. (Code that writes the tracer's ``__dict__``
+  directly would go unseen: nothing does.)
+- the writer's ``__dict__`` (the writer held while it is the tracer's), where ``generation``,
+  ``pending`` and ``max_buffered`` are read as Python finds them; ``SpanLayouts``' dicts read at
+  their slots' offsets;
+- frames no one else holds once popped (their items let go of, out of the collector's sight),
+  to open later calls with; a call through the class slot keeps torch's argument tuple as the
+  frame's slots instead of a copy.
+
 How calls reach it: ``torch.nn.Module.__call__`` stays the Python wrapper (what torch.compile
 traces and guards on, what code that patches ``__call__`` in a chain reads). What changes is
 the call slot of the classes that take their ``__call__`` from ``Module``: ``patch_call_slots``
@@ -44,6 +60,11 @@ const char* const kNameText[kNames] = {
   "one", "by_call_key", "pending", "max_buffered", "flush", "post_fn", "on_error",
   "_is_compiling_flag", "fps", "last", "last_version", "last_idx", "add_one"};
 PyObject* names[kNames];
+constexpr int kSpareFrames = 64;
+// Bumped by every attribute assignment or deletion on the tracer's class but span_count's
+// (tracer_setattr, tracer/native_call_type.py): the state a TracedCall read is the same while
+// it has not moved.
+uint64_t state_version = 1;
 
 bool intern_names() {
   for (int i = 0; i < kNames; ++i) {
@@ -68,12 +89,98 @@ struct TracedCall {
   PyObject* span_tag;     // schema.SPAN
   int active;
   long long recorded;     // spans recorded here (the rest: by the Python code)
+  // Caches (tracer/native_call.py's "What it keeps"), none of them a value of the tracer's:
+  PyObject* writer;       // the writer last seen (a strong reference: its address is the key)
+  PyObject* writer_dict;  // ... and its __dict__, where its attributes are read
+  PyTypeObject* layouts_type;  // SpanLayouts as last seen, and its slots' offsets
+  Py_ssize_t one_offset, by_call_key_offset;
+  PyObject* spare[kSpareFrames];  // frames no one else holds, items cleared, to open calls with
+  int n_spare;
+  bool cache_state;       // the tracer's class counts its assignments in state_version
+  uint64_t seen_version;  // state_version when `cached` was read
+  PyObject* cached[kNames];  // the tracer's attributes then (borrowed: its __dict__ holds them)
 };
 
 PyTypeObject TracedCallType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
-inline PyObject* state_item(TracedCall* self, Name n) {  // borrowed; NULL if missing
-  return PyDict_GetItemWithError(self->state, names[n]);
+// Which attributes of the tracer are kept in `cached`: all this reads but span_count, which
+// changes at every call.
+inline bool cacheable(Name n) { return n != kSpanCount && n != kCompilingFlag; }
+
+void read_state(TracedCall* self) {
+  for (int i = 0; i < kNames; ++i) {
+    Name n = static_cast<Name>(i);
+    self->cached[i] = cacheable(n) ? PyDict_GetItemWithError(self->state, names[i]) : nullptr;
+    if (self->cached[i] == nullptr && PyErr_Occurred()) PyErr_Clear();  // (str keys: never)
+  }
+  self->seen_version = state_version;
+}
+
+// An attribute of the tracer: borrowed, NULL if missing. As it is in its __dict__ now: no
+// assignment has been made since it was read (or it is read there).
+inline PyObject* state_item(TracedCall* self, Name n) {
+  if (!self->cache_state || !cacheable(n)) return PyDict_GetItemWithError(self->state, names[n]);
+  if (self->seen_version != state_version) read_state(self);
+  return self->cached[n];
+}
+
+// An attribute of the tracer's writer (a new reference, or NULL with an exception): read from its
+// __dict__ (kept for as long as the writer is the tracer's), as Python's attribute look-up
+// finds it there; anywhere else, by that look-up.
+PyObject* writer_attr(TracedCall* self, PyObject* writer, Name n) {
+  if (writer != self->writer) {
+    PyObject* d = PyObject_GenericGetDict(writer, nullptr);  // (AttributeError: it has none)
+    if (d == nullptr) {
+      PyErr_Clear();
+      return PyObject_GetAttr(writer, names[n]);
+    }
+    Py_XSETREF(self->writer_dict, d);
+    Py_XSETREF(self->writer, Py_NewRef(writer));
+  }
+  PyObject* v = PyDict_GetItemWithError(self->writer_dict, names[n]);
+  if (v != nullptr) return Py_NewRef(v);
+  return PyErr_Occurred() ? nullptr : PyObject_GetAttr(writer, names[n]);
+}
+
+// SpanLayouts.one or .by_call_key (borrowed; NULL, maybe with an exception, if unset): read at
+// the slot's offset, as its member descriptor reads it, for the type last seen with both slots.
+PyObject* layouts_dict(TracedCall* self, PyObject* holder, Name n) {
+  PyTypeObject* type = Py_TYPE(holder);
+  if (type != self->layouts_type) {
+    Py_ssize_t offsets[2] = {-1, -1};
+    Name which[2] = {kOne, kByCallKey};
+    for (int i = 0; i < 2; ++i) {
+      PyObject* d = _PyType_Lookup(type, names[which[i]]);  // borrowed
+      if (d != nullptr && Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
+        if (m->type == T_OBJECT_EX && !(m->flags & READONLY)) offsets[i] = m->offset;
+      }
+    }
+    if (offsets[0] < 0 || offsets[1] < 0) {  // (not SpanLayouts: the attribute look-up)
+      PyObject* v = PyObject_GetAttr(holder, names[n]);
+      Py_XDECREF(v);  // (the holder keeps it)
+      return v;
+    }
+    Py_XSETREF(self->layouts_type, reinterpret_cast<PyTypeObject*>(Py_NewRef(type)));
+    self->one_offset = offsets[0];
+    self->by_call_key_offset = offsets[1];
+  }
+  PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(holder) +
+                                              (n == kOne ? self->one_offset : self->by_call_key_offset));
+  if (v == nullptr) PyErr_SetString(PyExc_AttributeError, n == kOne ? "one" : "by_call_key");
+  return v;
+}
+
+// PyLong_AsLongLong without its detour through a byte array for ints of two or more digits
+// (a monotonic_ns time): -1 with OverflowError (or TypeError) as it raises.
+inline long long as_long_long(PyObject* v) {
+  int overflow = 0;
+  long long r = PyLong_AsLongLongAndOverflow(v, &overflow);
+  if (overflow != 0) {
+    PyErr_SetString(PyExc_OverflowError, "int too big to convert");
+    return -1;
+  }
+  return r;
 }
 
 inline int64_t now_ns() {  // time.monotonic_ns's clock
@@ -140,7 +247,7 @@ PyObject* fingerprint_output(TracedCall* self, PyObject* result) {
 // it and makes the call untraced, as the Python wrapper does). With fingerprints, calls of one
 // plain tensor only.
 int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssize_t n, bool keywords,
-              OpenCall& c) {
+              PyObject* arg_tuple, OpenCall& c) {
   if (PyDict_GetItemWithError(self->compiler, names[kCompilingFlag]) == Py_True) return 0;
   PyObject* at = state_item(self, kActiveThread);
   if (at == nullptr || !PyLong_CheckExact(at) || PyLong_AsUnsignedLongMask(at) != PyThread_get_thread_ident())
@@ -164,34 +271,41 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   PyObject* entry = PyDict_GetItemWithError(ids, key);
   Py_DECREF(key);
   if (entry == nullptr || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) < 5) return 0;
-  if (PyObject_IsTrue(PyTuple_GET_ITEM(entry, 2)) != 1) return 0;  // not recorded: Python drops it
-  PyObject* generation = PyObject_GetAttr(writer, names[kGeneration]);
+  PyObject* selected = PyTuple_GET_ITEM(entry, 2);
+  if (selected != Py_True && PyObject_IsTrue(selected) != 1) return 0;  // not recorded: Python drops it
+  PyObject* generation = writer_attr(self, writer, kGeneration);
   if (generation == nullptr) return 0;
   Py_DECREF(generation);  // (the writer holds it: only its identity is compared)
   if (PyTuple_GET_ITEM(entry, 3) != generation) return 0;
-  long long index = PyLong_AsLongLong(count);
-  long long bound = PyLong_AsLongLong(most);
+  long long index = as_long_long(count);
+  long long bound = as_long_long(most);
   if (PyErr_Occurred() || index >= bound) return 0;
   Py_ssize_t depth = PyList_GET_SIZE(stack);
   if (depth == 0) return 0;
   PyObject* top = PyList_GET_ITEM(stack, depth - 1);
   if (!PyList_CheckExact(top) || PyList_GET_SIZE(top) != 9) return 0;
-  int top_selected = PyObject_IsTrue(PyList_GET_ITEM(top, 8));
+  PyObject* top_flag = PyList_GET_ITEM(top, 8);
+  int top_selected = top_flag == Py_True ? 1 : top_flag == Py_False ? 0 : PyObject_IsTrue(top_flag);
   if (top_selected < 0) return 0;
   PyObject* path_id = PyTuple_GET_ITEM(entry, 4);
   // open_span: this path's call number in the step, and the span's index
   PyObject* prev = PyDict_GetItemWithError(calls, path_id);
   long long call = 0;
   if (prev != nullptr) {
-    call = PyLong_AsLongLong(prev) + 1;
+    call = as_long_long(prev) + 1;
     if (PyErr_Occurred()) return 0;
   } else if (PyErr_Occurred()) {
     return 0;
   }
   c.call = PyLong_FromLongLong(call);
   PyObject* next = PyLong_FromLongLong(index + 1);
-  c.args = PyTuple_New(n);
-  c.frame = PyList_New(9);
+  c.args = arg_tuple != nullptr ? Py_NewRef(arg_tuple) : PyTuple_New(n);  // (the caller's, where it has one)
+  if (self->n_spare > 0) {
+    c.frame = self->spare[--self->n_spare];
+    PyObject_GC_Track(c.frame);
+  } else {
+    c.frame = PyList_New(9);
+  }
   if (c.call == nullptr || next == nullptr || c.args == nullptr || c.frame == nullptr) {
     Py_XDECREF(next);
     return 0;
@@ -209,13 +323,14 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   c.path_id = Py_NewRef(path_id);
   c.fp_pre = c.fp ? fingerprint_input(self, args[0]) : PyLong_FromLong(-1);
   if (c.fp_pre == nullptr) return -1;
-  for (Py_ssize_t i = 0; i < n; ++i) PyTuple_SET_ITEM(c.args, i, Py_NewRef(args[i]));
+  if (arg_tuple == nullptr)
+    for (Py_ssize_t i = 0; i < n; ++i) PyTuple_SET_ITEM(c.args, i, Py_NewRef(args[i]));
   c.module = module;
   c.t0 = now_ns();
   PyObject* t0 = PyLong_FromLongLong(c.t0);
   if (t0 == nullptr) return 0;
   PyObject* items[9] = {module, c.index, c.parent, c.path_id, c.call, t0, c.args, c.fp_pre, Py_True};
-  for (int i = 0; i < 9; ++i) PyList_SET_ITEM(c.frame, i, i == 5 ? items[i] : Py_NewRef(items[i]));
+  for (int i = 0; i < 9; ++i) PyList_SET_ITEM(c.frame, i, i == 5 ? items[i] : Py_NewRef(items[i]));  // (its items are NULL)
   if (PyList_Append(stack, c.frame) < 0) return 0;
   return 1;
 }
@@ -230,7 +345,7 @@ int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyO
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "tracer state");
     return -1;
   }
-  long long t0_raw = PyLong_AsLongLong(raw);
+  long long t0_raw = as_long_long(raw);
   if (t0_raw == -1 && PyErr_Occurred()) return -1;
   PyObject* rec = PyTuple_New(13);
   if (rec == nullptr) return -1;
@@ -249,13 +364,13 @@ int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyO
   PyTuple_SET_ITEM(rec, 6, rel);
   PyTuple_SET_ITEM(rec, 7, dur);
   PyObject_GC_UnTrack(rec);  // (ints only: never in a cycle, nothing for the collector to visit)
-  PyObject* pending = PyObject_GetAttr(writer, names[kPending]);
+  PyObject* pending = writer_attr(self, writer, kPending);
   if (pending == nullptr) { Py_DECREF(rec); return -1; }
   int r = PyList_Append(pending, rec);
   Py_DECREF(rec);
   if (r == 0) {
-    PyObject* max_buffered = PyObject_GetAttr(writer, names[kMaxBuffered]);
-    long long most = max_buffered == nullptr ? -1 : PyLong_AsLongLong(max_buffered);
+    PyObject* max_buffered = writer_attr(self, writer, kMaxBuffered);
+    long long most = max_buffered == nullptr ? -1 : as_long_long(max_buffered);
     Py_XDECREF(max_buffered);
     if (PyErr_Occurred()) {
       r = -1;
@@ -269,25 +384,40 @@ int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyO
   return r;
 }
 
-inline int pop_frame(OpenCall& c) {
+// The call's frame off the top of the stack (list.pop's work: the list keeps its allocation),
+// then kept to open a later call with when nothing else holds it: its items let go of now.
+inline int pop_frame(TracedCall* self, OpenCall& c) {
   Py_ssize_t depth = PyList_GET_SIZE(c.stack);
-  return PyList_SetSlice(c.stack, depth - 1, depth, nullptr);
+  PyObject* top = PyList_GET_ITEM(c.stack, depth - 1);  // (the caller checked: c.frame)
+  Py_SET_SIZE(c.stack, depth - 1);
+  Py_DECREF(top);
+  if (Py_REFCNT(c.frame) == 1 && self->n_spare < kSpareFrames && PyList_GET_SIZE(c.frame) == 9) {
+    PyObject* frame = c.frame;
+    c.frame = nullptr;
+    for (int i = 0; i < 9; ++i) {
+      PyObject* item = PyList_GET_ITEM(frame, i);
+      PyList_SET_ITEM(frame, i, nullptr);
+      Py_XDECREF(item);
+    }
+    PyObject_GC_UnTrack(frame);  // (NULL items: nothing may see it, gc.get_objects() included)
+    self->spare[self->n_spare++] = frame;
+  }
+  return 0;
 }
 
 // One plain tensor in and one out: spans.span_one_tensor, here while the layout is known to
 // this rank file by tracer/native.py's pair_key; there otherwise. 0, or -1 with an exception.
 int record_one(TracedCall* self, OpenCall& c, PyObject* a, PyObject* result) {
   int64_t t1 = now_ns();
-  if (pop_frame(c) < 0) return -1;
+  if (pop_frame(self, c) < 0) return -1;
   int64_t id = pair_id(a, result);
   PyObject* layout = nullptr;
   if (id >= 0) {
     PyObject* holder = state_item(self, kLayouts);
-    PyObject* layouts = holder == nullptr ? nullptr : PyObject_GetAttr(holder, names[kOne]);
+    PyObject* layouts = holder == nullptr ? nullptr : layouts_dict(self, holder, kOne);
     PyObject* key = layouts == nullptr ? nullptr : PyLong_FromLongLong(id);
     layout = key == nullptr ? nullptr : PyDict_GetItemWithError(layouts, key);
-    Py_XDECREF(key);
-    Py_XDECREF(layouts);  // (layout borrowed: the tracer's dict keeps it)
+    Py_XDECREF(key);  // (layout borrowed: the tracer's dict keeps it)
     if (PyErr_Occurred()) return -1;
   }
   if (layout != nullptr) {  // (else: span_one_tensor keys it in Python, and interns its layout)
@@ -323,18 +453,17 @@ int record_known(TracedCall* self, OpenCall& c, PyObject* kwargs, PyObject* resu
   if (id == -2) return -1;
   if (id < 0) return 0;
   PyObject* holder = state_item(self, kLayouts);
-  PyObject* layouts = holder == nullptr ? nullptr : PyObject_GetAttr(holder, names[kByCallKey]);
+  PyObject* layouts = holder == nullptr ? nullptr : layouts_dict(self, holder, kByCallKey);
   if (layouts == nullptr) return PyErr_Occurred() ? -1 : 0;
   PyObject* key = PyLong_FromLongLong(id);
   PyObject* known = key == nullptr ? nullptr : PyDict_GetItemWithError(layouts, key);
   Py_XDECREF(key);
-  Py_DECREF(layouts);
   if (known == nullptr) return PyErr_Occurred() ? -1 : 0;
   if (!PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 2) return 0;
   Py_INCREF(known);  // (the dict may be cleared by a flush below)
   ++self->recorded;
   int64_t t1 = now_ns();
-  int r = pop_frame(c);
+  int r = pop_frame(self, c);
   PyObject* minus_one = PyLong_FromLong(-1);
   if (r == 0) r = append_span(self, c, t1, PyTuple_GET_ITEM(known, 0), minus_one, PyTuple_GET_ITEM(known, 1));
   Py_DECREF(minus_one);
@@ -377,11 +506,13 @@ void call_failed(TracedCall* self, OpenCall& c) {
   PyErr_Restore(type, value, tb);
 }
 
-PyObject* traced_call_vector(PyObject* self_, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+// A module call: args[0] the module, then its arguments; arg_tuple, where the caller has one, the
+// positional ones after the module as a tuple (the class slot's), else NULL.
+PyObject* traced_call(PyObject* self_, PyObject* const* args, size_t nargsf, PyObject* kwnames, PyObject* arg_tuple) {
   auto* self = reinterpret_cast<TracedCall*>(self_);
   Py_ssize_t n = PyVectorcall_NARGS(nargsf);
   OpenCall c;
-  int opened = n >= 1 && self->active ? open_call(self, args[0], args + 1, n - 1, kwnames != nullptr, c) : 0;
+  int opened = n >= 1 && self->active ? open_call(self, args[0], args + 1, n - 1, kwnames != nullptr, arg_tuple, c) : 0;
   if (opened == -1) {  // this call untraced; its children still are
     if (!report_error(self, "forward pre-hook")) return nullptr;
     return PyObject_Vectorcall(self->inner, args, nargsf, kwnames);
@@ -406,25 +537,36 @@ PyObject* traced_call_vector(PyObject* self_, PyObject* const* args, size_t narg
     }
     return result;
   }
-  PyObject* kwargs = PyDict_New();
-  if (kwargs == nullptr) { Py_DECREF(result); return nullptr; }
+  // The keyword arguments as a dict, made where there are some (record_known takes None for
+  // none, as call_key keys an empty dict) or finish_call is called (the Python wrapper's kwargs).
+  PyObject* kwargs = nullptr;
   Py_ssize_t nk = kwnames == nullptr ? 0 : PyTuple_GET_SIZE(kwnames);
-  for (Py_ssize_t i = 0; i < nk; ++i) {
-    if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[n + i]) < 0) {
-      Py_DECREF(kwargs); Py_DECREF(result);
-      return nullptr;
+  if (nk > 0) {
+    kwargs = PyDict_New();
+    if (kwargs == nullptr) { Py_DECREF(result); return nullptr; }
+    for (Py_ssize_t i = 0; i < nk; ++i) {
+      if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[n + i]) < 0) {
+        Py_DECREF(kwargs); Py_DECREF(result);
+        return nullptr;
+      }
     }
   }
-  int done = on_top ? record_known(self, c, kwargs, result) : 0;
+  int done = on_top ? record_known(self, c, kwargs != nullptr ? kwargs : Py_None, result) : 0;
   if (done < 0) {
-    if (!report_error(self, "forward hook")) { Py_DECREF(kwargs); Py_DECREF(result); return nullptr; }
+    if (!report_error(self, "forward hook")) { Py_XDECREF(kwargs); Py_DECREF(result); return nullptr; }
   } else if (done == 0) {  // intercept.finish_call: as the Python wrapper ends such a call
+    if (kwargs == nullptr) kwargs = PyDict_New();
+    if (kwargs == nullptr) { Py_DECREF(result); return nullptr; }
     PyObject* argv[5] = {self->tracer, c.module, c.args, kwargs, result};
     PyObject* r = PyObject_Vectorcall(self->finish, argv, 5, nullptr);
     if (r == nullptr) { Py_DECREF(kwargs); Py_DECREF(result); return nullptr; }
     Py_DECREF(r);
   }
-  Py_DECREF(kwargs);
+  Py_XDECREF(kwargs);
   return result;
+}
+
+PyObject* traced_call_vector(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  return traced_call(self, args, nargsf, kwnames, nullptr);
 }
 """

@@ -35,7 +35,7 @@ PyObject* traced_tp_call(PyObject* module, PyObject* args, PyObject* kwargs) {
   }
   // A strong reference for the call: the tracer may close (and drop) it from inside this call.
   PyObject* handle = Py_NewRef(active_call);
-  PyObject* r = traced_call_vector(handle, stack, static_cast<size_t>(1 + n), kwnames);
+  PyObject* r = traced_call(handle, stack, static_cast<size_t>(1 + n), kwnames, args);
   Py_DECREF(handle);
   Py_XDECREF(kwnames);
   return r;
@@ -77,7 +77,17 @@ int traced_call_traverse(PyObject* self_, visitproc visit, void* arg) {
   Py_VISIT(self->python_call); Py_VISIT(self->inner); Py_VISIT(self->tracer); Py_VISIT(self->state);
   Py_VISIT(self->tensor_type); Py_VISIT(self->compiler); Py_VISIT(self->span_one);
   Py_VISIT(self->finish); Py_VISIT(self->context); Py_VISIT(self->span_tag);
+  Py_VISIT(self->writer); Py_VISIT(self->writer_dict); Py_VISIT(self->layouts_type);
   return 0;
+}
+
+// What a TracedCall keeps besides the tracer's references (tracer/native_call.py): let go.
+void drop_caches(TracedCall* self) {
+  Py_CLEAR(self->writer); Py_CLEAR(self->writer_dict);
+  PyObject* type = reinterpret_cast<PyObject*>(self->layouts_type);
+  self->layouts_type = nullptr;
+  Py_XDECREF(type);
+  while (self->n_spare > 0) Py_DECREF(self->spare[--self->n_spare]);
 }
 
 int traced_call_clear(PyObject* self_) {
@@ -86,6 +96,7 @@ int traced_call_clear(PyObject* self_) {
   Py_CLEAR(self->tensor_type); Py_CLEAR(self->compiler); Py_CLEAR(self->span_one);
   Py_CLEAR(self->finish); Py_CLEAR(self->context); Py_CLEAR(self->span_tag);
   self->active = 0;
+  drop_caches(self);
   return 0;
 }
 
@@ -97,6 +108,7 @@ void traced_call_dealloc(PyObject* self) {
 
 PyObject* traced_call_close(PyObject* self, PyObject*) {
   reinterpret_cast<TracedCall*>(self)->active = 0;
+  drop_caches(reinterpret_cast<TracedCall*>(self));  // (the writer: no longer kept alive here)
   // Classes whose slot is still patched call CPython's own slot from now on, so the module
   // global no longer keeps this object, and through it the tracer, alive for the process.
   if (active_call == self) Py_CLEAR(active_call);
@@ -113,6 +125,65 @@ PyMemberDef traced_call_members[] = {
     {"recorded", T_LONGLONG, offsetof(TracedCall, recorded), READONLY, "spans recorded in C"},
     {nullptr, 0, 0, 0, nullptr}};
 
+
+// The tracer's class gets these as __setattr__ and __delattr__ (count_assignments): object's own,
+// plus state_version moved, so that a TracedCall knows whether what it read of the tracer's
+// __dict__ is still there (span_count, set at every call, moves nothing: it is never kept).
+PyObject* tracer_setattr(PyObject* self, PyObject* const* a, Py_ssize_t n) {
+  if (n != 2) {
+    PyErr_SetString(PyExc_TypeError, "__setattr__(name, value)");
+    return nullptr;
+  }
+  if (PyObject_GenericSetAttr(self, a[0], a[1]) < 0) return nullptr;
+  if (a[0] != names[kSpanCount]) ++state_version;
+  Py_RETURN_NONE;
+}
+
+PyObject* tracer_delattr(PyObject* self, PyObject* name) {
+  ++state_version;
+  if (PyObject_GenericSetAttr(self, name, nullptr) < 0) return nullptr;
+  Py_RETURN_NONE;
+}
+
+PyMethodDef tracer_setattr_def = {"__setattr__", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(tracer_setattr)),
+                                  METH_FASTCALL, "object.__setattr__, counted (tracer/native_call.py)"};
+PyMethodDef tracer_delattr_def = {"__delattr__", tracer_delattr, METH_O,
+                                  "object.__delattr__, counted (tracer/native_call.py)"};
+
+bool is_method(PyObject* d, PyMethodDef* def) {
+  return d != nullptr && Py_IS_TYPE(d, &PyMethodDescr_Type) &&
+         reinterpret_cast<PyMethodDescrObject*>(d)->d_method == def;
+}
+
+// Whether `type` counts its instances' assignments: made so here where its __setattr__ and
+// __delattr__ are object's own (the tracer's class, once per process); else false (some class
+// of its own: the TracedCall then reads the tracer's __dict__ at every call).
+bool count_assignments(PyTypeObject* type) {
+  PyObject* set_name = PyUnicode_InternFromString("__setattr__");
+  PyObject* del_name = PyUnicode_InternFromString("__delattr__");
+  if (set_name == nullptr || del_name == nullptr) {
+    Py_XDECREF(set_name); Py_XDECREF(del_name);
+    PyErr_Clear();
+    return false;
+  }
+  bool ok = false;
+  PyObject* object_set = _PyType_Lookup(&PyBaseObject_Type, set_name);  // (3.12: no tp_dict to read)
+  PyObject* object_del = _PyType_Lookup(&PyBaseObject_Type, del_name);
+  PyObject* set = _PyType_Lookup(type, set_name);
+  PyObject* del = _PyType_Lookup(type, del_name);
+  if (is_method(set, &tracer_setattr_def) && is_method(del, &tracer_delattr_def)) {
+    ok = true;
+  } else if (set != nullptr && set == object_set && del != nullptr && del == object_del) {
+    PyObject* s = PyDescr_NewMethod(type, &tracer_setattr_def);
+    PyObject* d = PyDescr_NewMethod(type, &tracer_delattr_def);
+    ok = s != nullptr && d != nullptr && PyObject_SetAttr(reinterpret_cast<PyObject*>(type), set_name, s) == 0 &&
+         PyObject_SetAttr(reinterpret_cast<PyObject*>(type), del_name, d) == 0;
+    Py_XDECREF(s); Py_XDECREF(d);
+  }
+  if (PyErr_Occurred()) PyErr_Clear();
+  Py_DECREF(set_name); Py_DECREF(del_name);
+  return ok;
+}
 
 // traced_call(python_call, inner, tracer, tensor_type, compiler_dict, span_one, finish,
 // context, span_tag): a new TracedCall (see tracer/native_call.py).
@@ -139,6 +210,13 @@ PyObject* traced_call_new(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   self->span_tag = Py_NewRef(a[8]);
   self->active = 1;
   self->recorded = 0;
+  self->writer = self->writer_dict = nullptr;
+  self->layouts_type = nullptr;
+  self->one_offset = self->by_call_key_offset = -1;
+  self->n_spare = 0;
+  self->cache_state = count_assignments(Py_TYPE(a[2]));
+  self->seen_version = 0;  // (state_version starts at 1: read at the first call)
+  for (int i = 0; i < kNames; ++i) self->cached[i] = nullptr;
   PyObject_GC_Track(reinterpret_cast<PyObject*>(self));
   return reinterpret_cast<PyObject*>(self);
 }

@@ -67,10 +67,12 @@ def test_the_c_call_wrapper_records_what_the_python_one_does(tmp_path):
                 if parent >= 0:
                     p_t0, p_dur = step[parent][1:]
                     assert p_t0 <= t0 and t0 + dur <= p_t0 + p_dur
-    # 8 steps of the decode models (388 spans each), 3 of the unusual calls (17 spans: the
-    # excluded module has none): in C, all but the first step of each model, each layout's first
-    # span, and the calls handed an unregistered ForwardBatch (97 a step)
-    assert native["nofp"]["stats"]["spans"] == 8 * 388 + 3 * 17
+    # 8 steps of the decode models (388 spans each), 3 of the unusual calls (20 spans: the
+    # excluded module has none, and the limit set inside the step drops three): in C, all but the
+    # first step of each model, each layout's first span, and the calls handed an unregistered
+    # ForwardBatch (97 a step)
+    assert native["nofp"]["stats"]["spans"] == 8 * 388 + 3 * 20
+    assert native["nofp"]["stats"]["dropped_spans"] == 3 * 3
     assert in_c_nofp >= 2 * (385 + 385 + 290)
     assert native["limit"]["stats"]["dropped_spans"] == 2 * (388 - 50)
 

@@ -6,7 +6,8 @@ each session's tracer stats and errors, and how many spans the C wrapper recorde
 The program: bench/call_patterns.py's two decode-step models (nn.Linear-style calls; SGLang's
 signatures, with its ForwardBatch registered as a batch context and not), and a model of the
 unusual calls (a call that raises, a module held under two paths, an excluded module, a
-Parameter, None and a dict returned, no argument, keywords only, a tensor subclass), in four
+Parameter, None and a dict returned, no argument, keywords only, a tensor subclass, the span
+limit changed inside a step), in four
 sessions: no fingerprints; fingerprints; fingerprints and lineage; a span limit per step."""
 import json
 import os
@@ -39,6 +40,20 @@ class Sub(torch.Tensor):
     pass
 
 
+class Bound(nn.Module):
+    """Sets the tracer's span limit from inside the step (``None``: back to the config's): the
+    C wrapper must see an attribute changed between two of its calls."""
+
+    def __init__(self, room):
+        super().__init__()
+        self.room = room
+
+    def forward(self, x):
+        t = tracer.current()
+        t.max_spans = t.config.max_spans_per_step if self.room is None else t.span_count + self.room
+        return x
+
+
 class Edge(nn.Module):
     def __init__(self):
         super().__init__()
@@ -52,6 +67,7 @@ class Edge(nn.Module):
         self.dict = Returns({"y": torch.ones(2)})
         self.pair = Returns((torch.ones(2, 4), None))
         self.sub = Returns(torch.ones(3).as_subclass(Sub))
+        self.tight, self.loose = Bound(2), Bound(None)
 
     def forward(self, x):
         x = self.lin(x)
@@ -69,6 +85,10 @@ class Edge(nn.Module):
         self.pair(x, 2.0, None, "s")
         self.sub(x)
         self.lin(x.as_subclass(Sub))
+        self.tight(x)  # two more spans in this step, then none until loose
+        for _ in range(4):
+            x = self.lin(x)
+        self.loose(x)
         return self.lin(x)
 
 
