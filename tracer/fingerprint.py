@@ -123,9 +123,8 @@ class CapturedFingerprints:
         (tracer/multi_tensor.py's ``ReplayGate``; the stacked part of a capture, where the
         kernel was missing or its arena full, always runs)."""
         for fill in self.fills:
-            gate = fill.gate
-            if gate is not None and gate.value != on:
-                gate.set(on)
+            if fill.gate is not None:
+                fill.gate.set(on)  # (a device write only when it changes)
 
 
 class ReplayPlan:

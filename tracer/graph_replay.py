@@ -22,9 +22,7 @@ def run_replay(t, captured: list, fn, *args, **kwargs):
     """Run ``fn`` (the real ``CUDAGraph.replay``) as a traced replay of ``captured`` steps:
     a step of its own, or part of the step a framework has open."""
     if t.busy or (t.in_step and (not t.tracing_step or _get_ident() != t.step_thread)):
-        for c in captured:  # values that no one reads
-            if c.fps is not None:
-                c.fps.read_at_replay(False)
+        _gate(t, captured, False)  # values that no one reads
         return fn(*args, **kwargs)
     own = not t.in_step
     started = None
@@ -44,13 +42,7 @@ def run_replay(t, captured: list, fn, *args, **kwargs):
         t.busy = False
     # The graph's fingerprint kernels read their tensors only where the values are kept: a
     # replay step the schedule picks, or the framework step it is part of being fingerprinted.
-    read = own is not None and t.fp_now
-    for c in captured:
-        if c.fps is not None:
-            try:
-                c.fps.read_at_replay(read)
-            except Exception as exc:
-                t.on_error("graph replay", exc)
+    _gate(t, captured, own is not None and t.fp_now)
     if own is None:
         return fn(*args, **kwargs)
     t0 = _now()
@@ -71,6 +63,17 @@ def run_replay(t, captured: list, fn, *args, **kwargs):
     if own:
         _end_replay_step(t)
     return result
+
+
+def _gate(t, captured, read: bool) -> None:
+    """Let the fingerprint kernels of the ``captured`` steps' graph read their tensors at this
+    replay or not (multi_tensor's ``ReplayGate``); an error is reported, never raised."""
+    for c in captured:
+        if c.fps is not None:
+            try:
+                c.fps.read_at_replay(read)
+            except Exception as exc:
+                t.on_error("graph replay", exc)
 
 
 def _record_replays(t, captured, started, t0, t1) -> None:
