@@ -134,8 +134,10 @@ PyObject* tracer_setattr(PyObject* self, PyObject* const* a, Py_ssize_t n) {
     PyErr_SetString(PyExc_TypeError, "__setattr__(name, value)");
     return nullptr;
   }
-  if (PyObject_GenericSetAttr(self, a[0], a[1]) < 0) return nullptr;
+  // Moved first: the value replaced may die inside the assignment and run Python (a __del__)
+  // that reaches a TracedCall, which must not find its borrowed pointer current then.
   if (a[0] != names[kSpanCount]) ++state_version;
+  if (PyObject_GenericSetAttr(self, a[0], a[1]) < 0) return nullptr;
   Py_RETURN_NONE;
 }
 
