@@ -144,31 +144,39 @@ def test_parts_are_copied_while_the_worker_loads_its_next_files(tp3, tmp_path):
     os.mkfifo(fifo)
     assert [len(g) for g in merge_workers.plan(sorted(
         os.path.join(d, "ranks", n) for n in os.listdir(os.path.join(d, "ranks"))), 1)] == [1, 3]
-    first = store_path(d) + ".tmp.part1.0"  # the worker's first file's part
+    prefix = store_path(d) + ".tmp.part1"  # the worker's parts: .0 and .1 for its rank files, .2 the FIFO's
     out = {}
     merging = threading.Thread(target=lambda: out.update(result=merged(d, 1)))
     merging.start()
+    fd = None
     try:
-        seen, deadline = False, time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if os.path.exists(first):
-                seen = True
-            elif seen:
-                break
-            time.sleep(0.005)
-        assert seen and not os.path.exists(first), "the worker's first part was not copied while it worked on"
-        assert merging.is_alive()
-    finally:
+        # A FIFO opens for writing without blocking only once a reader has it open: then the
+        # worker has completed its two parts and waits on the FIFO until the test writes to it.
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # the worker opens the FIFO when it gets to it
+        while fd is None and time.monotonic() < deadline:
             try:
                 fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
             except OSError:
                 time.sleep(0.01)
-                continue
+        assert fd is not None, "the worker never got to the FIFO"
+        assert os.path.exists(prefix + ".2"), "the worker's third file has no part store of its own"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (os.path.exists(prefix + ".0") or os.path.exists(prefix + ".1")):
+            time.sleep(0.01)
+        assert not os.path.exists(prefix + ".0") and not os.path.exists(prefix + ".1"), \
+            "the worker's completed parts were not copied while it worked on"
+        assert merging.is_alive()
+    finally:
+        if fd is None:  # failed before the worker reached the FIFO: let it go on when it does
+            deadline = time.monotonic() + 60
+            while fd is None and time.monotonic() < deadline:
+                try:
+                    fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                except OSError:
+                    time.sleep(0.01)
+        if fd is not None:
             os.write(fd, b"this is not a trace")
             os.close(fd)
-            break
         merging.join(120)
     many, warnings, report = out["result"]
     assert many == one and len(report["workers"]) == 1
