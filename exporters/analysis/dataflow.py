@@ -21,8 +21,8 @@ def _shard_dim(p: str):
 
 def reshape_placement(placement: str, old_shape, new_shape):
     """A shard along dim d of ``old_shape`` lies, after a reshape, along the outermost new
-    dimension that the old dimension d was split into (heads out of a hidden dimension), or
-    along the dimension it was merged into."""
+    dimension that the old dimension d was split into (heads out of a hidden dimension, a
+    size-1 heads dimension included), or along the dimension it was merged into."""
     d = _shard_dim(placement)
     if d is None:
         return placement
@@ -39,9 +39,27 @@ def reshape_placement(placement: str, old_shape, new_shape):
     before = math.prod(old[:d])
     acc = 1
     for i, n in enumerate(new):
+        # The first new dimension whose elements before it are exactly the old dimensions
+        # before d starts the split of d, a size-1 one included: heads split out of a shard of
+        # the hidden dimension with one head per rank (GQA's KV heads at TP = their count) put
+        # the shard on that size-1 heads dimension, the outermost, not on head_dim.
+        if acc == before and _group_end(new, i, old[d]) is not None:
+            return f"shard({i})"
         if acc <= before < acc * n:
             return f"shard({i})"
         acc *= n
+    return None
+
+
+def _group_end(new, start: int, size: int):
+    """The index past the new dimensions from ``start`` whose product is ``size``, or None."""
+    acc = 1
+    for i in range(start, len(new)):
+        acc *= new[i]
+        if acc == size:
+            return i + 1
+        if acc > size:
+            return None
     return None
 
 

@@ -66,3 +66,11 @@ def test_an_all_reduce_of_zero_padded_slices_is_a_gather(cases):
     assert (p["placement"], p["reduction"]) == ("replicate", "no-reduction"), p["evidence"]
     assert p["rule"] == "gathered-by-all-reduce" and p["collective"]["op"] == "all_reduce"
     assert any("a gather, not a reduction" in e for e in p["evidence"])
+
+
+def test_one_head_per_rank_split_out_by_a_view_is_sharded_along_the_heads(cases):
+    """A view of a column shard into (heads, head_dim) with one head per rank: the shard lies
+    along the heads dimension (local size 1), not along head_dim."""
+    assert verdict(cases, "kv.k_proj:output") == ("shard(1)", "no-reduction")
+    assert verdict(cases, "kv.k_norm:input.0") == ("shard(1)", "no-reduction")
+    assert verdict(cases, "kv.k_norm:output") == ("shard(1)", "no-reduction")

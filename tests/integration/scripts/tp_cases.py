@@ -101,6 +101,41 @@ class RowParallelLinear(nn.Module):
 
 RowParallelLinear.__module__ = "sglang.srt.layers.linear"
 
+HEAD_DIM = 4
+
+
+class ColumnSlice(nn.Module):
+    """A column-parallel projection: rank r computes output features [r*4, r*4+4) of tp*4, one
+    key/value head per rank (GQA with as many KV heads as ranks: Llama-70B's 8 at TP=8)."""
+
+    def __init__(self):
+        super().__init__()
+        tp, rank = world()
+        g = torch.Generator().manual_seed(7)
+        full = torch.randn(tp * HEAD_DIM, 16, generator=g)
+        self.w = nn.Parameter(full[rank * HEAD_DIM:(rank + 1) * HEAD_DIM].clone())
+
+    def forward(self, x):
+        return x @ self.w.t()
+
+
+class HeadNorm(nn.Module):
+    """A per-head norm (Qwen3's k_norm) of the heads split out of the projection by a view."""
+
+    def forward(self, x):
+        return x / x.norm(dim=-1, keepdim=True)
+
+
+class OneHeadPerRank(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.k_proj = ColumnSlice()
+        self.k_norm = HeadNorm()
+
+    def forward(self, x):
+        k = self.k_proj(x)  # [tokens, HEAD_DIM] locally, [tokens, tp*HEAD_DIM] whole
+        return self.k_norm(k.view(*k.shape[:-1], -1, HEAD_DIM))  # [tokens, 1, HEAD_DIM]: the head dim is split
+
 
 class Cases(nn.Module):
     def __init__(self):
@@ -113,6 +148,7 @@ class Cases(nn.Module):
         self.noisy = Noisy()
         self.dp_gather = GatherByAllReduce()
         self.mislabeled = RowParallelLinear()
+        self.kv = OneHeadPerRank()
 
     def forward(self, x):
         r = self.replicated(x)
@@ -124,6 +160,7 @@ class Cases(nn.Module):
         self.dp_gather(out)
         m = self.mislabeled(x)
         dist.all_reduce(m)
+        self.kv(x)
         return out, m
 
 
