@@ -10,6 +10,28 @@
 - ``verdicts``: sampled steps, the vote, the ``points`` table.
 """
 
+import functools
+import hashlib
+import os
+
 from tensor_trace.exporters.analysis.verdicts import compute_verdicts, inferred_tp_ranks, tp_groups
 
-__all__ = ["compute_verdicts", "inferred_tp_ranks", "tp_groups"]
+__all__ = ["compute_verdicts", "inferred_tp_ranks", "tp_groups", "version"]
+
+
+@functools.lru_cache(maxsize=1)
+def version() -> str:
+    """This analysis' version: a digest of its source files (a rule changed in a patch release
+    or a checkout changes it too), or, where they cannot be read, the package's version."""
+    folder = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    try:
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as f:
+                    h.update(name.encode() + b"\0" + f.read() + b"\0")
+        return h.hexdigest()[:16]
+    except OSError:
+        from tensor_trace import __version__
+
+        return __version__

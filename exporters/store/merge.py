@@ -36,8 +36,9 @@ def store_path(trace_dir: str) -> str:
     return os.path.join(trace_dir, STORE_NAME)
 
 
-def is_stale(trace_dir: str) -> bool:
-    """True when the store is missing, of another version, or older than a rank file."""
+def is_stale(trace_dir: str, meta: dict | None = None) -> bool:
+    """True when the store is missing, of another version, older than a rank file, or when its
+    ``meta`` rows differ from ``meta`` (key -> value; the analysis' version: pipeline.py)."""
     path = store_path(trace_dir)
     if not os.path.exists(path):
         return True
@@ -46,9 +47,11 @@ def is_stale(trace_dir: str) -> bool:
         return True
     try:
         con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        row = con.execute("SELECT value FROM meta WHERE key='store_version'").fetchone()
+        rows = dict(con.execute("SELECT key, value FROM meta"))
         con.close()
-        return row is None or int(row[0]) != STORE_VERSION
+        if rows.get("store_version") != str(STORE_VERSION):
+            return True
+        return any(rows.get(k) != v for k, v in (meta or {}).items())
     except sqlite3.Error:
         return True
 

@@ -186,6 +186,32 @@ def test_step_option_and_staleness(trace):
     assert not is_stale(str(d))
 
 
+def test_a_store_judged_by_another_analysis_is_judged_again(trace):
+    """Verdicts are kept in the store: one made by another version of the rules (an upgrade, a
+    fix) must not be read as this version's answer."""
+    import sqlite3
+
+    from tensor_trace.exporters import analysis
+    from tensor_trace.exporters.store.merge import store_path
+
+    d, tp = trace
+    qj("shapes", "model.embed_tokens", "--trace", d)  # merged (if it was not) by this analysis
+    path = store_path(str(d))
+    mtime = os.path.getmtime(path)
+    con = sqlite3.connect(path)
+    assert con.execute("SELECT value FROM meta WHERE key='analysis_version'").fetchone() == (analysis.version(),)
+    con.execute("UPDATE meta SET value='older-rules' WHERE key='analysis_version'")
+    con.execute("UPDATE points SET placement='divergent'")  # what the older rules said
+    con.commit()
+    con.close()
+    os.utime(path, (mtime, mtime))  # newer than every rank file still
+    rows = by_point(qj("placement", "model.layers.0.*", "--trace", d))
+    assert rows["model.layers.0.self_attn.qkv_proj:output"]["placement"] == "shard(2)"
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    assert con.execute("SELECT value FROM meta WHERE key='analysis_version'").fetchone() == (analysis.version(),)
+    con.close()
+
+
 def test_sql_table(trace):
     d, tp = trace
     text = q("sql", "SELECT rank, world_size FROM processes ORDER BY rank", "--trace", d)
