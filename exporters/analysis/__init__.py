@@ -32,6 +32,9 @@ def version() -> str:
                     h.update(name.encode() + b"\0" + f.read() + b"\0")
         return h.hexdigest()[:16]
     except OSError:
-        from tensor_trace import __version__
+        from importlib import metadata
 
-        return __version__
+        try:
+            return metadata.version("tensor-trace")
+        except metadata.PackageNotFoundError:
+            return "unknown"
