@@ -395,6 +395,11 @@ class StepFingerprints:
             self._nt_slot, self._hold = self._nt.slot, native.hold_in()
         self._native_wanted = False
 
+    def native_held(self) -> int | None:
+        """How many tensors the C++ table holds now, or None while this instance has no table
+        (none wanted, not built yet, or not usable on the tensors' device): for tests and benches."""
+        return None if self._nt is None else self._nt.size()
+
     def _recent(self, t) -> int:
         """The index of ``t`` if it is a deferred tensor held just before (the tensor added
         last, or one of the outputs ``add`` held last), else -1."""
