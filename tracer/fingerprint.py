@@ -31,6 +31,12 @@ is reused is not mistaken for it) and its version counter (bumped by in-place up
 deferred tensor seen again later is held twice and reduced twice: a row more in the step's
 kernel costs less than a lookup in every hook. What a hook does for a deferred tensor is three
 list appends; the step's flush builds the kernel's table in one pass.
+
+Here is what the hooks run (``StepFingerprints``) and the state they write for each tensor; the
+rest is in the modules that own its state: ``fingerprint_reduce.py`` reduces what a step holds
+(the flush, immediate values, AsyncCollectiveTensors waited on later), ``fingerprint_records.py``
+copies finished steps to the host and makes their records, ``fingerprint_capture.py`` keeps a
+CUDA-graph capture's state and turns its replays into records.
 """
 
 from __future__ import annotations
@@ -83,7 +89,15 @@ _FLOAT_SIZE = {d: torch.empty((), dtype=d).element_size()
 
 
 class StepFingerprints:
-    """Fingerprints of one process's current step, indexed in recording order."""
+    """Fingerprints of one process's current step, indexed in recording order.
+
+    It owns what the hooks write for each tensor (the index count, the tensor added last, the
+    deferred tensors held, the C++ table's handles, the cache of immediate values, the values
+    computed so far and the repeats), as its own fields: a hook reaches each with one attribute
+    load. It hands them over where they are reduced (``fingerprint_reduce.reduce_held``) or
+    copied (``PendingCopies``), and holds the parts whose state no hook touches: the finished
+    steps' copies, the capture's state, the AsyncCollectiveTensors awaited, the index of the held
+    tensors by id."""
 
     def __init__(self, defer_cuda: bool = True, defer_cpu: bool = False,
                  hold_bytes: int = DEFER_BYTES, native_mode: str | None = None):
