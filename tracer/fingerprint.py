@@ -527,13 +527,13 @@ class StepFingerprints:
         ts = self._def_ts
         if not ts:
             return
-        index = self._held_index
-        index.update(ts)  # the tensors held since the last call (only collectives need it)
+        by_id = self._held_index
+        by_id.update(ts)  # the tensors held since the last call (only collectives need it)
         self._last_out = []  # (a collective: rare) their next sightings are new values too
         for t in tensors:
             if t is self.last:  # its next sighting is not a repeat: the value changes here
                 self.last = None
-            for j in index.pop(t):
+            for j in by_id.pop(t):
                 held = ts[j]
                 if held is None:
                     continue
