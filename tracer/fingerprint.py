@@ -109,8 +109,6 @@ class StepFingerprints:
         self.defer_bytes = hold_bytes
         self.capturing = False  # between begin_capture and finish_capture
         self._capture = CaptureState()  # (empty unless capturing)
-        self._awaited = AwaitedValues()
-        self._held_index = HeldIndex()
         # The C++ table of tracer/native.py (by default where CUDA is), once built and the
         # kernel is usable on a tensor's device; until then _native_wanted says to look again.
         # Tensors go in through native.hold_in(slot, ...), a plain C call.
@@ -137,8 +135,9 @@ class StepFingerprints:
         self._def_i: list = []
         self._def_v: list = []
         self._def_ts: list = []
-        self._held_index.clear()  # id(tensor) -> its positions in _def_ts, built by materialize
-        self._capture.new_bucket()
+        self._held_index = None  # HeldIndex of _def_ts by id, made by materialize when needed
+        if self.capturing:  # (the bucket's tensors: empty unless capturing)
+            self._capture.new_bucket()
         self._def_bytes = 0
         # (indices, values, squared): values a [k, 2] tensor of (sum, l2 norm), or of (sum, sum
         # of squares) when squared; or a flat list of (sum, sum of squares) computed on the host
@@ -151,8 +150,9 @@ class StepFingerprints:
         # (tensor, index) of the deferred outputs ``add`` held last: a call's inputs are often
         # the previous call's outputs (rotary's q and k, then attention's), a repeat then
         self._last_out: list = []
-        # AsyncCollectiveTensors: read at the next flush if the program waited on them by then
-        self._awaited.clear()
+        # AwaitedValues, made at the first AsyncCollectiveTensor: read at a flush once the program
+        # has waited on them
+        self._awaited = None
 
     def begin_capture(self) -> None:
         """The step is being captured into a CUDA graph: every floating tensor the kernel can read
@@ -493,6 +493,8 @@ class StepFingerprints:
                 self._imm_idx.append(idx)
                 self._imm_vals.append((_sum(data, dtype=_F32), None))
             elif kind == kinds.AWAIT and not self.capturing:
+                if self._awaited is None:
+                    self._awaited = AwaitedValues()
                 self._awaited.hold(idx, data)
         finally:
             if grad:
@@ -528,6 +530,8 @@ class StepFingerprints:
         if not ts:
             return
         by_id = self._held_index
+        if by_id is None:
+            by_id = self._held_index = HeldIndex()
         by_id.update(ts)  # the tensors held since the last call (only collectives need it)
         self._last_out = []  # (a collective: rare) their next sightings are new values too
         for t in tensors:
@@ -556,15 +560,16 @@ class StepFingerprints:
     def _flush_deferred(self) -> None:
         """Reduce what is held (tracer/fingerprint_reduce.py's ``reduce_held``): the tensors
         are let go, their values become blocks of this step."""
-        if self._awaited:
+        if self._awaited is not None:
             self._take_acts(False)
         nt = self._nt
         if nt is not None and nt.size():
             self._flush_native(nt)
         ts, indices, versions = self._def_ts, self._def_i, self._def_v
         self._def_ts, self._def_i, self._def_v = [], [], []
-        self._held_index.clear()
-        self._capture.new_bucket()
+        self._held_index = None
+        if self.capturing:
+            self._capture.new_bucket()
         self._def_bytes = 0
         if self.last_version is True:
             self.last = None
@@ -633,7 +638,7 @@ class StepFingerprints:
 
     def _reduce_rest(self) -> None:
         """Deferred tensors and immediate values of this step become blocks (on their devices)."""
-        if self._awaited:
+        if self._awaited is not None:
             self._take_acts(True)
         if self._def_ts or (self._nt is not None and self._nt.size()):
             self._flush_deferred()

@@ -153,12 +153,6 @@ class AwaitedValues:
     def __init__(self):
         self._acts: list = []  # (index, AsyncCollectiveTensor, its elem's version then)
 
-    def __bool__(self) -> bool:
-        return bool(self._acts)
-
-    def clear(self) -> None:
-        self._acts = []
-
     def hold(self, idx: int, act) -> None:
         """Fingerprint ``idx`` is ``act``'s value, read once the program has waited on it."""
         elem = getattr(act, "elem", None)
@@ -195,9 +189,6 @@ class HeldIndex:
     __slots__ = ("_pos", "_indexed")
 
     def __init__(self):
-        self.clear()
-
-    def clear(self) -> None:
         self._pos: dict = {}  # id(tensor) -> its positions in the held tensors
         self._indexed = 0  # positions already in _pos
 
