@@ -79,7 +79,7 @@ def _spy(f, meta):
                        t.float().sum(), t.float().pow(2).sum())
 
     def size():
-        return f._nt.size() if f._nt is not None else 0
+        return f.native_held() or 0
 
     def spy_one(t, store=True):
         n = size()
@@ -160,7 +160,7 @@ def check_same_values(tr, fps, run, sync, names) -> tuple:
         for i in sorted(set(wrong) | set(vs_torch))[:12]:
             details.append(dict(variant=v, index=i, ref=a[i], other=b[i], meta_ref=metas[ref].get(i),
                                 meta_other=metas[v].get(i)))
-    if fps[cand]._nt is None:
+    if fps[cand].native_held() is None:
         out.append(f"{cand}: the C++ table was not taken (kernel not usable here?)")
         ok = False
     return "; ".join(out), ok, details

@@ -94,7 +94,7 @@ class _FpModel:
         return base
 
     def plan(self) -> list:
-        # Format 2 (tracer/fingerprint.py, _step_records): every value of the step, repeats
+        # Format 2 (tracer/fingerprint_records.py, step_records): every value of the step, repeats
         # included, in index order: one record, without indices when they have no gap.
         block = sorted([*(e for group in self.groups.values() for e in group), *self.imm, *self.dups])
         if not block:

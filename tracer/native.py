@@ -17,7 +17,7 @@
   kernel reads it) and its version counter (an in-place update is still seen); the Python
   tensor is not kept, so it dies in the step as it would untraced. At the step's end it builds
   the kernel's pinned buffer with no Python per tensor. The rest (repeats, immediate values,
-  collecting) stays in ``tracer/fingerprint.py``; a tensor the table does not take (another
+  collecting) stays in ``tracer/fingerprint.py`` and its ``fingerprint_*.py``; a tensor the table does not take (another
   dtype or device, another layout, too large, a subclass) takes the Python path.
 
 Built with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler and ninja are needed) into

@@ -35,9 +35,7 @@ def test_native_table_equals_torch_and_the_python_path(monkeypatch):
     q, k, v = qkv.split([4096, 1024, 1024], dim=-1)
     got, expect = {}, {}
     for use_native in (False, True):
-        fps = StepFingerprints(defer_cuda=True)
-        if not use_native:
-            fps._native_wanted = False
+        fps = StepFingerprints(defer_cuda=True, native_mode=None if use_native else "0")
         fps.add_one(torch.randn(4, device=dev, dtype=torch.bfloat16))  # finds the table
         refs = []
         with torch.inference_mode():
@@ -54,7 +52,7 @@ def test_native_table_equals_torch_and_the_python_path(monkeypatch):
             expect[(use_native, len(refs))] = (t.double().sum().item(), t.double().pow(2).sum().item())
             refs.append(fps.add([t], store=False))
         if use_native:
-            assert fps._nt is not None and fps._nt.size() == len(refs)
+            assert fps.native_held() == len(refs)
         vals = _values(fps, 0)
         got[use_native] = [vals[r] for r in refs]
     for j in range(len(got[True])):

@@ -29,9 +29,7 @@ fixed = [torch.randn(4, 64), qkv, torch.randn(5, 7).half(), torch.randn(16, 3).t
 A, B, C = torch.randn(6), torch.randn(6), torch.randn(8, 8)
 got, held = {}, {}
 for use_native in (False, True):
-    fps = StepFingerprints(defer_cuda=False, defer_cpu=True)
-    if not use_native:
-        fps._native_wanted = False
+    fps = StepFingerprints(defer_cuda=False, defer_cpu=True, native_mode=None if use_native else "0")
     for step in (0, 1):  # the first tensor of step 0 finds the table; step 1 starts with it
         refs = [fps.add_one(t) for t in fixed]
         refs.append(fps.add([q, k], store=False))  # rotary's inputs: row-strided views
@@ -50,11 +48,11 @@ for use_native in (False, True):
         with torch.inference_mode():
             c = C * 1  # an inference tensor: held without a version counter
             refs.append(fps.add_one(c))
-        held[(use_native, step)] = 0 if fps._nt is None else fps._nt.size()
+        held[(use_native, step)] = fps.native_held() or 0
         fps.finish_step(step)
     got[use_native] = values(fps.collect(wait=True))
     report[f"stale_{use_native}"] = fps.stale
-    report[f"table_{use_native}"] = fps._nt is not None
+    report[f"table_{use_native}"] = fps.native_held() is not None
 assert got[True].keys() == got[False].keys(), (sorted(got[True]), sorted(got[False]))
 for key, (s, sq) in got[False].items():
     s2, sq2 = got[True][key]
@@ -68,7 +66,7 @@ fps.defer_bytes = 1000
 xs = [torch.randn(100) for _ in range(6)]
 for x in xs:
     fps.add_one(x)
-sizes_after = fps._nt.size()
+sizes_after = fps.native_held()
 fps.finish_step(7)
 vals = values(fps.collect(wait=True))
 assert sorted(vals) == [(7, i) for i in range(6)]
