@@ -93,12 +93,13 @@ def _variables_limit(con) -> int:
         return _MIN_VARIABLES
 
 
-def insert_rows(con, insert: str, ncols: int, flat: list, last: bool = True) -> int:
+def insert_rows(con, insert: str, ncols: int, flat: list, last: bool = True, row: str | None = None) -> int:
     """``insert`` (``INSERT ... INTO table``) the rows of ``flat``, ``ncols`` values each, one
     after the other, many rows per statement (about half the cost of executemany's statement
     per row); return the number of rows inserted: all, or unless ``last`` only those that fill
-    whole statements (a statement of another length is compiled anew)."""
-    one = "(" + ",".join("?" * ncols) + ")"
+    whole statements (a statement of another length is compiled anew). ``row``: one row's
+    values in SQL, with ``ncols`` parameters (default ``(?,?,...)``)."""
+    one = row or "(" + ",".join("?" * ncols) + ")"
     per = max(1, min(ROWS_PER_STATEMENT, _variables_limit(con) // ncols))
     step = per * ncols
     full = len(flat) - len(flat) % step
