@@ -49,9 +49,12 @@ CREATE TABLE points(point TEXT PRIMARY KEY, module TEXT, call INTEGER, slot TEXT
     grouping TEXT);
 """
 
+# Built by a second connection while the verdicts are computed (merge._index_beside): none of
+# the merge's own reads needs it, and it costs as much as the verdicts on a large trace.
+INDEX_BESIDE_SQL = "CREATE INDEX collectives_by_module ON collectives(module_id, proc, step);"
+
 INDEX_SQL = """
 CREATE INDEX collectives_by_seq ON collectives(group_id, seq);
-CREATE INDEX collectives_by_module ON collectives(module_id, proc, step);
 CREATE INDEX fingerprints_by_step ON fingerprints(step, proc);
 CREATE INDEX points_by_module ON points(module, call);
 CREATE VIEW span_view AS
