@@ -64,14 +64,6 @@ class FileLoader:
         self.span_rows = 0  # spans stored so far
         self.report = ReadReport(path)
         self.digest = SequenceDigest()  # what align_collectives compares across processes
-        self.codes: dict = {}  # string id -> text_code of the string
-
-    def code(self, sid) -> int:
-        """``text_code`` of a string id's text (-1: none), as the digest takes it."""
-        code = self.codes.get(sid)
-        if code is None:
-            code = self.codes[sid] = text_code(self.strings.get(sid)) if sid >= 0 else -1
-        return code
 
     def module_id(self, sid):
         mid = self.modules.get(sid)
@@ -123,6 +115,7 @@ class FileLoader:
             elif c[1].__class__ is int:
                 per_step.append(c[1])
                 per_step.append(1)
+        self.digest.add_rows(self.step_colls, self.g.signature_codes)
         self.step_colls.clear()
         span_module.clear()
 
@@ -177,7 +170,6 @@ class FileLoader:
         resolver = self.resolver
         if kind == schema.STRING:
             self.modules.pop(rec[1], None)
-            self.codes.pop(rec[1], None)
         elif kind == schema.LAYOUT:
             slots = [[slot, shape, dtype, device, *([tensor_kind] if tensor_kind else [])]
                      for slot, (shape, dtype, device, tensor_kind) in resolver.tensors(rec[1])]
@@ -260,10 +252,6 @@ class FileLoader:
         interrupted = self.interrupted
         add_range = self._add_range
         other = self._record
-        digest_add = self.digest.add
-        code = self.code
-        codes = self.codes
-        sig_codes = self.g.signature_codes
         report = self.report
         S_SPAN, S_COLL, FLAG_ERROR = schema.SPAN, schema.COLLECTIVE, schema.FLAG_ERROR
         # The k-th row of spans will be stored at rowid base + k + 1 (rowids count up from the
@@ -305,14 +293,6 @@ class FileLoader:
                                            gid, rec[7], rec[8], rec[9], lid,
                                            rec[11], rec[12], rec[13], rec[14], rec[15], None,
                                            _attrs_json(rec[16]) if len(rec) > 16 else 0])
-                        if gid is not None and rec[7].__class__ is int:
-                            op = codes.get(rec[4])
-                            if op is None:
-                                op = code(rec[4])
-                            redop = codes.get(rec[5])
-                            if redop is None:
-                                redop = code(rec[5])
-                            digest_add(gid, rec[7], op, redop, -1 if lid is None else sig_codes[lid])
                     else:
                         other(rec, kind)
                 except (IndexError, TypeError, ValueError, AttributeError):
