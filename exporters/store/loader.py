@@ -377,6 +377,7 @@ class SharedIds:
         self.modules: dict = {}
         self.layouts: dict = {}
         self.signature_codes: list = []  # layout id -> text_code of its signature (shapes, dtypes)
+        self.layout_base = 0  # the first layout id (shift_layouts)
         self.groups: dict = {}
 
     def module(self, path, cls):
@@ -395,10 +396,20 @@ class SharedIds:
     def layout_key(self, key):
         lid = self.layouts.get(key)
         if lid is None:
-            lid = len(self.layouts)
+            lid = len(self.layouts) + self.layout_base
             self.layouts[key] = lid
             self.signature_codes.append(text_code(_signature(key)))
         return lid
+
+    def shift_layouts(self, k: int) -> None:
+        """Number every layout ``k`` higher, and new ones from there: a merge worker's guess of the
+        ids the store will give its layouts, so that its part can be copied as it is stored
+        (merge_workers). They are labels that the copy maps by key: a wrong guess costs only
+        that faster copy."""
+        if k > 0:
+            self.layouts = {key: lid + k for key, lid in self.layouts.items()}
+            self.layout_base += k
+            self.signature_codes[:0] = [-1] * k
 
     def group(self, name, ranks, backend, pg_name):
         key = (pg_name, json.dumps(ranks))

@@ -125,7 +125,7 @@ def _load_rank_files(con, files, g, tmp, workers, report, warn):
         for proc, path in groups[0]:
             yield load_file(con, proc, path, g)
         return
-    with merge_workers.Pool(groups[1:], tmp) as pool:
+    with merge_workers.Pool(groups[1:], tmp, len(groups[0])) as pool:
         for proc, path in groups[0]:
             yield load_file(con, proc, path, g)
         report["workers"] = []
