@@ -11,7 +11,8 @@ After loading, the merge (1) matches collectives across ranks by (group, sequenc
 records ranks that skipped one or issued a different one, (2) estimates clock offsets between
 processes from matched blocking collectives (both ``merge_align``), and (3) runs the caller's
 analysis on the store (``tensor_trace.exporters.pipeline`` computes the placement and reduction
-verdicts of every capture point there). The tables (``tables``) are documented in
+verdicts of every capture point there; an index that none of this reads is built beside it, on
+a second connection: ``_index_beside``). The tables (``tables``) are documented in
 ``docs/store-schema.md``; ``tensor-trace query sql`` exposes them.
 """
 

@@ -11,7 +11,9 @@ mapped to the store's and its span rowids shifted to follow the rows already the
 overlaps the worker's loading of its next files, so after the last worker ends only its last
 file's part is left to copy. Ids are given in first-seen order across files in sorted order
 and rows are copied in that order, so the store is the one a single process would build, row
-for row.
+for row. Once a worker has loaded its first file it guesses the store's ids of its layouts
+(``_guess_layout_ids``): where ranks are alike, as in a TP run on GPUs, no id of its parts needs
+mapping and SQLite copies their rows as they are stored.
 
 A worker never outlives the merge: the merging process kills and reaps every worker when it
 leaves (error, Ctrl-C included), and a worker exits on its own once the merging process is gone
