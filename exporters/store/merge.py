@@ -75,7 +75,14 @@ def _index_beside(con, path: str, sql: str, report: dict):
     (no WAL beside it). Without WAL (a file system without shared memory) the index is built
     first, here."""
     con.commit()
-    if con.execute("PRAGMA journal_mode=WAL").fetchone()[0].lower() != "wal":
+    try:
+        wal = con.execute("PRAGMA journal_mode=WAL").fetchone()[0].lower() == "wal"
+        con.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()  # WAL's shared memory works
+    except sqlite3.Error:
+        wal = False
+    if not wal:
+        with contextlib.suppress(sqlite3.Error):
+            con.execute("PRAGMA journal_mode=DELETE")
         con.executescript(sql)
         yield
         return

@@ -62,3 +62,37 @@ def test_a_failing_analysis_leaves_nothing_beside_the_trace(tmp_path):
     with pytest.raises(RuntimeError, match="analysis failed"):
         merge.merge_ranks(d, warn=lambda m: None, workers=0, analyse=analyse)
     assert sorted(os.listdir(d)) == ["ranks", "run.json"]  # no store, no part, no WAL file
+
+
+def test_without_wal_the_index_is_built_first(tmp_path, monkeypatch):
+    # A file system where WAL cannot work (no shared memory): the same store, built in turn.
+    d = _trace(tmp_path / "t")
+    real = merge.sqlite3.connect
+
+    class NoWal(sqlite3.Connection):
+        def execute(self, sql, *a):
+            if sql.strip().upper() == "PRAGMA JOURNAL_MODE=WAL":
+                raise sqlite3.OperationalError("disk I/O error")
+            return super().execute(sql, *a)
+
+    monkeypatch.setattr(merge, "open_new_store", lambda path: _plain(real(path, factory=NoWal)))
+    seen = {}
+
+    def analyse(con):
+        seen["mode"] = con.execute("PRAGMA journal_mode").fetchone()[0]
+        seen["indexes"] = {n for (n,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        return 0
+
+    report = merge.merge_ranks(d, warn=lambda m: None, workers=0, analyse=analyse)
+    assert seen["mode"] != "wal" and "collectives_by_module" in seen["indexes"]
+    assert "index_beside" not in report
+    assert sorted(os.listdir(d)) == ["merged.sqlite", "ranks", "run.json"]
+
+
+def _plain(con):
+    from tensor_trace.exporters.store.tables import SCHEMA_SQL
+
+    con.execute("PRAGMA journal_mode=OFF")
+    con.execute("PRAGMA synchronous=OFF")
+    con.executescript(SCHEMA_SQL)
+    return con
