@@ -140,7 +140,7 @@ def merge_child(trace_dir: str, out_path: str, module_file: str | None) -> None:
     report = mg.merge_ranks(trace_dir, warn=warnings.append, analyse=lambda con: pl.compute_verdicts(con))
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
     phases["other (inserts of processes/globals, indexes, commit)"] = wall - sum(phases.values())
-    critical = merge_path.critical_path(events, cpu, c0)
+    critical = merge_path.critical_path(events, cpu, c0, report.get("index_beside"))
     res = dict(wall_s=wall, cpu_s=cpu, rss_after_import_kb=rss0, vmrss_after_import_kb=vm0,
                vmhwm_kb=_vm("VmHWM"), rss_peak_self_kb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                phases=dict(phases), vmhwm_after_phase_kb=hwm, points=report["points"], warnings=warnings,

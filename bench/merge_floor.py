@@ -43,7 +43,7 @@ def measure(rank_file: str) -> dict:
             if rec[0] == schema.SPAN:
                 spans.extend(rec)
             elif rec[0] == schema.COLLECTIVE:
-                colls.extend([*rec[:16], None, None, None])  # the store's 19 columns
+                colls.extend([*rec[:16], None, 0])  # the loader's row (loader.COLLECTIVE_ROW)
     del chunks
     with tempfile.TemporaryDirectory(prefix="tt-floor-") as tmp:
         con = open_new_store(os.path.join(tmp, "floor.sqlite"))
@@ -51,7 +51,8 @@ def measure(rank_file: str) -> dict:
         insert_rows(con, "INSERT INTO spans", loader.SPAN_COLUMNS, spans)
         spans_s = time.process_time() - t
         t = time.process_time()
-        insert_rows(con, "INSERT OR IGNORE INTO collectives", loader.COLLECTIVE_COLUMNS, colls)
+        insert_rows(con, "INSERT OR IGNORE INTO collectives", loader.COLLECTIVE_VALUES, colls,
+                    row=loader.COLLECTIVE_ROW)
         con.commit()
         colls_s = time.process_time() - t
         con.close()
@@ -71,7 +72,7 @@ def measure(rank_file: str) -> dict:
         copy_s = time.process_time() - t
         dst.execute("DETACH DATABASE part")
         dst.close()
-    n_spans, n_colls = len(spans) // loader.SPAN_COLUMNS, len(colls) // loader.COLLECTIVE_COLUMNS
+    n_spans, n_colls = len(spans) // loader.SPAN_COLUMNS, len(colls) // loader.COLLECTIVE_VALUES
     return dict(file=rank_file, span_records=n_spans + n_colls, spans=n_spans, collectives=n_colls,
                 decode_s=decode_s, insert_spans_s=spans_s, insert_collectives_s=colls_s, copy_s=copy_s,
                 us_per_span_record=(decode_s + spans_s + colls_s) / max(1, n_spans + n_colls) * 1e6,

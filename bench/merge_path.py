@@ -45,16 +45,20 @@ def record_events(mg) -> list:
     return events
 
 
-def critical_path(events: list, cpu: float, c0: float) -> dict | None:
+def critical_path(events: list, cpu: float, c0: float, beside: dict | None = None) -> dict | None:
     """The merge's wall time on dedicated cores (one a process), from CPU times: the merging
     process's own loading and copying in turn, each copy starting no earlier than the worker's
     CPU time when it completed that part, then what follows the loading. On a shared host this
-    is what the wall time would be without the other load; ``None`` without timed events."""
+    is what the wall time would be without the other load; ``None`` without timed events.
+    ``beside``: the merge report's ``index_beside`` (CPU of the index built in a thread and of
+    the verdicts beside it, both in the process's CPU time): they take the longer of the two."""
     if not events:
         return None
     t = 0.0
     for kind, a, b, worker_cpu in events:
         t = (t if kind == "load" or worker_cpu is None else max(t, worker_cpu)) + (b - a)
     tail = cpu - (events[-1][2] - c0)
+    if beside and "index_cpu_s" in beside and "beside_cpu_s" in beside:
+        tail -= min(beside["index_cpu_s"], beside["beside_cpu_s"])
     return dict(wall_s=t + tail, own_loads_s=sum(b - a for k, a, b, _ in events if k == "load"),
                 copies_s=sum(b - a for k, a, b, _ in events if k == "copy"), after_loading_s=tail)

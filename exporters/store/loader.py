@@ -22,8 +22,9 @@ BATCH = 20_000
 
 
 def _attrs_json(attrs):
-    """A collective's attributes (a dict in the rank file) as the store's JSON text."""
-    return json.dumps(attrs, sort_keys=True) if isinstance(attrs, dict) and attrs else None
+    """A collective's attributes (a dict in the rank file) as the store's JSON text; 0 for none
+    (NULL in the store: COLLECTIVE_ROW)."""
+    return json.dumps(attrs, sort_keys=True) if isinstance(attrs, dict) and attrs else 0
 
 
 class FileLoader:
@@ -40,7 +41,7 @@ class FileLoader:
         self.groups: dict = {}  # file group id -> global group id
         self.modules: dict = {}  # file string id -> module id
         self.spans: list = []  # rows to insert, flat: SPAN_COLUMNS values per row
-        self.colls: list = []  # the same, COLLECTIVE_COLUMNS values per row
+        self.colls: list = []  # the same, COLLECTIVE_VALUES values per row (COLLECTIVE_ROW)
         self.fps: list = []
         self.steps: dict = {}
         self.header: dict = {}
@@ -63,14 +64,6 @@ class FileLoader:
         self.span_rows = 0  # spans stored so far
         self.report = ReadReport(path)
         self.digest = SequenceDigest()  # what align_collectives compares across processes
-        self.codes: dict = {}  # string id -> text_code of the string
-
-    def code(self, sid) -> int:
-        """``text_code`` of a string id's text (-1: none), as the digest takes it."""
-        code = self.codes.get(sid)
-        if code is None:
-            code = self.codes[sid] = text_code(self.strings.get(sid)) if sid >= 0 else -1
-        return code
 
     def module_id(self, sid):
         mid = self.modules.get(sid)
@@ -89,8 +82,9 @@ class FileLoader:
             self.span_rows += n
             del self.spans[:n * SPAN_COLUMNS]
         if self.colls:
-            n = insert_rows(con, "INSERT OR IGNORE INTO collectives", COLLECTIVE_COLUMNS, self.colls, last)
-            del self.colls[:n * COLLECTIVE_COLUMNS]
+            n = insert_rows(con, "INSERT OR IGNORE INTO collectives", COLLECTIVE_VALUES, self.colls, last,
+                            COLLECTIVE_ROW)
+            del self.colls[:n * COLLECTIVE_VALUES]
         if self.fps:
             con.executemany("INSERT INTO fingerprints VALUES (?,?,?,?,?)", self.fps)
             self.fps.clear()
@@ -108,7 +102,7 @@ class FileLoader:
         for c in self.step_colls:
             mid = c[16] = span_module.get(c[3])
             colls_extend(c)
-            key = (mid, c[4], c[5], c[6])
+            key = (mid, c[4], None if c[5] == 0 else c[5], c[6])  # 0: no reduce op (COLLECTIVE_ROW)
             a = summary.get(key)
             if a is None:
                 summary[key] = a = [0, 0, 0, array("q"), c[1] * 1000000 + c[2]]
@@ -121,6 +115,7 @@ class FileLoader:
             elif c[1].__class__ is int:
                 per_step.append(c[1])
                 per_step.append(1)
+        self.digest.add_rows(self.step_colls, self.g.signature_codes)
         self.step_colls.clear()
         span_module.clear()
 
@@ -175,7 +170,6 @@ class FileLoader:
         resolver = self.resolver
         if kind == schema.STRING:
             self.modules.pop(rec[1], None)
-            self.codes.pop(rec[1], None)
         elif kind == schema.LAYOUT:
             slots = [[slot, shape, dtype, device, *([tensor_kind] if tensor_kind else [])]
                      for slot, (shape, dtype, device, tensor_kind) in resolver.tensors(rec[1])]
@@ -258,10 +252,6 @@ class FileLoader:
         interrupted = self.interrupted
         add_range = self._add_range
         other = self._record
-        digest_add = self.digest.add
-        code = self.code
-        codes = self.codes
-        sig_codes = self.g.signature_codes
         report = self.report
         S_SPAN, S_COLL, FLAG_ERROR = schema.SPAN, schema.COLLECTIVE, schema.FLAG_ERROR
         # The k-th row of spans will be stored at rowid base + k + 1 (rowids count up from the
@@ -297,25 +287,18 @@ class FileLoader:
                         # The issuing module's span ends after its collectives: resolved at STEP_END.
                         gid = groups.get(rec[6])
                         lid = layouts.get(rec[10])
+                        # COLLECTIVE_ROW's values (0 stands for a NULL reduce op or attrs).
                         step_colls.append([proc, rec[1], rec[2], rec[3], strings.get(rec[4]),
-                                           strings.get(rec[5]) if rec[5] >= 0 else None,
+                                           strings.get(rec[5]) if rec[5] >= 0 else 0,
                                            gid, rec[7], rec[8], rec[9], lid,
-                                           rec[11], rec[12], rec[13], rec[14], rec[15], None, None,
-                                           _attrs_json(rec[16]) if len(rec) > 16 else None])
-                        if gid is not None and rec[7].__class__ is int:
-                            op = codes.get(rec[4])
-                            if op is None:
-                                op = code(rec[4])
-                            redop = codes.get(rec[5])
-                            if redop is None:
-                                redop = code(rec[5])
-                            digest_add(gid, rec[7], op, redop, -1 if lid is None else sig_codes[lid])
+                                           rec[11], rec[12], rec[13], rec[14], rec[15], None,
+                                           _attrs_json(rec[16]) if len(rec) > 16 else 0])
                     else:
                         other(rec, kind)
                 except (IndexError, TypeError, ValueError, AttributeError):
                     report.bad_records += 1
             # Batches end at chunk ends: a chunk's records are in memory anyway.
-            if len(spans) // SPAN_COLUMNS + len(colls) // COLLECTIVE_COLUMNS + len(step_colls) >= BATCH:
+            if len(spans) // SPAN_COLUMNS + len(colls) // COLLECTIVE_VALUES + len(step_colls) >= BATCH:
                 self.flush(last=False)
                 base = start + self.span_rows
         self._close_step()
@@ -363,6 +346,12 @@ class FileLoader:
 
 SPAN_COLUMNS = 13
 COLLECTIVE_COLUMNS = 19
+# A collective's row as inserted: device_ns is NULL until _finish, and a NULL reduce op or
+# attrs is bound as 0 (never a value of those text columns) and made NULL by SQLite: binding
+# None costs CPython's sqlite3 an adapter look-up, ~0.27 us a value against ~0.03 for an int
+# (2 a row on the synthetic trace: a quarter of a collective's insert).
+COLLECTIVE_ROW = "(?,?,?,?,?,NULLIF(?,0),?,?,?,?,?,?,?,?,?,?,?,NULL,NULLIF(?,0))"
+COLLECTIVE_VALUES = COLLECTIVE_ROW.count("?")
 def _chunks(path, report):
     """The records of every intact chunk of a rank file, one decoded chunk (a list) at a time
     (iter_records without its per-record checks: a malformed record is caught by the loader)."""
@@ -388,6 +377,7 @@ class SharedIds:
         self.modules: dict = {}
         self.layouts: dict = {}
         self.signature_codes: list = []  # layout id -> text_code of its signature (shapes, dtypes)
+        self.layout_base = 0  # the first layout id (shift_layouts)
         self.groups: dict = {}
 
     def module(self, path, cls):
@@ -406,10 +396,20 @@ class SharedIds:
     def layout_key(self, key):
         lid = self.layouts.get(key)
         if lid is None:
-            lid = len(self.layouts)
+            lid = len(self.layouts) + self.layout_base
             self.layouts[key] = lid
             self.signature_codes.append(text_code(_signature(key)))
         return lid
+
+    def shift_layouts(self, k: int) -> None:
+        """Number every layout ``k`` higher, and new ones from there: a merge worker's guess of the
+        ids the store will give its layouts, so that its part can be copied as it is stored
+        (merge_workers). They are labels that the copy maps by key: a wrong guess costs only
+        that faster copy."""
+        if k > 0:
+            self.layouts = {key: lid + k for key, lid in self.layouts.items()}
+            self.layout_base += k
+            self.signature_codes[:0] = [-1] * k
 
     def group(self, name, ranks, backend, pg_name):
         key = (pg_name, json.dumps(ranks))

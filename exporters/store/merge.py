@@ -11,17 +11,21 @@ After loading, the merge (1) matches collectives across ranks by (group, sequenc
 records ranks that skipped one or issued a different one, (2) estimates clock offsets between
 processes from matched blocking collectives (both ``merge_align``), and (3) runs the caller's
 analysis on the store (``tensor_trace.exporters.pipeline`` computes the placement and reduction
-verdicts of every capture point there). The tables (``tables``) are documented in
+verdicts of every capture point there; an index that none of this reads is built beside it, on
+a second connection: ``_index_beside``). The tables (``tables``) are documented in
 ``docs/store-schema.md``; ``tensor-trace query sql`` exposes them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import sqlite3
 import sys
+import threading
+import time
 
 from tensor_trace import progress, schema
 from tensor_trace.errors import BadInput
@@ -29,7 +33,10 @@ from tensor_trace.exporters.store import merge_workers
 from tensor_trace.exporters.store.loader import FILE_TABLES, SharedIds, load_file
 from tensor_trace.exporters.store.merge_align import align_collectives, check_missing_ranks, estimate_clock_offsets
 from tensor_trace.exporters.store.reader import rank_files
-from tensor_trace.exporters.store.tables import INDEX_SQL, STORE_NAME, STORE_VERSION, open_new_store
+from tensor_trace.exporters.store.tables import (INDEX_BESIDE_SQL, INDEX_SQL, STORE_NAME, STORE_VERSION,
+                                                 open_new_store)
+
+WAIT_FOR_INDEX_MS = 24 * 3600 * 1000  # the store's connection waits for the index beside it, however long
 
 
 def store_path(trace_dir: str) -> str:
@@ -55,6 +62,71 @@ def is_stale(trace_dir: str, meta: dict | None = None) -> bool:
     except sqlite3.Error:
         return True
 
+def _side_files(tmp: str) -> list:
+    """The WAL files SQLite keeps beside the store while ``_index_beside`` runs."""
+    return [tmp + "-wal", tmp + "-shm"]
+
+
+@contextlib.contextmanager
+def _index_beside(con, path: str, sql: str, report: dict):
+    """Run ``sql`` (CREATE INDEX) on a second connection in a thread while the body reads
+    ``con``. SQLite builds an index without holding the GIL, so with a core to spare (the
+    workers have ended by now) it leaves the merge's path. The store is in WAL mode meanwhile, so
+    that ``con`` can read; a write of the body waits for the index's commit (the index takes the
+    write lock before the body starts, so the store's pages come in the same order every time),
+    and the body's writes are committed before the index is waited for. Then back to a plain file
+    (no WAL beside it). Without WAL (a file system without shared memory) the index is built
+    first, here."""
+    con.commit()
+    try:
+        wal = con.execute("PRAGMA journal_mode=WAL").fetchone()[0].lower() == "wal"
+        con.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()  # WAL's shared memory works
+    except sqlite3.Error:
+        wal = False
+    if not wal:
+        with contextlib.suppress(sqlite3.Error):
+            con.execute("PRAGMA journal_mode=DELETE")
+        con.executescript(sql)
+        yield
+        return
+    con.execute(f"PRAGMA busy_timeout={WAIT_FOR_INDEX_MS}")
+    side = sqlite3.connect(path, timeout=WAIT_FOR_INDEX_MS / 1000, check_same_thread=False)
+    started, failure, figures = threading.Event(), [], {}
+
+    def build():
+        try:
+            c0 = time.thread_time()
+            side.execute("PRAGMA synchronous=OFF")
+            side.execute("BEGIN IMMEDIATE")
+            started.set()
+            side.execute(sql)
+            side.commit()
+            figures["index_cpu_s"] = time.thread_time() - c0
+        except BaseException as exc:  # raised again in the merging thread
+            failure.append(exc)
+        finally:
+            started.set()
+
+    thread = threading.Thread(target=build, name="tensor-trace-merge-index", daemon=True)
+    thread.start()
+    try:
+        started.wait()
+        c0 = time.thread_time()
+        yield
+        con.commit()
+        figures["beside_cpu_s"] = time.thread_time() - c0
+    except BaseException:
+        side.interrupt()  # a failed merge does not wait for the whole index
+        raise
+    finally:
+        thread.join()
+        side.close()
+    if failure:
+        raise failure[0]
+    con.execute("PRAGMA journal_mode=DELETE")
+    report["index_beside"] = figures
+
+
 def _load_rank_files(con, files, g, tmp, workers, report, warn):
     """Load every rank file into ``con``; yield their results in file order. The first group of
     files is loaded here while worker processes load the others (``merge_workers``), whose
@@ -64,7 +136,7 @@ def _load_rank_files(con, files, g, tmp, workers, report, warn):
         for proc, path in groups[0]:
             yield load_file(con, proc, path, g)
         return
-    with merge_workers.Pool(groups[1:], tmp) as pool:
+    with merge_workers.Pool(groups[1:], tmp, len(groups[0])) as pool:
         for proc, path in groups[0]:
             yield load_file(con, proc, path, g)
         report["workers"] = []
@@ -114,7 +186,7 @@ def merge_ranks(trace_dir: str, warn=None, workers: int | None = None, analyse=N
     run_id = schema.read_run_id(trace_dir, warn)
     final = store_path(trace_dir)
     tmp = final + ".tmp"
-    for old in [tmp, *merge_workers.part_paths(tmp)]:
+    for old in [tmp, *_side_files(tmp), *merge_workers.part_paths(tmp)]:
         if os.path.exists(old):
             os.remove(old)
     con = open_new_store(tmp)
@@ -167,12 +239,17 @@ def merge_ranks(trace_dir: str, warn=None, workers: int | None = None, analyse=N
         report["collective_issues"] = align_collectives(con, digests)
         report["clocks"] = estimate_clock_offsets(con)
         if analyse is not None:
-            report["points"] = analyse(con)
+            with _index_beside(con, tmp, INDEX_BESIDE_SQL, report):
+                report["points"] = analyse(con)
+        else:
+            con.executescript(INDEX_BESIDE_SQL)
         con.commit()
     except BaseException:
         loading.close()
         con.close()
-        os.remove(tmp)
+        for path in [tmp, *_side_files(tmp)]:
+            if os.path.exists(path):
+                os.remove(path)
         raise
     finally:
         bar.close()

@@ -11,7 +11,9 @@ mapped to the store's and its span rowids shifted to follow the rows already the
 overlaps the worker's loading of its next files, so after the last worker ends only its last
 file's part is left to copy. Ids are given in first-seen order across files in sorted order
 and rows are copied in that order, so the store is the one a single process would build, row
-for row.
+for row. Once a worker has loaded its first file it guesses the store's ids of its layouts
+(``_guess_layout_ids``): where ranks are alike, as in a TP run on GPUs, no id of its parts needs
+mapping and SQLite copies their rows as they are stored.
 
 A worker never outlives the merge: the merging process kills and reaps every worker when it
 leaves (error, Ctrl-C included), and a worker exits on its own once the merging process is gone
@@ -132,7 +134,7 @@ class Pool:
     """Worker processes, one per group, started at once; a context manager that stops and reaps
     every worker still running and removes the part stores when it exits."""
 
-    def __init__(self, groups: list, store_tmp: str):
+    def __init__(self, groups: list, store_tmp: str, files_before: int = 0):
         self.workers = []  # (group, part prefix, Popen, log path)
         try:
             for k, group in enumerate(groups, 1):
@@ -141,7 +143,8 @@ class Pool:
                 for p in [log, *glob.glob(glob.escape(prefix) + ".*")]:
                     if os.path.exists(p):
                         os.remove(p)
-                spec = dict(part=prefix, files=group, path=[p for p in sys.path if isinstance(p, str)])
+                spec = dict(part=prefix, files=group, path=[p for p in sys.path if isinstance(p, str)],
+                            files_before=files_before + sum(len(g) for g in groups[:k - 1]))
                 env = dict(os.environ)
                 env.pop(schema.ENV_DIR, None)  # a merge run inside a traced program: never traced itself
                 with open(log, "wb") as err:
@@ -211,11 +214,12 @@ def _part_done(stdout, index: int) -> bool:
             return True
 
 
-def _map_expr(column: str, mapping: list, con, name: str) -> str:
-    """SQL for the store's id of a part's id in ``column`` (mapping[part id] = store id)."""
-    if all(g == i for i, g in enumerate(mapping)):
+def _map_expr(column: str, mapping: list, con, name: str, start: int = 0) -> str:
+    """SQL for the store's id of a part's id in ``column`` (mapping[part id] = store id; the
+    part holds no id below ``start``)."""
+    if all(g == i for i, g in enumerate(mapping[start:], start)):
         return column
-    shift = {g - i for i, g in enumerate(mapping)}
+    shift = {g - i for i, g in enumerate(mapping[start:], start)}
     if len(shift) == 1:
         return f"({column} + {shift.pop()})"
     con.execute(f"CREATE TEMP TABLE IF NOT EXISTS {name}(l INTEGER PRIMARY KEY, g INTEGER)")
@@ -239,10 +243,12 @@ def copy_part(con, part: str, data: dict, g, tables) -> None:
     con.commit()  # ATTACH is refused inside a transaction
     con.execute("ATTACH DATABASE ? AS part", (part,))
     try:
+        base = data.get("layout_base", 0)  # the worker's layout ids start there (SharedIds.shift_layouts)
         maps = {"modules": [g.module(path, cls) for path, cls in data["modules"]],
-                "layouts": [g.layout_key(key) for key in data["layouts"]],
+                "layouts": list(range(base)) + [g.layout_key(key) for key in data["layouts"]],
                 "groups": [g.group(*args) for args in data["groups"]]}
-        exprs = {col: _map_expr(col, maps[kind], con, f"part_{kind}") for col, kind in ID_COLUMNS.items()}
+        exprs = {col: _map_expr(col, maps[kind], con, f"part_{kind}", base if kind == "layouts" else 0)
+                 for col, kind in ID_COLUMNS.items()}
         for res in data["results"]:
             if res.digest is not None:
                 res.digest = res.digest.remapped(maps["groups"])
@@ -309,6 +315,22 @@ def _status_kb(key: str) -> int | None:
     return None
 
 
+def _guess_layout_ids(con, g, files_before: int) -> None:
+    """Give the layouts of a worker's first part, and those it meets next, the ids the store will
+    give them if each file before the worker's gave as many new layouts as its first (ranks
+    alike, each tensor on its own device, as in a TP run on GPUs). Right, no part of this worker
+    needs its layout ids mapped, and copy_part copies them as stored (~0.1 us a span row against
+    ~0.3 mapped, in the merging process); renumbering this first part costs the worker ~0.3 us
+    a span record, while the merging process is still loading its own files. Wrong, the parts
+    are mapped as before (the store is the same either way)."""
+    k = files_before * len(g.layouts)
+    if k <= 0:
+        return
+    for table in ("spans", "collectives"):
+        con.execute(f"UPDATE {table} SET layout_id = layout_id + {k} WHERE layout_id IS NOT NULL")
+    g.shift_layouts(k)
+
+
 def worker_main(spec: dict) -> None:
     """A worker: load ``spec['files']`` one by one, each into a part store of its own (``part_path``
     of ``spec['part']``) saved with the file's load result and the ids given out so far (for
@@ -321,9 +343,12 @@ def worker_main(spec: dict) -> None:
     for i, (proc, path) in enumerate(spec["files"]):
         con = open_new_store(part_path(spec["part"], i))
         result = load_file(con, proc, path, g)
+        if i == 0:
+            _guess_layout_ids(con, g, spec.get("files_before", 0))
         data = dict(results=[result],
                     modules=[(p, cls) for p, (_mid, cls) in sorted(g.modules.items(), key=lambda e: e[1][0])],
                     layouts=[key for key, _lid in sorted(g.layouts.items(), key=lambda e: e[1])],
+                    layout_base=g.layout_base,
                     groups=[(name, json.loads(ranks), backend, pg_name)
                             for _gid, name, ranks, backend, pg_name in sorted(g.groups.values())],
                     stats=dict(files=i + 1, peak_rss_kb=_status_kb("VmHWM"), rss_start_kb=rss0,

@@ -49,9 +49,12 @@ CREATE TABLE points(point TEXT PRIMARY KEY, module TEXT, call INTEGER, slot TEXT
     grouping TEXT);
 """
 
+# Built by a second connection while the verdicts are computed (merge._index_beside): none of
+# the merge's own reads needs it, and it costs as much as the verdicts on a large trace.
+INDEX_BESIDE_SQL = "CREATE INDEX collectives_by_module ON collectives(module_id, proc, step);"
+
 INDEX_SQL = """
 CREATE INDEX collectives_by_seq ON collectives(group_id, seq);
-CREATE INDEX collectives_by_module ON collectives(module_id, proc, step);
 CREATE INDEX fingerprints_by_step ON fingerprints(step, proc);
 CREATE INDEX points_by_module ON points(module, call);
 CREATE VIEW span_view AS
@@ -93,12 +96,13 @@ def _variables_limit(con) -> int:
         return _MIN_VARIABLES
 
 
-def insert_rows(con, insert: str, ncols: int, flat: list, last: bool = True) -> int:
+def insert_rows(con, insert: str, ncols: int, flat: list, last: bool = True, row: str | None = None) -> int:
     """``insert`` (``INSERT ... INTO table``) the rows of ``flat``, ``ncols`` values each, one
     after the other, many rows per statement (about half the cost of executemany's statement
     per row); return the number of rows inserted: all, or unless ``last`` only those that fill
-    whole statements (a statement of another length is compiled anew)."""
-    one = "(" + ",".join("?" * ncols) + ")"
+    whole statements (a statement of another length is compiled anew). ``row``: one row's
+    values in SQL, with ``ncols`` parameters (default ``(?,?,...)``)."""
+    one = row or "(" + ",".join("?" * ncols) + ")"
     per = max(1, min(ROWS_PER_STATEMENT, _variables_limit(con) // ncols))
     step = per * ncols
     full = len(flat) - len(flat) % step

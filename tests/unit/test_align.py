@@ -114,3 +114,34 @@ def test_a_block_out_of_order_is_read(tmp_path, monkeypatch):
     assert same.groups[0][2] == blocks  # equal digests: only the mark sends block 0 to be read
     ranges = list(merge_align._ranges_to_read(0, [0, 1], 0, 7, {0: digest, 1: same}, 2))
     assert ranges == [(0, 3)]
+
+
+def test_rows_of_a_step_give_the_digest_of_their_collectives(monkeypatch):
+    """The loader hands a step's collective rows to the digest at once (``add_rows``): the digest
+    is the one ``add`` makes of them one by one, with the texts' codes (0 or None: no reduce op),
+    and rows without a group or an integer sequence number left out."""
+    from tensor_trace.exporters.store import merge_align
+    from tensor_trace.exporters.store.loader import COLLECTIVE_VALUES
+
+    monkeypatch.setattr(merge_align, "DIGEST_BLOCK_SEQS", 4)
+    sig_codes = [11, 22, 33]
+
+    def row(gid, seq, op, redop, lid):
+        r = [None] * COLLECTIVE_VALUES
+        r[4], r[5], r[6], r[7], r[10] = op, redop, gid, seq, lid
+        return r
+
+    rows = [row(0, 0, "all_reduce", "sum", 1), row(0, 2, "all_gather", 0, 2), row(1, 0, "all_reduce", None, None),
+            row(0, 1, "all_reduce", "sum", 0), row(None, 3, "all_reduce", "sum", 0), row(0, "x", "send", 0, 0),
+            row(0, 5, "broadcast", "sum", 2)]
+    by_rows = merge_align.SequenceDigest()
+    by_rows.add_rows(rows[:3], sig_codes)
+    by_rows.add_rows(rows[3:], sig_codes)
+    one_by_one = merge_align.SequenceDigest()
+    code = merge_align.text_code
+    for gid, seq, op, redop, sig in [(0, 0, code("all_reduce"), code("sum"), 22), (0, 2, code("all_gather"), -1, 33),
+                                     (1, 0, code("all_reduce"), -1, -1), (0, 1, code("all_reduce"), code("sum"), 11),
+                                     (0, 5, code("broadcast"), code("sum"), 33)]:
+        one_by_one.add(gid, seq, op, redop, sig)
+    assert by_rows.groups == one_by_one.groups
+    assert by_rows.groups[0][3] == {0}  # seq 1 after 2: its block is marked to be read

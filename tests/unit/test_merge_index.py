@@ -1,0 +1,98 @@
+"""The index built beside the verdicts (exporters/store/merge.py, ``_index_beside``): the analysis
+reads and writes the store while a second connection builds it, and the store ends as a plain
+file with every index, or is removed with everything beside it when the analysis fails."""
+
+import os
+import sqlite3
+
+import pytest
+
+from synthetic_trace import SyntheticTrace, arrays, gen, pos, same
+from tensor_trace.exporters.store import merge
+
+R = [0, 1]
+
+
+def _trace(d):
+    rng = gen()
+    xs = {r: pos(rng, 2, 3) for r in R}
+    tr = SyntheticTrace(2)
+    with tr.step():
+        with tr.call("reduce", arrays(xs)) as c:
+            tr.coll("all_reduce", [arrays(xs)], [same(xs[0] + xs[1], R)])
+            c.returns(same(xs[0] + xs[1], R))
+    tr.write(str(d))
+    return str(d)
+
+
+def test_analysis_runs_beside_the_index_and_the_store_ends_plain(tmp_path):
+    d = _trace(tmp_path / "t")
+    seen = {}
+
+    def analyse(con):
+        seen["mode"] = con.execute("PRAGMA journal_mode").fetchone()[0]
+        seen["spans"] = con.execute("SELECT COUNT(*) FROM spans").fetchone()[0]
+        # A write while the index is being built: it waits for the index's commit.
+        con.execute("INSERT INTO points(point, module) VALUES ('x:output', 'x')")
+        return 1
+
+    report = merge.merge_ranks(d, warn=lambda m: None, workers=0, analyse=analyse)
+    assert report["points"] == 1 and seen["spans"] > 0
+    assert seen["mode"] == "wal"  # the analysis ran while the second connection held the index
+    assert set(report["index_beside"]) == {"index_cpu_s", "beside_cpu_s"}
+    path = merge.store_path(d)
+    assert not [p for p in os.listdir(d) if p.startswith(os.path.basename(path)) and p != os.path.basename(path)]
+    with open(path, "rb") as f:
+        head = f.read(20)
+    assert head[18:20] == b"\x01\x01"  # a rollback-journal file: readable read-only with no WAL beside it
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    names = {n for (n,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    assert {"collectives_by_seq", "collectives_by_module", "fingerprints_by_step", "points_by_module"} <= names
+    assert con.execute("SELECT point FROM points").fetchall() == [("x:output",)]
+    con.close()
+
+
+def test_a_failing_analysis_leaves_nothing_beside_the_trace(tmp_path):
+    d = _trace(tmp_path / "t")
+
+    def analyse(con):
+        con.execute("SELECT COUNT(*) FROM spans").fetchone()
+        raise RuntimeError("analysis failed")
+
+    with pytest.raises(RuntimeError, match="analysis failed"):
+        merge.merge_ranks(d, warn=lambda m: None, workers=0, analyse=analyse)
+    assert sorted(os.listdir(d)) == ["ranks", "run.json"]  # no store, no part, no WAL file
+
+
+def test_without_wal_the_index_is_built_first(tmp_path, monkeypatch):
+    # A file system where WAL cannot work (no shared memory): the same store, built in turn.
+    d = _trace(tmp_path / "t")
+    real = merge.sqlite3.connect
+
+    class NoWal(sqlite3.Connection):
+        def execute(self, sql, *a):
+            if sql.strip().upper() == "PRAGMA JOURNAL_MODE=WAL":
+                raise sqlite3.OperationalError("disk I/O error")
+            return super().execute(sql, *a)
+
+    monkeypatch.setattr(merge, "open_new_store", lambda path: _plain(real(path, factory=NoWal)))
+    seen = {}
+
+    def analyse(con):
+        seen["mode"] = con.execute("PRAGMA journal_mode").fetchone()[0]
+        seen["indexes"] = {n for (n,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        return 0
+
+    report = merge.merge_ranks(d, warn=lambda m: None, workers=0, analyse=analyse)
+    assert seen["mode"] != "wal" and "collectives_by_module" in seen["indexes"]
+    assert "index_beside" not in report
+    assert sorted(os.listdir(d)) == ["merged.sqlite", "ranks", "run.json"]
+
+
+def _plain(con):
+    from tensor_trace.exporters.store.tables import SCHEMA_SQL
+
+    con.execute("PRAGMA journal_mode=OFF")
+    con.execute("PRAGMA synchronous=OFF")
+    con.executescript(SCHEMA_SQL)
+    return con
