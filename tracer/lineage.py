@@ -95,6 +95,7 @@ for _f, _name, _kind in [
 _TRACKED.update(_attrs.tracked())
 _get_ident = __import__("threading").get_ident
 _UPDATES_FIRST_ARG = frozenset(("inplace", "write", "mutate"))
+_ONE_IN = frozenset(("one", "index", "split"))
 _tracked_get = _TRACKED.get
 _is_compiling = torch.compiler.is_compiling
 
@@ -115,8 +116,12 @@ class LineageMode(TorchFunctionMode):
         hit = _tracked_get(func)
         if hit is None:
             return func(*args, **kwargs) if kwargs else func(*args)
-        kwargs = kwargs or {}
         rec = self.recorder
+        if hit[1] in _ONE_IN and args and not rec.writes and id(args[0]) not in rec.producers:
+            # one tensor in, and nothing recorded made it (most views, slices, transposes of a
+            # step): no record can follow (node() would find no producer either)
+            return func(*args, **kwargs) if kwargs else func(*args)
+        kwargs = kwargs or {}
         tracer = rec.tracer
         if hit[1] in _UPDATES_FIRST_ARG and args and isinstance(args[0], T):
             # A recorded output updated in place later in the step (a shared expert's output
@@ -209,6 +214,8 @@ class LineageRecorder:
                 refs[i] = [2, tracer.fps.add([t], store=False), list(t.shape)] if tracer.fp_now else [3, list(t.shape)]
             if any(r[0] == REF_PARAM for r in refs):
                 refs = [_params.encode(writer, r) for r in refs]
+            if type(attrs) is _attrs.LazyDims:
+                attrs = attrs.resolve()
             writer.add((schema.LINEAGE, step, node, writer.string(name), attrs, refs, shape))
 
     def add_params(self, root) -> None:
@@ -357,8 +364,8 @@ class LineageRecorder:
             attrs = {"dim": int(dim) if isinstance(dim, int) else 0}
         elif name == "to" and isinstance(out, Tensor):
             attrs = {"dtype": str(out.dtype).replace("torch.", "")}
-        elif name in _DIMS_OPS:
-            attrs = _attrs.dims_attrs(name, args, kwargs, ins[0], out)
+        elif name in _DIMS_OPS and isinstance(out, Tensor):
+            attrs = _attrs.LazyDims(name, args[1:], kwargs, ins[0].shape, out.dim())
         elif kind == "mm":
             attrs = {"ndims": [t.dim() for t in ins]}
         unknown = []

@@ -46,31 +46,47 @@ def _norm(d, n):
     return d + n if d < 0 else d
 
 
-def dims_attrs(name, args, kwargs, t, out) -> dict | None:
-    """``{"dims": [...], "part": [...]}`` of a call of ``name`` on ``t`` that returned ``out``,
-    or None where it cannot be told (the rules then keep only whole placements)."""
-    if not isinstance(out, torch.Tensor):
-        return None
-    n = t.dim()
+class LazyDims:
+    """A dimension move's attrs, worked out only for a node that is written (most lead nowhere
+    recorded): what ``dims_attrs`` needs, no tensor (the index's, if any, is kept to the step's
+    end). ``"into" in`` it is False, as for any attrs but a write's."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, name, rest, kwargs, shape, out_ndim):
+        self.args = (name, rest, kwargs, shape, out_ndim)
+
+    def __contains__(self, key) -> bool:
+        return False
+
+    def resolve(self) -> dict | None:
+        return dims_attrs(*self.args)
+
+
+def dims_attrs(name, rest, kwargs, shape, out_ndim) -> dict | None:
+    """``{"dims": [...], "part": [...]}`` of a call of ``name`` on a tensor of ``shape`` with
+    the further arguments ``rest`` and ``kwargs``, whose result has ``out_ndim`` dims, or None
+    where it cannot be told (the rules then keep only whole placements)."""
+    n = len(shape)
     try:
         if name == "getitem":
-            got = _index_dims(t, args[1] if len(args) > 1 else None)
-            if got is not None and got[2] != out.dim():
+            got = _index_dims(shape, rest[0] if rest else None)
+            if got is not None and got[2] != out_ndim:
                 return None  # an index form read wrongly: no dims rather than wrong ones
             got = got and got[:2]
         elif name == "index_select":
-            d = _norm(args[1] if len(args) > 1 else kwargs["dim"], n)
+            d = _norm(rest[0] if rest else kwargs["dim"], n)
             got = list(range(n)), [d]
         elif name == "transpose":
-            d0 = _norm(args[1] if len(args) > 1 else kwargs["dim0"], n)
-            d1 = _norm(args[2] if len(args) > 2 else kwargs["dim1"], n)
+            d0 = _norm(rest[0] if rest else kwargs["dim0"], n)
+            d1 = _norm(rest[1] if len(rest) > 1 else kwargs["dim1"], n)
             dims = list(range(n))
             dims[d0], dims[d1] = d1, d0
             got = dims, []
         elif name == "t":
             got = (list(range(n))[::-1], [])
         elif name == "permute":
-            perm = args[1:] if len(args) > 1 else kwargs["dims"]
+            perm = rest if rest else kwargs["dims"]
             if len(perm) == 1 and isinstance(perm[0], (tuple, list, torch.Size)):
                 perm = perm[0]
             dims = [-1] * n
@@ -78,17 +94,17 @@ def dims_attrs(name, args, kwargs, t, out) -> dict | None:
                 dims[_norm(d, n)] = j
             got = dims, []
         elif name == "unsqueeze":
-            d = _norm(args[1] if len(args) > 1 else kwargs["dim"], n + 1)
+            d = _norm(rest[0] if rest else kwargs["dim"], n + 1)
             got = [i if i < d else i + 1 for i in range(n)], []
         elif name == "squeeze":
-            spec = args[1] if len(args) > 1 else kwargs.get("dim")
+            spec = rest[0] if rest else kwargs.get("dim")
             if spec is None:
                 which = set(range(n))
             elif isinstance(spec, (tuple, list)):
                 which = {_norm(d, n) for d in spec}
             else:
                 which = {_norm(spec, n)}
-            gone = {d for d in which if t.shape[d] == 1}
+            gone = {d for d in which if shape[d] == 1}
             dims, k = [], 0
             for i in range(n):
                 if i in gone:
@@ -98,7 +114,7 @@ def dims_attrs(name, args, kwargs, t, out) -> dict | None:
                     k += 1
             got = dims, []
         elif name == "repeat_interleave":
-            d = args[2] if len(args) > 2 else kwargs.get("dim")
+            d = rest[1] if len(rest) > 1 else kwargs.get("dim")
             if d is None:
                 return None  # flattened first
             got = list(range(n)), [_norm(d, n)]
@@ -109,17 +125,17 @@ def dims_attrs(name, args, kwargs, t, out) -> dict | None:
     if got is None:
         return None
     dims, part = got
-    if len([d for d in dims if d >= 0]) > out.dim() or any(d >= out.dim() for d in dims):
+    if any(d >= out_ndim for d in dims):
         return None
     return {"dims": dims, "part": sorted(set(part))} if part else {"dims": dims}
 
 
-def _index_dims(t, index):
+def _index_dims(shape, index):
     """(dims, part, output ndim) of ``t[index]``: integers, slices, None and Ellipsis, with at most one
     tensor (or list) index and no integer beside it (where PyTorch's placement of the indexed
     dimensions is plain: in place of the one it indexes); None otherwise."""
     items = index if isinstance(index, tuple) else (index,)
-    n = t.dim()
+    n = len(shape)
     adv = [it for it in items if isinstance(it, (torch.Tensor, list))]
     ints = [it for it in items if isinstance(it, int) and not isinstance(it, bool)]
     if len(adv) > 1 or (adv and ints):
@@ -149,7 +165,7 @@ def _index_dims(t, index):
                 i += 1
                 o += 1
         elif isinstance(it, slice):
-            if not _whole(it, t.shape[i]):
+            if not _whole(it, shape[i]):
                 part.append(i)
             dims[i] = o
             i += 1
