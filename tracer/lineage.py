@@ -28,12 +28,11 @@ slot to the node; so does one that is, as is, a module output that a cat, stack 
 out (its identity, which values cannot tell from an equal copy). Inputs that are plainly another
 module's output need no record: the merge links those by identity of values (fingerprints). An
 op none of whose inputs was recorded (rotary tables, norms' intermediates) is not recorded
-either. Module parameters count as recorded (``lineage_params``): an MoE's experts that index
-their stacked weights, multiply and split the product inside one call are followed from the
-weights (indexing, transpose/permute/squeeze/unsqueeze, repeat_interleave, linear, matmul, bmm,
-mm, grouped_mm: ``lineage_attrs`` says what their nodes record). Every other torch call goes straight through (one dictionary lookup), and the tracer's
-own hooks run with the mode off, as do leaf modules' bodies. Nothing is recorded outside traced
-steps, and the tracer's own fingerprint ops never are (``tracer.busy``).
+either, but parameters count as recorded (``lineage_params``; the ops that follow them, from
+indexing to grouped_mm: ``lineage_attrs``). Every other torch call goes straight through (one
+dictionary lookup), and the tracer's own hooks run with the mode off, as do leaf modules'
+bodies. Nothing is recorded outside traced steps, and the tracer's own fingerprint ops never are
+(``tracer.busy``).
 """
 
 from __future__ import annotations
@@ -44,16 +43,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tensor_trace import schema
+from tensor_trace.format.lineage_refs import REF_PARAM
+from tensor_trace.tracer import lineage_attrs as _attrs
+from tensor_trace.tracer import lineage_params as _params
 from tensor_trace.tracer.regions import PLAIN as _PLAIN
 from tensor_trace.tracer.regions import box as _box
 from tensor_trace.tracer.regions import disjoint as _disjoint
 from tensor_trace.tracer.regions import scatter_region as _scatter_region
 from tensor_trace.tracer.regions import written as _written
-from tensor_trace.format.lineage_refs import REF_PARAM
-from tensor_trace.tracer import lineage_attrs as _attrs
-from tensor_trace.tracer import lineage_params as _params
-
-_DIMS_OPS = _attrs.DIMS_OPS
 
 MAX_PRODUCERS = 1 << 16  # tensors remembered per process (cleared, not grown, past this)
 MAX_WRITES = 256  # writes kept per storage and step (each view of it read later carries them)
@@ -118,8 +115,7 @@ class LineageMode(TorchFunctionMode):
             return func(*args, **kwargs) if kwargs else func(*args)
         rec = self.recorder
         if hit[1] in _ONE_IN and args and not rec.writes and id(args[0]) not in rec.producers:
-            # one tensor in, and nothing recorded made it (most views, slices, transposes of a
-            # step): no record can follow (node() would find no producer either)
+            # one tensor in, made by nothing recorded (most views and slices): node() would stop
             return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
         tracer = rec.tracer
@@ -364,7 +360,7 @@ class LineageRecorder:
             attrs = {"dim": int(dim) if isinstance(dim, int) else 0}
         elif name == "to" and isinstance(out, Tensor):
             attrs = {"dtype": str(out.dtype).replace("torch.", "")}
-        elif name in _DIMS_OPS and isinstance(out, Tensor):
+        elif name in _attrs.DIMS_OPS and isinstance(out, Tensor):
             attrs = _attrs.LazyDims(name, args[1:], kwargs, ins[0].shape, out.dim())
         elif kind == "mm":
             attrs = {"ndims": [t.dim() for t in ins]}
