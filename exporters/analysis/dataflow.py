@@ -160,7 +160,6 @@ class LineageWalk:
             return placement, None
         return None, None
 
-
     def param(self, module, name):
         """(placement, local shape) of a module's parameter, from its records on every rank."""
         per = self.j.module_params(module, self.pt.procs)
