@@ -12,7 +12,8 @@ a reference to where each input came from:
 - ``[2, fingerprint index, shape]``: an input of a concatenation the tracer had not seen (a copy
   made by an op it does not watch, e.g. ``x * 1``, ``empty().copy_(x)``) next to inputs it had:
   its fingerprint, so that the merge can find where the values came from;
-- ``[3, shape]``: unknown (fingerprints off).
+- ``[3, shape]``: unknown (fingerprints off);
+- ``[4, module path, parameter name]``: a module's parameter (string ids as written).
 
 Writes into a tensor (``copy_``, ``__setitem__``, ``index_copy_``; ``slice_scatter``,
 ``select_scatter``, ``index_copy`` out of place) are how packers lay captures side by side in a
@@ -27,9 +28,11 @@ slot to the node; so does one that is, as is, a module output that a cat, stack 
 out (its identity, which values cannot tell from an equal copy). Inputs that are plainly another
 module's output need no record: the merge links those by identity of values (fingerprints). An
 op none of whose inputs was recorded (rotary tables, norms' intermediates) is not recorded
-either. Every other torch call goes straight through (one dictionary lookup), and the tracer's
-own hooks run with the mode off, as do leaf modules' bodies. Nothing is recorded outside traced
-steps, and the tracer's own fingerprint ops never are (``tracer.busy``).
+either, but parameters count as recorded (``lineage_params``; the ops that follow them, from
+indexing to grouped_mm: ``lineage_attrs``). Every other torch call goes straight through (one
+dictionary lookup), and the tracer's own hooks run with the mode off, as do leaf modules'
+bodies. Nothing is recorded outside traced steps, and the tracer's own fingerprint ops never are
+(``tracer.busy``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tensor_trace import schema
+from tensor_trace.format.lineage_refs import REF_PARAM
+from tensor_trace.tracer import lineage_attrs as _attrs
+from tensor_trace.tracer import lineage_params as _params
 from tensor_trace.tracer.regions import PLAIN as _PLAIN
 from tensor_trace.tracer.regions import box as _box
 from tensor_trace.tracer.regions import disjoint as _disjoint
@@ -82,8 +88,11 @@ for _f, _name, _kind in [
     (torch.select_scatter, "select_scatter", "scatter"), (T.select_scatter, "select_scatter", "scatter"),
 ]:
     _TRACKED[_f] = (_name, _kind)
+# from a module's parameters to what a module receives: indexing, dimension moves, products
+_TRACKED.update(_attrs.tracked())
 _get_ident = __import__("threading").get_ident
 _UPDATES_FIRST_ARG = frozenset(("inplace", "write", "mutate"))
+_ONE_IN = frozenset(("one", "index", "split"))
 _tracked_get = _TRACKED.get
 _is_compiling = torch.compiler.is_compiling
 
@@ -104,8 +113,11 @@ class LineageMode(TorchFunctionMode):
         hit = _tracked_get(func)
         if hit is None:
             return func(*args, **kwargs) if kwargs else func(*args)
-        kwargs = kwargs or {}
         rec = self.recorder
+        if hit[1] in _ONE_IN and args and not rec.writes and id(args[0]) not in rec.producers:
+            # one tensor in, made by nothing recorded (most views and slices): node() would stop
+            return func(*args, **kwargs) if kwargs else func(*args)
+        kwargs = kwargs or {}
         tracer = rec.tracer
         if hit[1] in _UPDATES_FIRST_ARG and args and isinstance(args[0], T):
             # A recorded output updated in place later in the step (a shared expert's output
@@ -137,6 +149,7 @@ class LineageRecorder:
         self.writes: dict = {}  # storage -> [weak handle, writes into it]: this step's, not yet on a tensor
         self.write_seen: dict = {}  # id(tensor) -> (weak reference, writes of its storage it carries)
         self.laid_out: set = set()  # (step, span, slot) of module outputs laid out by cat/stack/writes
+        self.params: dict = {}  # id(parameter) -> (weak reference, ref): seeds producers (lineage_params)
         self.mode = None
 
     # ------------------------------------------------------------------ step
@@ -145,8 +158,8 @@ class LineageRecorder:
         self.pending = []  # this step's nodes, written at its end if a module boundary uses them
         self.used = []  # node refs that SLOT_SRC records point at
         self._drop_writes()
-        if len(self.producers) > MAX_PRODUCERS:
-            self.producers = {}
+        if len(self.producers) > MAX_PRODUCERS + len(self.params):
+            self.producers = dict(self.params)
             self.laid_out = set()
         mode = LineageMode(self)
         mode.__enter__()
@@ -195,7 +208,15 @@ class LineageRecorder:
                 # Concatenations are where captures get combined: an input made by an op not
                 # watched here (a copy) is matched back by its values (deferred: no launch).
                 refs[i] = [2, tracer.fps.add([t], store=False), list(t.shape)] if tracer.fp_now else [3, list(t.shape)]
+            if any(r[0] == REF_PARAM for r in refs):
+                refs = [_params.encode(writer, r) for r in refs]
+            if type(attrs) is _attrs.LazyDims:
+                attrs = attrs.resolve()
             writer.add((schema.LINEAGE, step, node, writer.string(name), attrs, refs, shape))
+
+    def add_params(self, root) -> None:
+        """Ops on ``root``'s modules' parameters are recorded from now on (lineage_params)."""
+        _params.add_params(self.tracer, root, self.params, self.producers)
 
     def before_update(self, t) -> None:
         """``t`` is about to be updated in place: a deferred fingerprint it holds is taken now,
@@ -265,7 +286,7 @@ class LineageRecorder:
         hit = self.producers.get(id(t))
         if hit is not None and hit[0]() is t:
             ref = hit[1]
-            self.tracer.writer.add((schema.SLOT_SRC, step, span, 0, ref))
+            self.tracer.writer.add((schema.SLOT_SRC, step, span, 0, _params.encode(self.tracer.writer, ref)))
             if ref[0] == 1:
                 self.used.append(ref)
         self.note(t, [0, step, span, 0])
@@ -296,11 +317,13 @@ class LineageRecorder:
         if kind == "many":
             seq = args[0] if args else kwargs.get("tensors")
             ins = [t for t in seq if isinstance(t, Tensor)]
-        elif kind == "one" or kind == "split":
+        elif kind == "one" or kind == "split" or kind == "index":
             a0 = args[0] if args else None
-            if not isinstance(a0, Tensor) or (kind == "one" and out is a0):
+            if not isinstance(a0, Tensor) or (kind != "split" and out is a0):
                 return  # .to() / .contiguous() that returned its input: the identity holds
             ins = [a0]
+        elif kind == "mm":
+            ins = [t for t in _attrs.mm_inputs(name, args, kwargs) if isinstance(t, Tensor)]
         elif kind == "write" or kind == "scatter":
             return self.write(name, kind, args, kwargs, out)
         else:  # binary / inplace: a scalar operand combines nothing
@@ -337,6 +360,10 @@ class LineageRecorder:
             attrs = {"dim": int(dim) if isinstance(dim, int) else 0}
         elif name == "to" and isinstance(out, Tensor):
             attrs = {"dtype": str(out.dtype).replace("torch.", "")}
+        elif name in _attrs.DIMS_OPS and isinstance(out, Tensor):
+            attrs = _attrs.LazyDims(name, args[1:], kwargs, ins[0].shape, out.dim())
+        elif kind == "mm":
+            attrs = {"ndims": [t.dim() for t in ins]}
         unknown = []
         for i, r in enumerate(refs):
             if r is None:

@@ -40,6 +40,8 @@ def adopt_root(t, module, hooks: bool = True) -> None:
                                      always_call=True),
     ] if hooks else []
     naming.name_root(t, module)
+    if t.lineage is not None:
+        t.lineage.add_params(module)
     t.record_module_attrs(module)
     if t.fingerprint and not is_capturing():
         naming.record_parameters(t, module)

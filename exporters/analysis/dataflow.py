@@ -1,18 +1,26 @@
 """Placement through the ops the tracer's lineage watcher records (tracer/lineage.py): one rule
 per op family, mapping input placements to the output's, as DTensor's sharding propagation does.
 They apply between module boundaries: a tensor that a module received was built by a split, a
-view, an add or a cat of tensors judged earlier in the step.
+view, an add or a cat of tensors judged earlier in the step, or from a module's parameters by
+indexing, dimension moves and matrix products (dataflow_ops.py: an MoE's experts inside one call).
 """
 
 from __future__ import annotations
 
 import math
 
+from tensor_trace.exporters.analysis import dataflow_ops
+from tensor_trace.format.lineage_refs import REF_PARAM
+
 # single-input ops that keep every value (a dtype, layout or memory change)
 _KEEP = {"clone", "to", "contiguous", "detach"}
 _RESHAPE = {"view", "reshape", "flatten"}
 _PARTS = {"split", "chunk", "unbind"}
 MAX_DEPTH = 32
+# dimension moves (tracer/lineage_attrs.py), as the evidence names them
+_DIMS = {"getitem": "[...]", "index_select": "index_select", "transpose": "transpose", "t": "t",
+         "permute": "permute", "unsqueeze": "unsqueeze", "squeeze": "squeeze",
+         "repeat_interleave": "repeat_interleave"}
 
 
 def _shard_dim(p: str):
@@ -93,6 +101,8 @@ class LineageWalk:
         """(placement, shape) of what ``ref`` points at, or (None, None)."""
         if depth > MAX_DEPTH or not ref:
             return None, None
+        if ref[0] == REF_PARAM:
+            return self.param(ref[1], ref[2])
         if ref[0] == 0:
             if ref[1] != self.j.v.step:
                 return None, None
@@ -122,6 +132,20 @@ class LineageWalk:
             if placement is None or shape is None or new_shape is None:
                 return (placement if placement in ("replicate", "partial") else None), None
             return reshape_placement(placement, shape, new_shape), new_shape
+        if op in dataflow_ops.PRODUCTS:
+            # each operand's own chain, inside the product's parentheses
+            outer, parts, texts = self.ops, [], []
+            for r in inputs:
+                self.ops = []
+                parts.append(self.placement_of(r, depth + 1))
+                texts.append(", ".join(reversed(self.ops)) or "?")
+            self.ops = outer
+            self.ops.append(f"{op}({'; '.join(texts)})")
+            return dataflow_ops.product_placement(op, [p for p, _ in parts], attrs.get("ndims") or []), None
+        if op in _DIMS:
+            placement, _shape = self.placement_of(inputs[0], depth + 1) if len(inputs) == 1 else (None, None)
+            self.ops.append(_DIMS[op])
+            return (dataflow_ops.dims_placement(placement, attrs) if placement is not None else None), None
         if op in ("add", "add_", "cat", "stack"):
             parts = [self.placement_of(r, depth + 1) for r in inputs]
             self.ops.append(op + (f"(dim={attrs['dim']})" if "dim" in attrs else ""))
@@ -135,6 +159,20 @@ class LineageWalk:
                     placement = f"shard({d + 1})"
             return placement, None
         return None, None
+
+    def param(self, module, name):
+        """(placement, local shape) of a module's parameter, from its records on every rank."""
+        per = self.j.module_params(module, self.pt.procs)
+        if per is None:
+            return None, None
+        rows = [next(((shape, fp, meta) for n, shape, fp, meta in params if n == name), None) for params in per]
+        if None in rows:
+            return None, None
+        hit = dataflow_ops.param_placement(rows)
+        if hit is None:
+            return None, None
+        self.ops.append(f"{module}.{name} ({hit[0]}: {hit[1]})")
+        return hit[0], rows[0][0]
 
 
 def placement_from_lineage(judge, pt):

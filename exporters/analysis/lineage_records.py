@@ -74,6 +74,23 @@ class Resolver:
         return dict(point=f"{module}:{slot}", module=module, placement="unknown",
                     shapes={0: shape} if shape else {}, dtype=slots[slot_i][2] if slot_i < len(slots) else None)
 
+    def param(self, module, name) -> dict:
+        """A module parameter that a node took as input (a ``REF_PARAM`` ref), as a leaf: its
+        local shape per rank and the placement its DTensor declares, if it is one."""
+        from tensor_trace.exporters.analysis.declared import dtensor_placement
+
+        shapes, placement, dtype = {}, "unknown", None
+        for rank, shape, pdtype, meta in self.con.execute(
+                "SELECT pr.rank, p.shape, p.dtype, p.meta FROM params p JOIN modules m USING(module_id) "
+                "JOIN processes pr ON pr.proc=p.proc WHERE m.path=? AND p.name=?", (module, name)):
+            shape = json.loads(shape)
+            shapes[rank if rank is not None else 0] = shape
+            dtype = pdtype
+            says = dtensor_placement(json.loads(meta) if meta else None, len(shape))
+            if says is not None:
+                placement = says
+        return dict(point=f"{module}.{name}", module=module, placement=placement, shapes=shapes, dtype=dtype)
+
     def node(self, step, node):
         row = self.con.execute("SELECT op, attrs, inputs, shape FROM lineage WHERE proc=? AND step=? AND node=?",
                                (self.proc, step, node)).fetchone()

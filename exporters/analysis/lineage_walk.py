@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tensor_trace.exporters.analysis.lineage_records import Resolver
 from tensor_trace.exporters.store.points import capture_info
-from tensor_trace.format.lineage_refs import REF_NODE, REF_SLOT, REF_UNKNOWN, REF_VALUES
+from tensor_trace.format.lineage_refs import REF_NODE, REF_PARAM, REF_SLOT, REF_UNKNOWN, REF_VALUES
 from tensor_trace.format.points import CAPTURE_PREFIX, parse_point
 
 MAX_DEPTH = 64
@@ -69,6 +69,8 @@ def follow(res: Resolver, ref, depth=0):
             if inner is not None:
                 return inner[0], inner[1], via + inner[2], inside + [hit["point"]] + inner[3]
             return "leaf", hit, via, inside
+        if kind == REF_PARAM:
+            return "leaf", res.param(ref[1], ref[2]), via, inside
         if kind == REF_UNKNOWN:
             return "unknown", _placeholder(f"<unrecorded tensor {ref[1]}>"), via, inside
         node = res.node(ref[1], ref[2])

@@ -29,6 +29,10 @@ def lineage_ops(j, pt):
     if hit is None:
         return None
     placement, ops = hit
+    if placement == "replicate" and pt.equal is False:
+        # Values that differ across ranks are not whole, whatever the ops say: an index or a
+        # slice taken differently on each rank (DP attention's own tokens) is not seen in them.
+        return None
     c = next_sum_reduction(j.v, pt) if placement == "partial" else None
     reduction = "pre-reduction" if c else ("unknown" if placement == "partial" else "no-reduction")
     return decide(pt, placement, reduction, "lineage-ops", coll_json(c, pt.procs[0]) if c else None,

@@ -16,6 +16,7 @@ from tensor_trace.errors import BadInput
 from tensor_trace.exporters.store.merge_align import SequenceDigest, text_code
 from tensor_trace.exporters.store.reader import ReadReport, iter_chunks, step_fingerprinted
 from tensor_trace.exporters.store.tables import insert_rows
+from tensor_trace.format.lineage_refs import resolve_strings
 from tensor_trace.format.records import RecordResolver
 
 BATCH = 20_000
@@ -197,10 +198,11 @@ class FileLoader:
             self.replays.append(tuple(rec[1:8]))
         elif kind == schema.LINEAGE:
             self.lineage.append((proc, rec[1], rec[2], strings.get(rec[3], "?"),
-                                 json.dumps(rec[4]) if rec[4] else None, json.dumps(rec[5]),
+                                 json.dumps(rec[4]) if rec[4] else None,
+                                 json.dumps([resolve_strings(r, strings) for r in rec[5]]),
                                  json.dumps(rec[6])))
         elif kind == schema.SLOT_SRC:
-            self.slot_sources.append((proc, rec[1], rec[2], rec[3], json.dumps(rec[4])))
+            self.slot_sources.append((proc, rec[1], rec[2], rec[3], json.dumps(resolve_strings(rec[4], strings))))
         elif self.resolver.define(rec):
             self._defined(rec, kind)
         elif kind == schema.PARAMS:

@@ -6,7 +6,11 @@ A ref is a list whose first item says what it is (``tracer/lineage.py`` writes t
 - ``[REF_NODE, step, node]``: the result of a lineage node;
 - ``[REF_VALUES, fingerprint index, shape]`` (``[..., step]`` once a reader added the step the
   index belongs to): a tensor the tracer had not seen, known by its fingerprint;
-- ``[REF_UNKNOWN, shape]``: unknown (fingerprints were off).
+- ``[REF_UNKNOWN, shape]``: unknown (fingerprints were off);
+- ``[REF_PARAM, module path, parameter name]``: a module's parameter (an MoE's stacked expert
+  weights indexed inside its call). A rank file holds the path and name as string ids
+  (``param_ref``); the store holds the strings (``resolve_strings``). Files written before this
+  kind existed hold none, and read as before.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ REF_SLOT = 0
 REF_NODE = 1
 REF_VALUES = 2
 REF_UNKNOWN = 3
+REF_PARAM = 4
 
 
 class SlotRef(NamedTuple):
@@ -40,8 +45,26 @@ class UnknownRef(NamedTuple):
     shape: list
 
 
+class ParamRef(NamedTuple):
+    module: str  # a module path (a string id in a rank file)
+    name: str
+
+
+def param_ref(path_id: int, name_id: int) -> list:
+    """A parameter's ref as a rank file holds it: its module path and name as string ids."""
+    return [REF_PARAM, path_id, name_id]
+
+
+def resolve_strings(ref: list, strings: dict) -> list:
+    """``ref`` as the store holds it: a parameter ref's string ids replaced by their strings
+    (``strings``: the rank file's string table); any other ref unchanged."""
+    if ref and ref[0] == REF_PARAM:
+        return [REF_PARAM, strings.get(ref[1], "?"), strings.get(ref[2], "?")]
+    return ref
+
+
 def decode_ref(ref):
-    """A ref list as SlotRef, NodeRef, ValuesRef or UnknownRef."""
+    """A ref list as SlotRef, NodeRef, ValuesRef, ParamRef or UnknownRef."""
     kind = ref[0]
     if kind == REF_SLOT:
         return SlotRef(ref[1], ref[2], ref[3])
@@ -49,6 +72,8 @@ def decode_ref(ref):
         return NodeRef(ref[1], ref[2])
     if kind == REF_VALUES:
         return ValuesRef(ref[1], ref[2], ref[3] if len(ref) > 3 else None)
+    if kind == REF_PARAM:
+        return ParamRef(ref[1], ref[2])
     return UnknownRef(ref[1])
 
 

@@ -4,8 +4,11 @@ point's verdict taken from the PLAN, compared with what tensor-trace says.
 Programs (tests/integration/scripts/):
 - ``titan``: a torchtitan-style Llama on PyTorch's TP API (tp_api_llama.py), plans ``plain``,
   ``gathered``, ``sp`` (sequence parallel) and ``dtensor`` (DTensors flow between modules);
-- ``hf``: transformers' LlamaForCausalLM loaded with ``tp_plan="auto"`` (tp_hf_llama.py).
-each at TP 2 and 3 on CPU gloo. The truth (truth_corpus.py) is derived from the plan the program
+- ``hf``: transformers' LlamaForCausalLM loaded with ``tp_plan="auto"`` (tp_hf_llama.py);
+- ``hf-mixtral``: transformers' MixtralForCausalLM likewise (tp_hf_mixtral.py), at TP 2 only: its
+  experts index their stacked, sharded weights inside one call, where only the lineage of the
+  parameters tells what ``act_fn`` receives.
+the others at TP 2 and 3 on CPU gloo. The truth (truth_corpus.py) is derived from the plan the program
 applies and the ParallelStyles' semantics; an untraced run of the same program measures every
 point's local shape (point_probe.py), which checks the truth itself before tensor-trace is judged.
 
@@ -34,13 +37,15 @@ sys.path[:0] = [str(SCRIPTS)]
 
 import tp_api_llama  # noqa: E402  (the programs' own plan and sizes feed the truth)
 import tp_hf_llama  # noqa: E402
+import tp_hf_mixtral  # noqa: E402
 import truth_corpus as truth  # noqa: E402
 
 STEPS = 2
 TIMEOUT = 240
-SCRIPT = {"titan": SCRIPTS / "tp_api_llama.py", "hf": SCRIPTS / "tp_hf_llama.py"}
+SCRIPT = {"titan": SCRIPTS / "tp_api_llama.py", "hf": SCRIPTS / "tp_hf_llama.py",
+          "hf-mixtral": SCRIPTS / "tp_hf_mixtral.py"}
 CASES = [("titan", plan, tp) for plan in tp_api_llama.PLANS for tp in (2, 3)] + \
-        [("hf", "auto", tp) for tp in (2, 3)]
+        [("hf", "auto", tp) for tp in (2, 3)] + [("hf-mixtral", "auto", 2)]
 
 
 def _torchrun(program, tp, *args):
@@ -81,7 +86,7 @@ def references(tmp_path_factory):
         key = (program, tp)
         if key not in made:
             out = root / f"{program}{tp}"
-            args = ["--plan", "all"] if program == "titan" else ["--ckpt", root / "hf-ckpt",
+            args = ["--plan", "all"] if program == "titan" else ["--ckpt", root / f"{program}-ckpt",
                                                                  "--plan-out", out / "plan.json"]
             res = run_cmd(_torchrun(program, tp, *args, "--steps", STEPS, "--dump", out, "--probe"),
                           timeout=TIMEOUT, env=base_env())
@@ -104,10 +109,11 @@ def case(request, references, tmp_path_factory):
         traced = work / "dumps" / plan
         walk = truth.titan_truth(plan, tp, plan_styles=tp_api_llama.plan_styles, sizes=tp_api_llama.SIZES)
     else:
-        args = ["--ckpt", ref_root.parent / "hf-ckpt", "--dump", traced]
+        args = ["--ckpt", ref_root.parent / f"{program}-ckpt", "--dump", traced]
         applied = json.loads((ref / "plan.json").read_text())
-        walk = truth.hf_llama_truth(applied["plan"], tp, sizes=tp_hf_llama.SIZES, batch=tp_hf_llama.BATCH,
-                                    seq=tp_hf_llama.SEQ, version=applied["transformers"])
+        script = tp_hf_mixtral if program == "hf-mixtral" else tp_hf_llama
+        walk = truth.hf_llama_truth(applied["plan"], tp, sizes=script.SIZES, batch=script.BATCH,
+                                    seq=script.SEQ, version=applied["transformers"], moe=program == "hf-mixtral")
     res = record(trace, _torchrun(program, tp, *args, "--steps", STEPS), timeout=TIMEOUT, check=False)
     assert res.returncode == 0, f"traced {program}/{plan} tp{tp}: exit {res.returncode}\n{res.stderr[-3000:]}"
     got = {p["point"]: p for p in _cli("query", "placement", "*:*", "--trace", trace, "--json")}

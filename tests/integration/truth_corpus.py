@@ -273,17 +273,20 @@ def titan_truth(plan: str, tp: int, *, plan_styles, sizes: dict) -> Walk:
     return w
 
 
-def hf_llama_truth(plan: dict, tp: int, *, sizes: dict, batch: int, seq: int, version: str) -> Walk:
+def hf_llama_truth(plan: dict, tp: int, *, sizes: dict, batch: int, seq: int, version: str,
+                   moe: bool = False) -> Walk:
     """Truth for tests/integration/scripts/tp_hf_llama.py: transformers' LlamaForCausalLM loaded
     with ``tp_plan="auto"``, whose applied plan (``model.tp_plan``) is ``plan``. The walk follows
     LlamaForCausalLM / LlamaModel / LlamaDecoderLayer.forward of transformers ``version`` (the
-    4.x and 5.x sources differ in which keyword arguments they pass)."""
+    4.x and 5.x sources differ in which keyword arguments they pass). ``moe``: tp_hf_mixtral.py's
+    MixtralForCausalLM, the same walk but for its MLP (``hf_moe_mlp``)."""
     major = int(version.split(".")[0])
     layers = sizes["num_hidden_layers"]
     paths = ["model.embed_tokens", "lm_head"]
     for i in range(layers):
         paths += [f"model.layers.{i}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        paths += [f"model.layers.{i}.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
+        if not moe:
+            paths += [f"model.layers.{i}.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
     w = Walk(hf_plan_styles(plan, paths), tp)
     d, heads, kv = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
     hd = d // heads
@@ -322,12 +325,50 @@ def hf_llama_truth(plan: dict, tp: int, *, sizes: dict, batch: int, seq: int, ve
         h1 = add(x, a)
         n2 = w.norm(f"{p}.post_attention_layernorm", h1)
         (xm,) = w.enter(f"{p}.mlp", [n2])
-        g = w.linear(f"{p}.mlp.gate_proj", xm, sizes["intermediate_size"])
-        w.enter(f"{p}.mlp.act_fn", [g])
-        act = w.put(f"{p}.mlp.act_fn:output", g.local_op())
-        w.linear(f"{p}.mlp.up_proj", xm, sizes["intermediate_size"])
-        f = w.put(f"{p}.mlp:output", w.linear(f"{p}.mlp.down_proj", act.local_op(), d))
+        if moe:
+            f = hf_moe_mlp(w, plan, f"{p}.mlp", xm, sizes)
+        else:
+            g = w.linear(f"{p}.mlp.gate_proj", xm, sizes["intermediate_size"])
+            w.enter(f"{p}.mlp.act_fn", [g])
+            act = w.put(f"{p}.mlp.act_fn:output", g.local_op())
+            w.linear(f"{p}.mlp.up_proj", xm, sizes["intermediate_size"])
+            f = w.put(f"{p}.mlp:output", w.linear(f"{p}.mlp.down_proj", act.local_op(), d))
         h = w.put(f"{p}:output", add(h1, f))
     last = w.put("model:output.last_hidden_state", w.norm("model.norm", h))
     w.put(":output.logits", w.linear("lm_head", last, sizes["vocab_size"]))
     return w
+
+
+# transformers 5's MoE styles (distributed/tensor_parallel.py): "packed_colwise" splits the stacked
+# [E, 2I, H] gate_up_proj along dim 1 per half (_StridedShard(dim=1, sf=2): each rank holds
+# [gate_r; up_r]), "rowwise" the [E, H, I] down_proj along dim 2, and "moe_tp_experts" runs the
+# experts' forward on local tensors, then all-reduces its output inside the experts' call.
+HF_MOE_STYLES = {"experts": "moe_tp_experts", "experts.gate_up_proj": "packed_colwise",
+                 "experts.down_proj": "rowwise"}
+
+
+def hf_moe_mlp(w: Walk, plan: dict, path: str, xm: PlannedTensor, sizes: dict) -> PlannedTensor:
+    """MixtralSparseMoeBlock.forward at ``path`` (input ``xm``, [B, S, H]) under HF_MOE_STYLES:
+    the router (``gate``, not in the plan) runs on every rank alike; the experts' forward
+    (integrations/moe.py, grouped or batched) multiplies each of the T*k selected rows by its
+    expert's local gate_up_proj, so ``chunk(2, dim=-1)`` hands ``act_fn`` this rank's slice of
+    the gate: [T*k, I/tp] shard(1); down_proj's local product is a partial sum, all-reduced before
+    the experts' call returns (post-reduction), and the block's reshape passes it on."""
+    generic = re.sub(r"\.\d+(?=\.|$)", ".*", path)
+    for sub, style in HF_MOE_STYLES.items():
+        if plan.get(f"{generic}.{sub}") != style:
+            raise ValueError(f"no truth for {path}.{sub} styled {plan.get(f'{generic}.{sub}')!r}: add its semantics")
+    h, e, k = sizes["hidden_size"], sizes["num_local_experts"], sizes["num_experts_per_tok"]
+    tokens = xm.shape[0] * xm.shape[1]
+    flat = xm.local_op((tokens, h))  # hidden_states.view(-1, H)
+    w.put(f"{path}.gate:input.0", flat)
+    w.put(f"{path}.gate:output.0", PlannedTensor(REP, NO, (tokens, e)))  # router logits
+    weights = w.put(f"{path}.gate:output.1", PlannedTensor(REP, NO, (tokens, k)))
+    index = w.put(f"{path}.gate:output.2", PlannedTensor(REP, NO, (tokens, k), "int64"))
+    w.enter(f"{path}.experts", [flat, index, weights])
+    gate = w.put(f"{path}.experts.act_fn:input.0",
+                 PlannedTensor(shard(1), NO, (tokens * k, sizes["intermediate_size"] // w.tp)))
+    w.put(f"{path}.experts.act_fn:output", gate.local_op())
+    w._issue(f"{path}.experts", "all_reduce")
+    w.put(f"{path}.experts:output", PlannedTensor(REP, POST, (tokens, h), collective="all_reduce"))
+    return w.put(f"{path}:output", PlannedTensor(REP, POST, xm.shape, collective="all_reduce"))

@@ -152,6 +152,19 @@ def test_lineage_refs():
     assert lineage_refs.with_step([1, 2, 7], 3) == [1, 2, 7]
 
 
+def test_param_refs_carry_string_ids_in_a_rank_file_and_strings_in_the_store():
+    ref = lineage_refs.param_ref(11, 12)
+    assert ref == [lineage_refs.REF_PARAM, 11, 12]
+    strings = {11: "model.layers.0.mlp.experts", 12: "gate_up_proj"}
+    stored = lineage_refs.resolve_strings(ref, strings)
+    assert stored == [4, "model.layers.0.mlp.experts", "gate_up_proj"]
+    assert lineage_refs.decode_ref(stored) == lineage_refs.ParamRef("model.layers.0.mlp.experts", "gate_up_proj")
+    assert lineage_refs.with_step(stored, 3) == stored
+    # every older kind passes through the store's translation unchanged
+    for old in ([0, 2, 5, 1], [1, 2, 7], [2, 40, [4, 8]], [3, [4]]):
+        assert lineage_refs.resolve_strings(old, strings) == old
+
+
 def test_point_names_parse_and_glob():
     assert points.point_name("model.embed", 0, "output", False) == "model.embed:output"
     assert points.point_name("model.norm", 2, "input.0", True) == "model.norm#2:input.0"

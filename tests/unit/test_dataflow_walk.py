@@ -1,0 +1,58 @@
+"""The lineage walk (exporters/analysis/dataflow.py) from a module's input back through recorded
+ops to a parameter's declared split: transformers' grouped experts, as the tracer records them
+(node ids, refs and attrs as in a store), judged by lineage_ops."""
+
+from types import SimpleNamespace
+
+from tensor_trace.exporters.analysis import dataflow
+from tensor_trace.exporters.analysis.evidence import Verdict
+from tensor_trace.exporters.analysis.rules_dataflow import lineage_ops
+
+EXPERTS = "model.layers.0.mlp.experts"
+STRIDED = {"kind": "DTensor", "placements": ["_StridedShard(dim=1, sf=2)"], "mesh_dim_names": ["tp"],
+           "mesh_shape": [2], "mesh_ranks": [0, 1]}
+# act_fn:input.0 = chunk(grouped_mm(x[perm], gate_up_proj.view_as().transpose(-2, -1)), 2, -1)[0]
+NODES = {
+    0: ("getitem", {"dims": [0, 1], "part": [0]}, [[0, 0, 3, 0]]),  # the experts' input, rows picked
+    1: ("view", {"shape": [4, 64, 48]}, [[4, EXPERTS, "gate_up_proj"]]),  # to_local()'s view
+    2: ("transpose", {"dims": [0, 2, 1]}, [[1, 0, 1]]),
+    3: ("grouped_mm", {"ndims": [2, 3]}, [[1, 0, 0], [1, 0, 2]]),
+    4: ("chunk", {"dim": -1, "index": 0, "of": 2}, [[1, 0, 3]]),
+}
+HIDDEN = (EXPERTS, 0, "input.0")
+ACT_IN = (EXPERTS + ".act_fn", 0, "input.0")
+
+
+def _judge(hidden_placement="replicate", meta=STRIDED, nodes=NODES):
+    obs = {HIDDEN: {0: SimpleNamespace(shape=(20, 48))}, ACT_IN: {0: SimpleNamespace(shape=(40, 32))}}
+    view = SimpleNamespace(step=0, procs=[0, 1], points=obs, slot_key={(0, 3, 0): HIDDEN},
+                           times={ACT_IN: (10, 5, 0)}, lineage=lambda: (nodes, {(5, 0): [1, 0, 4]}))
+    per_rank = [[("gate_up_proj", (4, 64, 48), (1.0 + r, 2.0), meta), ("down_proj", (4, 48, 32), (1.0, 2.0), None)]
+                for r in (0, 1)]  # each rank's own slice: different values
+    return SimpleNamespace(v=view, done={HIDDEN: Verdict(hidden_placement, "no-reduction", "r", [])},
+                           name=lambda k: f"{k[0]}:{k[2]}", module_params=lambda m, procs: per_rank)
+
+
+def _pt(equal=False):
+    return SimpleNamespace(key=ACT_IN, procs=[0, 1], ndim=2, items=[], equal=equal)
+
+
+def test_the_experts_act_fn_input_is_the_shard_of_the_packed_weight():
+    placement, ops = dataflow.placement_from_lineage(_judge(), _pt())
+    assert placement == "shard(1)"
+    assert ops.startswith("chunk, grouped_mm([...], from model.layers.0.mlp.experts:input.0 (replicate); ")
+    assert "gate_up_proj (shard(1): a DTensor _StridedShard(dim=1, sf=2))" in ops
+    verdict = lineage_ops(_judge(), _pt())
+    assert (verdict.placement, verdict.reduction, verdict.rule) == ("shard(1)", "no-reduction", "lineage-ops")
+
+
+def test_no_answer_without_a_declared_split_or_from_a_sharded_input():
+    assert dataflow.placement_from_lineage(_judge(meta=None), _pt()) is None  # plain weight, unequal values
+    assert dataflow.placement_from_lineage(_judge(hidden_placement="shard(1)"), _pt()) is None
+
+
+def test_ops_that_say_replicate_do_not_decide_values_that_differ():
+    # x[perm] @ W with a replicated W: replicate by the ops, but the point's values differ
+    replicated = dict(STRIDED, placements=["Replicate()"])
+    assert dataflow.placement_from_lineage(_judge(meta=replicated), _pt())[0] == "replicate"
+    assert lineage_ops(_judge(meta=replicated), _pt(equal=False)) is None
