@@ -1,0 +1,199 @@
+"""Building tracer/native.py's extension: its folder, the toolchain it needs, the build lock,
+the detached build (``python -m tensor_trace.tracer.native_build FOLDER STAMP``) and the import
+of a finished build. tracer/native.py says when a process builds and what it does meanwhile.
+
+A folder holds one build per Python and torch version; ``tensor_trace.stamp`` (a hash of the
+source and torch's version) is written once the build is finished, ``tensor_trace.failed``
+(the same hash) when it failed (its log, ``tensor_trace.build.log``, says why)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def build_path() -> str:
+    """The PATH a build runs with: the running Python's folder first, so that a virtual
+    environment's ninja (the dev extra's) is found when that environment is not activated."""
+    return os.pathsep.join(p for p in (os.path.dirname(sys.executable), os.environ.get("PATH")) if p)
+
+
+def missing_toolchain() -> str | None:
+    """What this machine lacks to build the extension (torch's compiler, ``$CXX`` or ``c++``;
+    ninja; Python's headers), or None. Read from PATH and the file system, no process run."""
+    import shutil
+    import sysconfig
+
+    path = build_path()
+    cxx = (os.environ.get("CXX") or "c++").split()[0]
+    if not shutil.which(cxx, path=path):
+        return f"a C++ compiler ({cxx})"
+    if not shutil.which("ninja", path=path):
+        return "ninja"
+    include = sysconfig.get_paths().get("include") or ""
+    if not os.path.exists(os.path.join(include, "Python.h")):
+        return f"Python's headers ({include}/Python.h)"
+    return None
+
+
+def build_directory() -> str:
+    """Where the extension is built and cached: ``$TORCH_EXTENSIONS_DIR`` (else torch's default
+    root), one folder per Python and torch version."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    tag = "".join(c if c.isalnum() else "_" for c in torch.__version__)
+    return os.path.join(root, f"tensor_trace_native_py{sys.version_info[0]}{sys.version_info[1]}_{tag}")
+
+
+def _stamp() -> str:
+    import hashlib
+
+    import torch
+
+    from tensor_trace.tracer.native import SOURCE
+
+    return hashlib.sha256(f"{torch.__version__}\n{SOURCE}".encode()).hexdigest()
+
+
+def _holds(folder: str, name: str, stamp: str | None = None) -> bool:
+    try:
+        with open(os.path.join(folder, name)) as f:
+            return f.read().strip() == (stamp or _stamp())
+    except OSError:
+        return False
+
+
+def _built(folder: str, stamp: str | None = None) -> bool:
+    """Whether ``folder`` holds a finished build of this source (a stamp written after it)."""
+    return _holds(folder, "tensor_trace.stamp", stamp)
+
+
+def _failed(folder: str, stamp: str | None = None) -> bool:
+    """Whether a build of this source failed in ``folder`` (its log is there)."""
+    return _holds(folder, "tensor_trace.failed", stamp)
+
+
+class _BuildLock:
+    """The build flock of ``folder``. torch's own build lock is a file that a process killed
+    mid-build leaves behind, after which every later build waits for it forever. So builds of
+    this extension also take an flock, which the OS releases when its holder dies: holding it,
+    no build of ours is running, and a torch lock file found then is such a leftover."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def __enter__(self):
+        import fcntl
+
+        os.makedirs(self.folder, exist_ok=True)
+        self.file = open(os.path.join(self.folder, "tensor_trace.flock"), "a+")
+        fcntl.flock(self.file, fcntl.LOCK_EX)
+        try:
+            os.remove(os.path.join(self.folder, "lock"))
+        except FileNotFoundError:
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()  # (releases the flock)
+
+
+def _compile(folder: str):
+    """Build and import the extension, the build lock held; stamps the folder."""
+    from torch.utils.cpp_extension import load_inline
+
+    from tensor_trace.tracer.native import SOURCE
+
+    module = load_inline(name="tensor_trace_native", cpp_sources=[SOURCE],
+                         extra_cflags=["-O2"], build_directory=folder, verbose=False)
+    with open(os.path.join(folder, "tensor_trace.stamp"), "w") as f:
+        f.write(_stamp())
+    try:
+        os.remove(os.path.join(folder, "tensor_trace.failed"))
+    except FileNotFoundError:
+        pass
+    return module
+
+
+def _load(folder: str):
+    """Import the extension, building it first if needed, under the build lock."""
+    with _BuildLock(folder):
+        if _built(folder):
+            return _import_built(folder)
+        return _compile(folder)
+
+
+def _import_built(folder: str):
+    """The finished build's module, imported from its file (what load_inline does once ninja
+    has found nothing to do, without running ninja: a traced process need not find it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tensor_trace_native",
+                                                  os.path.join(folder, "tensor_trace_native.so"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The detached build's exit status: 0 built (or found built), 1 failed here (the log says why),
+# 2 a failed build of this source found marked, under auto (reported by the process that ran it).
+_CHILD_BUILT, _CHILD_FAILED, _CHILD_MARKED = 0, 1, 2
+
+
+def _build_detached(folder: str) -> int:
+    """Compile in a child process of its own session, and wait for it: a traced process that
+    exits first (a short run, a test) does not take the compiler down with it, so the build
+    finishes and the next process loads it at once. The child is not traced: the bootstrap
+    folder of ``tensor-trace record`` is left off its PYTHONPATH. Its exit status."""
+    import subprocess
+
+    bootstrap = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
+    env = dict(os.environ, PATH=build_path())
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+             if p and os.path.abspath(p) != bootstrap]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    with open(os.path.join(folder, "tensor_trace.build.log"), "ab") as log:
+        child = subprocess.Popen([sys.executable, "-m", "tensor_trace.tracer.native_build", folder, _stamp()],
+                                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                 start_new_session=True, close_fds=True)
+    return child.wait(timeout=1800)
+
+
+def _main(folder: str, stamp: str) -> int:
+    """The detached build (``python -m tensor_trace.tracer.native_build FOLDER STAMP``). Whoever holds
+    the build lock first compiles; the ranks that waited for it find the stamp and leave without
+    importing torch."""
+    try:
+        os.nice(19)  # the traced run that started it is what the cores are for
+    except OSError:
+        pass
+    with _BuildLock(folder):
+        if _built(folder, stamp):
+            return _CHILD_BUILT
+        if _failed(folder, stamp) and _auto_mode():
+            return _CHILD_MARKED
+        try:
+            _compile(folder)
+        except Exception:
+            with open(os.path.join(folder, "tensor_trace.failed"), "w") as f:
+                f.write(stamp)
+            raise  # (its traceback goes to the log)
+    return _CHILD_BUILT
+
+
+def _auto_mode() -> bool:
+    from tensor_trace.tracer.config import native_from_env
+
+    return native_from_env() in ("auto", "")
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(_main(sys.argv[1], sys.argv[2]))
+    except Exception:
+        import traceback
+
+        traceback.print_exc()
+        sys.exit(_CHILD_FAILED)
