@@ -48,8 +48,8 @@ import sys
 import threading
 
 from tensor_trace.tracer import native_call, native_call_type, native_table
-from tensor_trace.tracer.native_build import (_CHILD_FAILED, _CHILD_MARKED, _build_detached, _built, _failed,
-                                              _load, build_directory, build_path, missing_toolchain)
+from tensor_trace.tracer import native_build
+from tensor_trace.tracer.native_build import build_directory, missing_toolchain
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -263,6 +263,15 @@ def enabled(mode: str | None = None) -> bool:
     return _state["auto"]
 
 
+def _stamp() -> str:
+    return native_build.stamp_of(SOURCE)
+
+
+def _built(folder: str) -> bool:
+    """Whether ``folder`` holds a finished build of this source."""
+    return native_build.built(folder, _stamp())
+
+
 def _auto() -> bool:
     try:
         import torch
@@ -272,7 +281,7 @@ def _auto() -> bool:
     except Exception:
         return False
     try:
-        return missing_toolchain() is None and not _failed(build_directory())
+        return missing_toolchain() is None and not native_build.failed(build_directory(), _stamp())
     except Exception:  # (no folder name to read: no build to try either)
         return False
 
@@ -354,15 +363,15 @@ def _build() -> None:
         os.makedirs(folder, exist_ok=True)
         if not _built(folder):
             try:
-                status = _build_detached(folder)
+                status = native_build.build_detached(folder, _stamp())
             except Exception:  # (no child: the build below runs in this process)
                 status = None
-            if status == _CHILD_MARKED:
+            if status == native_build.CHILD_MARKED:
                 quiet = True
                 raise _Unavailable(f"a build of this source failed in {folder} before")
-            if status == _CHILD_FAILED:
+            if status == native_build.CHILD_FAILED:
                 raise _Unavailable(f"the build failed: {os.path.join(folder, 'tensor_trace.build.log')}")
-        module = _load(folder)
+        module = native_build.load(folder, SOURCE)
         _state["call_key"] = module.call_key
         _state["traced_call"] = module.traced_call
         _state["patch_call_slots"] = module.patch_call_slots
@@ -377,3 +386,13 @@ def _build() -> None:
                              f"=1: try again after a failed build)\n")
     finally:
         _done.set()
+
+
+if __name__ == "__main__":  # native_build.build_detached's child: python -m ... FOLDER STAMP
+    try:
+        sys.exit(native_build.main(sys.argv[1], sys.argv[2], SOURCE))
+    except Exception:
+        import traceback
+
+        traceback.print_exc()  # (into the build's log)
+        sys.exit(native_build.CHILD_FAILED)

@@ -1,6 +1,7 @@
-"""Building tracer/native.py's extension: its folder, the toolchain it needs, the build lock,
-the detached build (``python -m tensor_trace.tracer.native_build FOLDER STAMP``) and the import
-of a finished build. tracer/native.py says when a process builds and what it does meanwhile.
+"""Building tracer/native.py's extension from its source: its folder, the toolchain it needs,
+the build lock, the detached build (``python -m tensor_trace.tracer.native FOLDER STAMP``, which
+calls ``main`` here) and the import of a finished build. tracer/native.py says when a process
+builds and what it does meanwhile; this file never imports it (the source comes as an argument).
 
 A folder holds one build per Python and torch version; ``tensor_trace.stamp`` (a hash of the
 source and torch's version) is written once the build is finished, ``tensor_trace.failed``
@@ -47,31 +48,30 @@ def build_directory() -> str:
     return os.path.join(root, f"tensor_trace_native_py{sys.version_info[0]}{sys.version_info[1]}_{tag}")
 
 
-def _stamp() -> str:
+def stamp_of(source: str) -> str:
+    """The stamp of a build of ``source`` with this torch."""
     import hashlib
 
     import torch
 
-    from tensor_trace.tracer.native import SOURCE
-
-    return hashlib.sha256(f"{torch.__version__}\n{SOURCE}".encode()).hexdigest()
+    return hashlib.sha256(f"{torch.__version__}\n{source}".encode()).hexdigest()
 
 
-def _holds(folder: str, name: str, stamp: str | None = None) -> bool:
+def _holds(folder: str, name: str, stamp: str) -> bool:
     try:
         with open(os.path.join(folder, name)) as f:
-            return f.read().strip() == (stamp or _stamp())
+            return f.read().strip() == stamp
     except OSError:
         return False
 
 
-def _built(folder: str, stamp: str | None = None) -> bool:
-    """Whether ``folder`` holds a finished build of this source (a stamp written after it)."""
+def built(folder: str, stamp: str) -> bool:
+    """Whether ``folder`` holds a finished build of this stamp (written after it)."""
     return _holds(folder, "tensor_trace.stamp", stamp)
 
 
-def _failed(folder: str, stamp: str | None = None) -> bool:
-    """Whether a build of this source failed in ``folder`` (its log is there)."""
+def failed(folder: str, stamp: str) -> bool:
+    """Whether a build of this stamp failed in ``folder`` (its log is there)."""
     return _holds(folder, "tensor_trace.failed", stamp)
 
 
@@ -100,16 +100,14 @@ class _BuildLock:
         self.file.close()  # (releases the flock)
 
 
-def _compile(folder: str):
+def _compile(folder: str, source: str):
     """Build and import the extension, the build lock held; stamps the folder."""
     from torch.utils.cpp_extension import load_inline
 
-    from tensor_trace.tracer.native import SOURCE
-
-    module = load_inline(name="tensor_trace_native", cpp_sources=[SOURCE],
+    module = load_inline(name="tensor_trace_native", cpp_sources=[source],
                          extra_cflags=["-O2"], build_directory=folder, verbose=False)
     with open(os.path.join(folder, "tensor_trace.stamp"), "w") as f:
-        f.write(_stamp())
+        f.write(stamp_of(source))
     try:
         os.remove(os.path.join(folder, "tensor_trace.failed"))
     except FileNotFoundError:
@@ -117,12 +115,12 @@ def _compile(folder: str):
     return module
 
 
-def _load(folder: str):
+def load(folder: str, source: str):
     """Import the extension, building it first if needed, under the build lock."""
     with _BuildLock(folder):
-        if _built(folder):
+        if built(folder, stamp_of(source)):
             return _import_built(folder)
-        return _compile(folder)
+        return _compile(folder, source)
 
 
 def _import_built(folder: str):
@@ -139,10 +137,10 @@ def _import_built(folder: str):
 
 # The detached build's exit status: 0 built (or found built), 1 failed here (the log says why),
 # 2 a failed build of this source found marked, under auto (reported by the process that ran it).
-_CHILD_BUILT, _CHILD_FAILED, _CHILD_MARKED = 0, 1, 2
+CHILD_BUILT, CHILD_FAILED, CHILD_MARKED = 0, 1, 2
 
 
-def _build_detached(folder: str) -> int:
+def build_detached(folder: str, stamp: str) -> int:
     """Compile in a child process of its own session, and wait for it: a traced process that
     exits first (a short run, a test) does not take the compiler down with it, so the build
     finishes and the next process loads it at once. The child is not traced: the bootstrap
@@ -155,14 +153,14 @@ def _build_detached(folder: str) -> int:
              if p and os.path.abspath(p) != bootstrap]
     env["PYTHONPATH"] = os.pathsep.join(parts)
     with open(os.path.join(folder, "tensor_trace.build.log"), "ab") as log:
-        child = subprocess.Popen([sys.executable, "-m", "tensor_trace.tracer.native_build", folder, _stamp()],
+        child = subprocess.Popen([sys.executable, "-m", "tensor_trace.tracer.native", folder, stamp],
                                  env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                  start_new_session=True, close_fds=True)
     return child.wait(timeout=1800)
 
 
-def _main(folder: str, stamp: str) -> int:
-    """The detached build (``python -m tensor_trace.tracer.native_build FOLDER STAMP``). Whoever holds
+def main(folder: str, stamp: str, source: str) -> int:
+    """The detached build (``python -m tensor_trace.tracer.native FOLDER STAMP``). Whoever holds
     the build lock first compiles; the ranks that waited for it find the stamp and leave without
     importing torch."""
     try:
@@ -170,30 +168,20 @@ def _main(folder: str, stamp: str) -> int:
     except OSError:
         pass
     with _BuildLock(folder):
-        if _built(folder, stamp):
-            return _CHILD_BUILT
-        if _failed(folder, stamp) and _auto_mode():
-            return _CHILD_MARKED
+        if built(folder, stamp):
+            return CHILD_BUILT
+        if failed(folder, stamp) and _auto_mode():
+            return CHILD_MARKED
         try:
-            _compile(folder)
+            _compile(folder, source)
         except Exception:
             with open(os.path.join(folder, "tensor_trace.failed"), "w") as f:
                 f.write(stamp)
             raise  # (its traceback goes to the log)
-    return _CHILD_BUILT
+    return CHILD_BUILT
 
 
 def _auto_mode() -> bool:
     from tensor_trace.tracer.config import native_from_env
 
     return native_from_env() in ("auto", "")
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(_main(sys.argv[1], sys.argv[2]))
-    except Exception:
-        import traceback
-
-        traceback.print_exc()
-        sys.exit(_CHILD_FAILED)

@@ -140,7 +140,7 @@ def test_not_built_or_used_on_a_cpu_without_a_toolchain_unless_asked(monkeypatch
 
 
 def test_auto_means_where_cuda_is_or_the_machine_can_build_it(monkeypatch, tmp_path):
-    from tensor_trace.tracer import native, native_build
+    from tensor_trace.tracer import native
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # (no failed build marked there)
     for cuda, missing, auto in ((True, None, True), (True, "ninja", True), (False, None, True),
@@ -155,7 +155,7 @@ def test_auto_means_where_cuda_is_or_the_machine_can_build_it(monkeypatch, tmp_p
     # a failed build of this source marked in the folder: not tried again under auto on a CPU
     os.makedirs(native.build_directory())
     with open(os.path.join(native.build_directory(), "tensor_trace.failed"), "w") as f:
-        f.write(native_build._stamp())
+        f.write(native._stamp())
     _fresh_state(monkeypatch, cuda=False, missing=None)
     assert native.enabled() is False and native.enabled("1") is True
 
