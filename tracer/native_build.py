@@ -41,11 +41,22 @@ def build_directory() -> str:
     """Where the extension is built and cached: ``$TORCH_EXTENSIONS_DIR`` (else torch's default
     root), one folder per Python and torch version."""
     import torch
-    from torch.utils.cpp_extension import get_default_build_root
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or _default_root()
     tag = "".join(c if c.isalnum() else "_" for c in torch.__version__)
     return os.path.join(root, f"tensor_trace_native_py{sys.version_info[0]}{sys.version_info[1]}_{tag}")
+
+
+def _default_root() -> str:
+    # torch.utils.cpp_extension.get_default_build_root's folder, without importing that module
+    # (it imports setuptools: 0.1 s of CPU in every traced process that only loads the build)
+    try:
+        from torch._appdirs import user_cache_dir
+    except ImportError:  # (another torch: its own function, at that cost)
+        from torch.utils.cpp_extension import get_default_build_root
+
+        return get_default_build_root()
+    return os.path.realpath(user_cache_dir(appname="torch_extensions"))
 
 
 def stamp_of(source: str) -> str:
