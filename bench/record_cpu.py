@@ -151,6 +151,20 @@ def print_table(summary: dict, args) -> None:
     print("; ".join(x for x in lines if x))
 
 
+def native_ready() -> str:
+    """tracer/native.py built now where the traced ranks will use it (the default where it can be
+    built), not by the first rounds' ranks: each loads the finished build at its first step."""
+    from tensor_trace.tracer import native
+
+    if not native.enabled():
+        return "off (the Python path)"
+    t0 = time.perf_counter()
+    native.ensure(block=True)
+    if native.pair_key() is None:
+        return f"UNAVAILABLE ({native.error()}): the Python path"
+    return f"ready in {time.perf_counter() - t0:.1f} s (the C call wrapper from each rank's second step)"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="llama")
@@ -178,6 +192,8 @@ def main(argv=None) -> None:
     # tensor_trace's modules again (about 0.15 s of CPU each), which no user pays.
     subprocess.run([sys.executable, "-m", "compileall", "-q", *(os.path.join(ROOT, d) for d in
                     ("tensor_trace", "tracer", "exporters", "examples", "bench"))], check=True)
+    print(f"# tracer/native.py (TENSOR_TRACE_NATIVE={os.environ.get('TENSOR_TRACE_NATIVE', 'auto')}): "
+          f"{native_ready()}", flush=True)
     work = args.keep or tempfile.mkdtemp(prefix="tt-record-cpu-")
     os.makedirs(work, exist_ok=True)
     try:

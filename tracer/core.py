@@ -23,7 +23,7 @@ import weakref
 import torch
 
 from tensor_trace import schema
-from tensor_trace.tracer import graph_replay, intercept, naming, spans, steps
+from tensor_trace.tracer import graph_replay, intercept, naming, native, spans, steps
 from tensor_trace.tracer.config import TraceConfig
 from tensor_trace.tracer.device_time import CollectiveDeviceTimes
 from tensor_trace.tracer.fingerprint import StepFingerprints
@@ -155,6 +155,11 @@ class Tracer:
         integrations.apply_loaded()
         self.graphs = GraphTracker(self)
         self.graphs.install()
+        if not native.enabled(self.config.native):
+            # The layout keys are spans' module globals: an earlier session of this process may
+            # have taken the extension's. This one follows its own configuration (keys in
+            # Python, and so the Python call wrapper), as a fresh process would.
+            spans.use_native_keys(None)
         self.install_interception()
         self.enabled = True
         if not self._fork_registered:

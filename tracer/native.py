@@ -1,7 +1,10 @@
-"""C++ for the tracer's hottest per-call work, on by default where CUDA is available.
+"""C++ for the tracer's hottest per-call work, on by default where it can be built.
 
-``TENSOR_TRACE_NATIVE``: ``1`` always, ``0`` never, unset or ``auto`` where CUDA is available
-(a GPU step's host time is what this cuts; a CPU-only machine is spared a compiler run).
+``TENSOR_TRACE_NATIVE``: ``1`` always, ``0`` never, unset or ``auto`` where CUDA is available or
+the machine has what the build needs (a C++ compiler, ninja, Python's headers): on a GPU host
+it cuts a step's host time, on a CPU the per-call cost that dominates a small model's traced
+step (bench/record_cpu.py). A CPU-only machine without that toolchain is spared a compiler run
+that could only fail, and says nothing.
 
 - ``pair_key(a, b)``: the layout key of the common span (one tensor in, one out) as one int,
   read from the TensorImpls, instead of six attribute reads and a tuple hash in Python
@@ -22,13 +25,19 @@
 
 Built with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler and ninja are needed) into
 torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default under ``~/.cache``), once per
-machine, Python and torch version: about 25 s on 2 cores, 20 to 30 s on the H200 host. A
+machine, Python and torch version: about 25 s of one core, 20 to 30 s on the H200 host. A
 process's first traced step starts it from a background thread, which runs the compiler in an
-untraced child process of its own session: a traced process that exits first does not take the
-build with it, and the next one loads the finished build at once. Ranks building at once wait
-for one another (an flock, which a killed holder releases). The process uses the Python path
-until the build is ready; any failure is reported once on stderr and leaves the Python path in
-place. Measured in bench/RESULTS.md (``bench/fp_ab.py``, its ``--cpu-model``, and
+untraced child process of its own session, at the lowest CPU priority (``nice`` 19: on a CPU
+box the compiler shares the cores with the traced run that started it): a traced process that
+exits first does not take the build with it, and the next one loads the finished build at once.
+The traced program never waits for the compiler: the process uses the Python path until the
+build is ready (the first traced run on a machine, or most of it, is traced in Python). Ranks
+building at once wait for one another (an flock, which a killed holder releases); a rank that
+finds the build done once it holds the lock leaves at once. A failed build is reported once on
+stderr, by the process that ran it, with the log's path, and leaves the Python path in place;
+it is marked in the build folder, so that later processes under ``auto`` take the Python path
+at once instead of compiling again (``TENSOR_TRACE_NATIVE=1`` tries again; so does a new
+source or torch version). Measured in bench/RESULTS.md (``bench/fp_ab.py``, its ``--cpu-model``, and
 ``bench/overhead.py --workload linear-chain``).
 """
 
@@ -39,6 +48,8 @@ import sys
 import threading
 
 from tensor_trace.tracer import native_call, native_call_type, native_table
+from tensor_trace.tracer import native_build
+from tensor_trace.tracer.native_build import build_directory, missing_toolchain
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -233,8 +244,12 @@ _done = threading.Event()  # set when a build or load has finished, either way
 
 def enabled(mode: str | None = None) -> bool:
     """Whether this process uses the extension (``TraceConfig.native``, by default
-    ``TENSOR_TRACE_NATIVE``): ``1`` yes, ``0`` no; ``auto``, yes where CUDA is available: a
-    GPU step's host time is what it cuts, and a CPU-only machine is spared a compiler run."""
+    ``TENSOR_TRACE_NATIVE``): ``1`` yes, ``0`` no; ``auto`` (the default), yes where CUDA is
+    available (a GPU step's host time is what it cuts) or where the machine can build it (a C++
+    compiler, ninja and Python's headers; on a CPU it cuts the per-call cost that dominates a
+    small model's traced step), unless a build of this source failed here already (the
+    process that ran it said so). A CPU-only machine without that toolchain is spared a
+    compiler run that could only fail. Yes does not mean ready: see ``ensure``."""
     if mode is None:
         from tensor_trace.tracer.config import native_from_env
 
@@ -243,14 +258,32 @@ def enabled(mode: str | None = None) -> bool:
         return True
     if mode != "auto" and mode != "":
         return False
-    if _state.get("cuda") is None:
-        try:
-            import torch
+    if _state.get("auto") is None:
+        _state["auto"] = _auto()
+    return _state["auto"]
 
-            _state["cuda"] = bool(torch.cuda.is_available())
-        except Exception:
-            _state["cuda"] = False
-    return _state["cuda"]
+
+def _stamp() -> str:
+    return native_build.stamp_of(SOURCE)
+
+
+def _built(folder: str) -> bool:
+    """Whether ``folder`` holds a finished build of this source."""
+    return native_build.built(folder, _stamp())
+
+
+def _auto() -> bool:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return True
+    except Exception:
+        return False
+    try:
+        return missing_toolchain() is None and not native_build.failed(build_directory(), _stamp())
+    except Exception:  # (no folder name to read: no build to try either)
+        return False
 
 
 def table_class():
@@ -319,88 +352,26 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def build_directory() -> str:
-    """Where the extension is built and cached: ``$TORCH_EXTENSIONS_DIR`` (else torch's default
-    root), one folder per Python and torch version."""
-    import torch
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    tag = "".join(c if c.isalnum() else "_" for c in torch.__version__)
-    return os.path.join(root, f"tensor_trace_native_py{sys.version_info[0]}{sys.version_info[1]}_{tag}")
-
-
-def _stamp() -> str:
-    import hashlib
-
-    import torch
-
-    return hashlib.sha256(f"{torch.__version__}\n{SOURCE}".encode()).hexdigest()
-
-
-def _built(folder: str) -> bool:
-    """Whether ``folder`` holds a finished build of this source (a stamp written after it)."""
-    try:
-        with open(os.path.join(folder, "tensor_trace.stamp")) as f:
-            return f.read().strip() == _stamp()
-    except OSError:
-        return False
-
-
-def _load(folder: str):
-    """Build (if needed) and import the extension, under the build flock; stamps the folder."""
-    import fcntl
-
-    from torch.utils.cpp_extension import load_inline
-
-    os.makedirs(folder, exist_ok=True)
-    # torch's own build lock is a file that a process killed mid-build leaves behind, after
-    # which every later build waits for it forever. So builds of this extension also take an
-    # flock, which the OS releases when its holder dies: holding it, no build of ours is
-    # running, and a torch lock file found then is such a leftover.
-    with open(os.path.join(folder, "tensor_trace.flock"), "a+") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        try:
-            os.remove(os.path.join(folder, "lock"))
-        except FileNotFoundError:
-            pass
-        module = load_inline(name="tensor_trace_native", cpp_sources=[SOURCE],
-                             extra_cflags=["-O2"], build_directory=folder, verbose=False)
-        if not _built(folder):
-            with open(os.path.join(folder, "tensor_trace.stamp"), "w") as f:
-                f.write(_stamp())
-    return module
-
-
-def _build_detached(folder: str) -> None:
-    """Compile in a child process of its own session, and wait for it: a traced process that
-    exits first (a short run, a test) does not take the compiler down with it, so the build
-    finishes and the next process loads it at once. The child is not traced: the bootstrap
-    folder of ``tensor-trace record`` is left off its PYTHONPATH."""
-    import subprocess
-
-    bootstrap = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
-    env = dict(os.environ)
-    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-             if p and os.path.abspath(p) != bootstrap]
-    env["PYTHONPATH"] = os.pathsep.join(parts)
-    with open(os.path.join(folder, "tensor_trace.build.log"), "ab") as log:
-        child = subprocess.Popen([sys.executable, "-m", "tensor_trace.tracer.native", folder],
-                                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                 start_new_session=True, close_fds=True)
-    child.wait(timeout=1800)
+class _Unavailable(Exception):
+    pass
 
 
 def _build() -> None:
+    quiet = False
     try:
         folder = build_directory()
         os.makedirs(folder, exist_ok=True)
         if not _built(folder):
             try:
-                _build_detached(folder)
-            except Exception:  # (then the build below runs in this process)
-                pass
-        module = _load(folder)
+                status = native_build.build_detached(folder, _stamp())
+            except Exception:  # (no child: the build below runs in this process)
+                status = None
+            if status == native_build.CHILD_MARKED:
+                quiet = True
+                raise _Unavailable(f"a build of this source failed in {folder} before")
+            if status == native_build.CHILD_FAILED:
+                raise _Unavailable(f"the build failed: {os.path.join(folder, 'tensor_trace.build.log')}")
+        module = native_build.load(folder, SOURCE)
         _state["call_key"] = module.call_key
         _state["traced_call"] = module.traced_call
         _state["patch_call_slots"] = module.patch_call_slots
@@ -409,12 +380,19 @@ def _build() -> None:
         _state["table"] = module.Table
     except Exception as exc:  # no compiler, no ninja, no headers: the Python path stays
         _state["error"] = repr(exc)
-        sys.stderr.write(f"tensor-trace: the native extension is unavailable ({exc!r:.300}); "
-                         f"the tracer takes its Python path (TENSOR_TRACE_NATIVE=0 stops "
-                         f"trying)\n")
+        if not quiet:
+            sys.stderr.write(f"tensor-trace: the native extension is unavailable ({exc!r:.300}); "
+                             f"the tracer takes its Python path (TENSOR_TRACE_NATIVE=0: never try; "
+                             f"=1: try again after a failed build)\n")
     finally:
         _done.set()
 
 
-if __name__ == "__main__":  # the detached build of _build_detached: python -m ... FOLDER
-    _load(sys.argv[1])
+if __name__ == "__main__":  # native_build.build_detached's child: python -m ... FOLDER STAMP
+    try:
+        sys.exit(native_build.main(sys.argv[1], sys.argv[2], SOURCE))
+    except Exception:
+        import traceback
+
+        traceback.print_exc()  # (into the build's log)
+        sys.exit(native_build.CHILD_FAILED)

@@ -1,5 +1,6 @@
-"""tracer/native.py: the optional C++ fingerprint table, built here and checked against the
-Python path through Triton's interpreter (tests/gpu checks nothing of it yet: it is opt-in)."""
+"""tracer/native.py: the C++ extension (fingerprint table, layout keys, call wrapper), built
+here, when it is built and used, and the table checked against the Python path through Triton's
+interpreter."""
 
 import json
 import os
@@ -24,8 +25,8 @@ def _build_env():
 @pytest.fixture
 def cold_build(tmp_path, monkeypatch):
     """TORCH_EXTENSIONS_DIR for a cold build: the session's (tests/conftest.py), where nothing is
-    built yet when this module's first test runs (the tests after it then load that build);
-    a fresh folder if something was built there already."""
+    built yet when the run's first test, this one, runs (the tests after it then load that
+    build); a fresh folder if something was built there already."""
     from tensor_trace.tracer import native
 
     if native._built(native.build_directory()):
@@ -33,7 +34,7 @@ def cold_build(tmp_path, monkeypatch):
     return native.build_directory()
 
 
-# First in this module: its build is the one the other tests of the run load.
+# First in the run (tests/conftest.py): its build is the one the other tests of the run load.
 def test_a_build_begun_by_a_process_that_exits_at_once_finishes_for_the_next(cold_build):
     """A short traced run starts the build and exits: the compiler runs detached, so the build
     finishes and the next process loads it without compiling."""
@@ -98,15 +99,34 @@ def test_native_table_equals_the_python_path():
     assert report["call_layouts"] >= 3  # the (x, residual) norm, the (output, bias) Lins: by call_key
 
 
-def test_not_built_or_used_without_cuda_unless_asked(monkeypatch, tmp_path):
+def _fresh_state(monkeypatch, cuda: bool, missing: str | None):
+    """native.py's process state as in a process that has not asked yet, on a machine with or
+    without CUDA and lacking ``missing`` of the build's toolchain (restored after the test)."""
+    import torch
+
+    from tensor_trace.tracer import native, spans
+
+    for key, value in list(native._state.items()):
+        monkeypatch.setitem(native._state, key, value)
+    for key in ("table", "hold_in", "pair_key", "call_key", "traced_call", "patch_call_slots", "error",
+                "auto"):
+        monkeypatch.setitem(native._state, key, None)
+    monkeypatch.setitem(native._state, "started", False)
+    monkeypatch.setattr(spans, "pair_key", spans._py_pair_key)
+    monkeypatch.setattr(spans, "call_key", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(native, "missing_toolchain", lambda: missing)
+    monkeypatch.delenv("TENSOR_TRACE_NATIVE", raising=False)
+
+
+def test_not_built_or_used_on_a_cpu_without_a_toolchain_unless_asked(monkeypatch, tmp_path):
     import torch
 
     from tensor_trace import tracer
     from tensor_trace.tracer import native, spans
     from tensor_trace.tracer.fingerprint import StepFingerprints
 
-    monkeypatch.setitem(native._state, "cuda", False)  # as on a machine without CUDA
-    monkeypatch.delenv("TENSOR_TRACE_NATIVE", raising=False)
+    _fresh_state(monkeypatch, cuda=False, missing="ninja")
     fps = StepFingerprints(defer_cuda=False, defer_cpu=True)
     fps.add_one(torch.randn(4))
     assert fps._nt is None and not fps._native_wanted
@@ -119,21 +139,57 @@ def test_not_built_or_used_without_cuda_unless_asked(monkeypatch, tmp_path):
     assert not native.enabled() and native.table_class() is None and not native._state["started"]
 
 
-def test_auto_means_where_cuda_is_and_the_variable_decides(monkeypatch):
+def test_auto_means_where_cuda_is_or_the_machine_can_build_it(monkeypatch, tmp_path):
     from tensor_trace.tracer import native
 
-    monkeypatch.setitem(native._state, "cuda", True)
-    for value, expect in ((None, True), ("auto", True), ("1", True), ("0", False)):
-        if value is None:
-            monkeypatch.delenv("TENSOR_TRACE_NATIVE", raising=False)
-        else:
-            monkeypatch.setenv("TENSOR_TRACE_NATIVE", value)
-        assert native.enabled() is expect, value
-    monkeypatch.setitem(native._state, "cuda", False)
-    monkeypatch.delenv("TENSOR_TRACE_NATIVE", raising=False)
-    assert native.enabled() is False
-    monkeypatch.setenv("TENSOR_TRACE_NATIVE", "1")
-    assert native.enabled() is True
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # (no failed build marked there)
+    for cuda, missing, auto in ((True, None, True), (True, "ninja", True), (False, None, True),
+                                (False, "a C++ compiler (c++)", False), (False, "ninja", False)):
+        _fresh_state(monkeypatch, cuda, missing)
+        for value, expect in ((None, auto), ("auto", auto), ("1", True), ("0", False)):
+            if value is None:
+                monkeypatch.delenv("TENSOR_TRACE_NATIVE", raising=False)
+            else:
+                monkeypatch.setenv("TENSOR_TRACE_NATIVE", value)
+            assert native.enabled() is expect, (cuda, missing, value)
+    # a failed build of this source marked in the folder: not tried again under auto on a CPU
+    os.makedirs(native.build_directory())
+    with open(os.path.join(native.build_directory(), "tensor_trace.failed"), "w") as f:
+        f.write(native._stamp())
+    _fresh_state(monkeypatch, cuda=False, missing=None)
+    assert native.enabled() is False and native.enabled("1") is True
+
+
+def test_a_failed_build_is_reported_once_and_not_tried_again_under_auto(tmp_path):
+    """A build that fails (here a compiler that fails at once) says so on stderr with its log,
+    and marks the folder: the next traced process under auto takes the Python path at once,
+    silently, with no compiler run; TENSOR_TRACE_NATIVE=1 tries again."""
+    false = shutil.which("false")
+    if false is None:
+        pytest.skip("no false(1) to stand for a broken compiler")
+    env = dict(_build_env(), TORCH_EXTENSIONS_DIR=str(tmp_path), CXX=false)
+    env.pop("TENSOR_TRACE_NATIVE")
+    code = ("import torch\nfrom tensor_trace.tracer import native\n"
+            "native.missing_toolchain = lambda: None  # (on a machine lacking one: as if it had it)\n"
+            "print(native.enabled())\nnative.ensure(block=True, timeout=600)\n"
+            "print(native.pair_key() is None, native.error() is not None)\n")
+
+    def run(**extra):
+        proc = subprocess.run([sys.executable, "-c", code], env=dict(env, **extra), capture_output=True,
+                              text=True, timeout=700)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout.split(), [line for line in proc.stderr.splitlines() if "tensor-trace" in line]
+
+    out, said = run()
+    (folder,) = [str(p) for p in tmp_path.iterdir()]
+    log = os.path.join(folder, "tensor_trace.build.log")
+    assert out == ["True", "True", "True"] and len(said) == 1 and log in said[0], (out, said)
+    assert os.path.exists(os.path.join(folder, "tensor_trace.failed"))
+    size = os.path.getsize(log)
+    out, said = run()  # auto: not enabled, nothing said, no build run
+    assert out == ["False", "True", "False"] and said == [] and os.path.getsize(log) == size
+    out, said = run(TENSOR_TRACE_NATIVE="1")  # asked for: tried again (and failed again)
+    assert out == ["True", "True", "True"] and len(said) == 1 and os.path.getsize(log) > size
 
 
 def test_a_build_lock_left_by_a_killed_process_does_not_stop_later_builds(tmp_path):
@@ -156,3 +212,49 @@ def test_a_build_lock_left_by_a_killed_process_does_not_stop_later_builds(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[0] == "True", proc.stdout + proc.stderr[-2000:]
     assert not os.path.exists(os.path.join(folder, "lock"))
+
+
+def test_a_session_that_says_no_takes_the_python_path_after_one_that_took_the_extension(
+        tmp_path, monkeypatch):
+    """The layout keys are module globals: a tracer session with TENSOR_TRACE_NATIVE=0 in a
+    process whose earlier session took the extension keys in Python and calls modules through
+    the Python wrapper, as a fresh process would (tests that pin the Python path rely on it)."""
+    env_path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    if not (shutil.which("ninja", path=env_path) and (shutil.which("c++") or shutil.which("g++"))):
+        pytest.skip("no C++ compiler or ninja to build the extension")
+    import threading
+
+    import torch
+
+    from tensor_trace import tracer
+    from tensor_trace.tracer import native, spans
+
+    monkeypatch.setenv("TENSOR_TRACE_NATIVE", "1")
+    monkeypatch.setenv("PATH", env_path)
+    for key, value in list(native._state.items()):
+        monkeypatch.setitem(native._state, key, value)
+    monkeypatch.setattr(native, "_done", native._done)
+    if not native._state["started"]:
+        native._done = threading.Event()
+    monkeypatch.setattr(spans, "pair_key", spans.pair_key)
+    monkeypatch.setattr(spans, "call_key", spans.call_key)
+    native.ensure(block=True, timeout=900)
+    assert native.traced_call() is not None, native.error()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    wrappers = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("TENSOR_TRACE_NATIVE", setting)
+        tr = tracer.start(out_dir=str(tmp_path / setting), fingerprint=False, lineage=False)
+        try:
+            for _ in range(3):
+                model(x)
+            (wrappers[setting],) = tr.global_handles
+            wrappers[setting] = (wrappers[setting].native_call, spans.uses_python_keys())
+            recorded = 0 if wrappers[setting][0] is None else wrappers[setting][0].recorded
+        finally:
+            tracer.stop()
+        assert tr.errors == 0
+        if setting == "1":
+            assert recorded > 0 and not wrappers["1"][1]
+    assert wrappers["0"] == (None, True)

@@ -452,6 +452,9 @@ def test_framework_call_patterns_recorded_inline_as_the_general_path_does(tmp_pa
     # same as the general path records them; the batch context only in the step root's span.
     from tensor_trace.tracer import intercept
 
+    # record_tensors is the Python path's (the C call wrapper records these calls itself:
+    # tests/unit/test_native_call.py compares its rank file with the Python path's)
+    monkeypatch.setenv("TENSOR_TRACE_NATIVE", "0")
     net, args = _sgl_like_with_context(monkeypatch)
     tables = {}
     inline_calls = []
@@ -485,6 +488,7 @@ def test_framework_call_patterns_the_same_through_the_call_wrapper_and_the_hooks
     # global_post's checks known true); the hooks go through global_post: same rank file.
     from tensor_trace.tracer import intercept as interception
 
+    monkeypatch.setenv("TENSOR_TRACE_NATIVE", "0")  # (record_tensors: the Python path's, as above)
     net, args = _sgl_like_with_context(monkeypatch)
     calls = []
     real = interception.record_tensors
