@@ -355,9 +355,11 @@ class LineageRecorder:
             attrs = {"dim": int(dim)}
         elif name in ("view", "reshape", "flatten") and isinstance(out, Tensor):
             attrs = {"shape": list(out.shape)}
-        elif kind == "split":
-            dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
-            attrs = {"dim": int(dim) if isinstance(dim, int) else 0}
+        elif kind == "split":  # split(x, size, dim), chunk(x, n, dim), unbind(x, dim)
+            at = 1 if name == "unbind" else 2
+            dim = kwargs.get("dim", args[at] if len(args) > at else 0)
+            dim = int(dim) if isinstance(dim, int) else 0
+            attrs = {"dim": dim + args[0].dim() if dim < 0 else dim}
         elif name == "to" and isinstance(out, Tensor):
             attrs = {"dtype": str(out.dtype).replace("torch.", "")}
         elif name in _attrs.DIMS_OPS and isinstance(out, Tensor):

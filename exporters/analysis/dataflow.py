@@ -71,6 +71,18 @@ def _group_end(new, start: int, size: int):
     return None
 
 
+def unbind_placement(placement, dim: int):
+    """A shard after ``unbind(dim)``: along d - 1 past the removed dimension, unchanged before
+    it; a shard along the removed dimension itself gives no answer (each rank's pieces are
+    other rows of it, not slices of one piece)."""
+    d = _shard_dim(placement) if placement else None
+    if d is None:
+        return placement
+    if d == dim:
+        return None
+    return f"shard({d - 1})" if d > dim else placement
+
+
 def combine(op: str, placements: list):
     """The placement of a multi-input op's result from its inputs' placements, or None when
     the op does not determine it (a partial plus a whole tensor, mixed shards)."""
@@ -124,6 +136,8 @@ class LineageWalk:
                 return None, None
             placement, shape = self.placement_of(inputs[0], depth + 1)
             self.ops.append(op)
+            if op == "unbind":  # the unbound dimension goes: a shard after it moves in by one
+                placement = unbind_placement(placement, attrs.get("dim", 0) if attrs else 0)
             return placement, (None if op in _PARTS else shape)
         if op in _RESHAPE:
             placement, shape = self.placement_of(inputs[0], depth + 1) if len(inputs) == 1 else (None, None)

@@ -245,3 +245,53 @@ def test_an_output_updated_in_place_later_keeps_its_value_at_return(tmp_path, mo
     assert shared.fp[0] == pytest.approx(want_shared.sum().item(), rel=1e-5, abs=1e-5)
     if root is not None:
         assert root.fp[0] == pytest.approx(want_out.sum().item(), rel=1e-5, abs=1e-5)
+
+
+class Parts(nn.Module):
+    """A recorded output taken apart three ways, each piece passed to a module of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Identity()
+
+    def forward(self, x):
+        y = self.a(x).view(2, 3, 2)  # [2, 3, 2]
+        for piece in (*torch.unbind(y, 1), *y.unbind(dim=-1), *y.chunk(3, 1), *torch.split(y, 1, -1)):
+            self.b(piece)
+        return y
+
+
+def test_split_and_unbind_record_the_dimension_they_take_apart(tmp_path):
+    """unbind's dimension is its second argument (split's and chunk's their third), and a
+    negative one is recorded as the dimension it counts back to."""
+    tracer.start(out_dir=str(tmp_path))
+    try:
+        Parts()(torch.randn(2, 4))
+    finally:
+        tracer.stop()
+    dims = {}
+    for r in _records(str(tmp_path), schema.LINEAGE):
+        attrs = r[4] or {}
+        if "of" in attrs:
+            dims.setdefault(r[3], set()).add(attrs["dim"])
+    names = {}
+    for f in rank_files(str(tmp_path)):
+        for rec in iter_records(f):
+            if rec[0] == schema.STRING:
+                names[rec[1]] = rec[2]
+    by_name = {names.get(k, k): v for k, v in dims.items()}
+    assert by_name == {"unbind": {1, 2}, "chunk": {1}, "split": {2}}
+
+
+@pytest.mark.parametrize("placement, dim, want", [
+    ("shard(2)", 1, "shard(1)"),   # past the removed dimension: moves in
+    ("shard(0)", 1, "shard(0)"),   # before it: unchanged
+    ("shard(1)", 1, None),         # the removed dimension itself: no answer
+    ("replicate", 0, "replicate"),
+    ("partial", 0, "partial"),
+])
+def test_a_shard_after_unbind(placement, dim, want):
+    from tensor_trace.exporters.analysis.dataflow import unbind_placement
+
+    assert unbind_placement(placement, dim) == want
