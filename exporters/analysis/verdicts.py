@@ -194,16 +194,12 @@ def compute_verdicts(con) -> int:
                                     "GROUP BY module_id, call", bounds):
         seen_steps[(ctx.modules[mid], call)] = n
     captures = {p: json.loads(i) for p, i in con.execute("SELECT point, info FROM captures")}
+    lineage_steps = {s for (s,) in con.execute("SELECT DISTINCT step FROM lineage")}
     rows = []
     for key, verdicts in per_point.items():
         module, call, slot = key
-        # A step without the evidence to judge the point (no usable fingerprints there) does not
-        # vote against the steps that had it; it is named.
-        blind = [v for v in verdicts if v["placement"] == "unknown" and v["reduction"] == "unknown"]
-        voting = [v for v in verdicts if v not in blind] or verdicts
-        counts = collections.Counter((v["placement"], v["reduction"]) for v in voting)
-        (placement, reduction), _ = counts.most_common(1)[0]
-        chosen = next(v for v in voting if (v["placement"], v["reduction"]) == (placement, reduction))
+        blind, unwatched, voting, counts, chosen = vote(verdicts, lineage_steps)
+        placement, reduction = chosen["placement"], chosen["reduction"]
         items = list(chosen["items"])
         if module in captures and captures[module].get("what"):
             items.insert(0, item("capture", f"captures the {captures[module]['what']}"))
@@ -211,6 +207,10 @@ def compute_verdicts(con) -> int:
         if blind and len(voting) < len(verdicts):
             items.append(item("sampling", f"unknown in steps {sorted({v['step'] for v in blind})} (not enough "
                                           "evidence there): not counted"))
+        if unwatched and len(voting) < len(verdicts):
+            items.append(item("sampling", f"divergent in steps {sorted({v['step'] for v in unwatched})}, "
+                                          "whose ops were not recorded (lineage is taken on a schedule): "
+                                          "not counted"))
         if len(counts) > 1:
             items.append(item("sampling", "other steps disagree: " + ", ".join(
                 f"{p}/{r} in {n}" for (p, r), n in counts.items() if (p, r) != (placement, reduction))))
@@ -232,6 +232,25 @@ def compute_verdicts(con) -> int:
     con.executemany("INSERT OR REPLACE INTO points VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     [r[:14] + (i,) + r[15:] for i, r in enumerate(rows)])
     return len(rows)
+
+
+def vote(verdicts: list, lineage_steps: set) -> tuple:
+    """The sampled steps' verdicts of one point, voted: ``(blind, unwatched, voting, counts,
+    chosen)``. A step without the evidence to judge the point (no usable fingerprints there:
+    unknown/unknown) does not vote against the steps that had it. Nor does one where no op was
+    recorded (lineage is taken on a schedule) and the point is left divergent, against steps
+    with recorded ops that placed it as a shard or a partial sum: values that differ across
+    ranks are what those predict, so the step without ops says nothing against them (a
+    replicate point stays outvoted by it)."""
+    blind = [v for v in verdicts if v["placement"] == "unknown" and v["reduction"] == "unknown"]
+    placed = any(v["step"] in lineage_steps and (v["placement"].startswith("shard(") or
+                                                 v["placement"] == "partial") for v in verdicts)
+    unwatched = [v for v in verdicts if placed and v["rule"] == "divergent" and v["step"] not in lineage_steps]
+    voting = [v for v in verdicts if v not in blind and v not in unwatched] or verdicts
+    counts = collections.Counter((v["placement"], v["reduction"]) for v in voting)
+    (placement, reduction), _ = counts.most_common(1)[0]
+    chosen = next(v for v in voting if (v["placement"], v["reduction"]) == (placement, reduction))
+    return blind, unwatched, voting, counts, chosen
 
 
 def _grouping(verdict) -> str | None:

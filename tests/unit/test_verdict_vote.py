@@ -1,0 +1,38 @@
+"""The vote over a point's sampled steps (verdicts.vote): which steps count."""
+
+from tensor_trace.exporters.analysis.verdicts import vote
+
+
+def v(step, placement, reduction, rule):
+    return dict(step=step, placement=placement, reduction=reduction, rule=rule)
+
+
+def test_a_step_without_recorded_ops_does_not_outvote_the_ops_that_placed_a_shard():
+    # lineage on steps 0 and 1 only (its schedule); step 2 has the same differing values
+    verdicts = [v(0, "shard(1)", "no-reduction", "lineage-ops"), v(2, "divergent", "unknown", "divergent"),
+                v(3, "divergent", "unknown", "divergent")]
+    blind, unwatched, voting, counts, chosen = vote(verdicts, lineage_steps={0, 1})
+    assert chosen["placement"] == "shard(1)" and [u["step"] for u in unwatched] == [2, 3]
+    assert list(counts) == [("shard(1)", "no-reduction")]
+
+
+def test_a_replicate_point_is_still_outvoted_by_steps_whose_ranks_disagree():
+    # equal values in step 0, differing in 2 and 3: a divergence that appears later is kept
+    verdicts = [v(0, "replicate", "no-reduction", "equal-values"), v(2, "divergent", "unknown", "divergent"),
+                v(3, "divergent", "unknown", "divergent")]
+    blind, unwatched, voting, counts, chosen = vote(verdicts, lineage_steps={0, 1})
+    assert chosen["placement"] == "divergent" and unwatched == []
+
+
+def test_divergent_in_a_step_with_recorded_ops_still_votes():
+    verdicts = [v(0, "shard(1)", "no-reduction", "lineage-ops"), v(1, "divergent", "unknown", "divergent"),
+                v(2, "divergent", "unknown", "divergent")]
+    blind, unwatched, voting, counts, chosen = vote(verdicts, lineage_steps={0, 1})
+    assert [u["step"] for u in unwatched] == [2]
+    assert counts[("divergent", "unknown")] == 1 and counts[("shard(1)", "no-reduction")] == 1
+
+
+def test_steps_without_evidence_are_blind():
+    verdicts = [v(0, "partial", "pre-reduction", "sums-add-up"), v(1, "unknown", "unknown", "no-fingerprint")]
+    blind, unwatched, voting, counts, chosen = vote(verdicts, lineage_steps=set())
+    assert chosen["placement"] == "partial" and [b["step"] for b in blind] == [1]
