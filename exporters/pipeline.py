@@ -24,9 +24,12 @@ def merge_ranks(trace_dir: str, warn=None, workers: int | None = None) -> dict:
 
 def _analyse(con) -> dict:
     # The verdicts are kept in the store: it says which analysis made them, so that a store
-    # judged by another version of the rules is judged again rather than read as is.
+    # judged by another version of the rules is judged again rather than read as is. Written
+    # after them: the merge builds an index beside the analysis (merge._index_beside), and the
+    # analysis' first write waits for it to finish; written first, the verdicts waited too.
+    points = analysis.compute_verdicts(con)
     con.execute("INSERT INTO meta VALUES ('analysis_version', ?)", (analysis.version(),))
-    return analysis.compute_verdicts(con)
+    return points
 
 
 def open_store(trace_dir: str, warn=None) -> sqlite3.Connection:
