@@ -234,17 +234,24 @@ def compute_verdicts(con) -> int:
     return len(rows)
 
 
+# Rules whose answer rests on recorded ops (or on a point that they placed): a step without
+# ops cannot reach it. A value rule (sums-add-up, a concatenation seen...) can in any step with
+# fingerprints, so a step where it did not is evidence against it, and votes.
+_OPS_RULES = frozenset(("lineage-ops", "derived-from-shard", "same-values"))
+
+
 def vote(verdicts: list, lineage_steps: set) -> tuple:
     """The sampled steps' verdicts of one point, voted: ``(blind, unwatched, voting, counts,
     chosen)``. A step without the evidence to judge the point (no usable fingerprints there:
     unknown/unknown) does not vote against the steps that had it. Nor does one where no op was
     recorded (lineage is taken on a schedule) and the point is left divergent, against steps
-    with recorded ops that placed it as a shard or a partial sum: values that differ across
-    ranks are what those predict, so the step without ops says nothing against them (a
-    replicate point stays outvoted by it)."""
+    with recorded ops that placed it as a shard or a partial sum by those ops (``_OPS_RULES``):
+    values that differ across ranks are what those predict, so the step without ops says
+    nothing against them (a replicate point, or one placed by its values alone, stays outvoted
+    by it)."""
     blind = [v for v in verdicts if v["placement"] == "unknown" and v["reduction"] == "unknown"]
-    placed = any(v["step"] in lineage_steps and (v["placement"].startswith("shard(") or
-                                                 v["placement"] == "partial") for v in verdicts)
+    placed = any(v["step"] in lineage_steps and v["rule"] in _OPS_RULES and
+                 (v["placement"].startswith("shard(") or v["placement"] == "partial") for v in verdicts)
     unwatched = [v for v in verdicts if placed and v["rule"] == "divergent" and v["step"] not in lineage_steps]
     voting = [v for v in verdicts if v not in blind and v not in unwatched] or verdicts
     counts = collections.Counter((v["placement"], v["reduction"]) for v in voting)

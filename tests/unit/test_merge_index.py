@@ -96,3 +96,23 @@ def _plain(con):
     con.execute("PRAGMA synchronous=OFF")
     con.executescript(SCHEMA_SQL)
     return con
+
+
+def test_the_pipelines_analysis_writes_nothing_before_its_verdicts(tmp_path, monkeypatch):
+    # Its first write waits for the index's commit (busy_timeout): a write before the verdicts
+    # (the analysis version in meta) would have them wait for the whole index, not run beside it.
+    from tensor_trace.exporters import analysis, pipeline
+
+    d = _trace(tmp_path / "t")
+    seen = {}
+
+    def verdicts(con):
+        seen["in_transaction"] = con.in_transaction
+        return 0
+
+    monkeypatch.setattr(analysis, "compute_verdicts", verdicts)
+    pipeline.merge_ranks(d, warn=lambda m: None, workers=0)
+    assert seen == {"in_transaction": False}
+    con = sqlite3.connect(f"file:{merge.store_path(d)}?mode=ro", uri=True)
+    assert con.execute("SELECT value FROM meta WHERE key='analysis_version'").fetchone() == (analysis.version(),)
+    con.close()

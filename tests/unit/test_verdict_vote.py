@@ -36,3 +36,20 @@ def test_steps_without_evidence_are_blind():
     verdicts = [v(0, "partial", "pre-reduction", "sums-add-up"), v(1, "unknown", "unknown", "no-fingerprint")]
     blind, unwatched, voting, counts, chosen = vote(verdicts, lineage_steps=set())
     assert chosen["placement"] == "partial" and [b["step"] for b in blind] == [1]
+
+
+def test_a_placement_from_values_alone_is_still_outvoted_by_later_divergence():
+    # sums-add-up needs no recorded ops: where the sums stop adding up in a later step without
+    # lineage, that step saw the same kind of evidence and disagrees; it is not "unwatched"
+    verdicts = [v(0, "partial", "pre-reduction", "sums-add-up"), v(2, "divergent", "unknown", "divergent"),
+                v(3, "divergent", "unknown", "divergent")]
+    blind, unwatched, voting, counts, chosen = vote(verdicts, lineage_steps={0, 1})
+    assert unwatched == [] and chosen["placement"] == "divergent"
+
+
+def test_a_point_derived_from_a_lineage_placed_shard_keeps_its_placement():
+    # act_fn's output: derived from its input, which only the recorded ops placed
+    verdicts = [v(0, "shard(1)", "no-reduction", "derived-from-shard"), v(2, "divergent", "unknown", "divergent"),
+                v(3, "divergent", "unknown", "divergent")]
+    blind, unwatched, voting, counts, chosen = vote(verdicts, lineage_steps={0, 1})
+    assert chosen["placement"] == "shard(1)" and [u["step"] for u in unwatched] == [2, 3]
