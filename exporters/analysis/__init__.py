@@ -25,16 +25,21 @@ def version() -> str:
     or a checkout changes it too), or, where they cannot be read, the package's version."""
     folder = os.path.dirname(os.path.abspath(__file__))
     h = hashlib.sha256()
+    read = 0
     try:
         for name in sorted(os.listdir(folder)):
             if name.endswith(".py"):
                 with open(os.path.join(folder, name), "rb") as f:
                     h.update(name.encode() + b"\0" + f.read() + b"\0")
-        return h.hexdigest()[:16]
+                read += 1
     except OSError:
-        from importlib import metadata
+        read = 0
+    if read:
+        return h.hexdigest()[:16]
+    # (an install of compiled files only: a digest of nothing would be the same for every release)
+    from importlib import metadata
 
-        try:
-            return metadata.version("tensor-trace")
-        except metadata.PackageNotFoundError:
-            return "unknown"
+    try:
+        return "package-" + metadata.version("tensor-trace")
+    except metadata.PackageNotFoundError:
+        return "unknown"
