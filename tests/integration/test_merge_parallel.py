@@ -134,6 +134,18 @@ def test_a_failed_worker_is_replaced_by_the_merging_process(tp3, tmp_path, monke
 
 
 @linux_only
+def open_fifo_writer(fifo, timeout=60):
+    """The FIFO's write end once a reader has it open (a non-blocking write-open fails before),
+    or None after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            time.sleep(0.01)
+    return None
+
+
 def test_parts_are_copied_while_the_worker_loads_its_next_files(tp3, tmp_path):
     """The worker completes a part store per rank file; the merging process copies each into the
     store (and removes it) while the worker goes on with its next file: here a FIFO that keeps it
@@ -152,12 +164,7 @@ def test_parts_are_copied_while_the_worker_loads_its_next_files(tp3, tmp_path):
     try:
         # A FIFO opens for writing without blocking only once a reader has it open: then the
         # worker has completed its two parts and waits on the FIFO until the test writes to it.
-        deadline = time.monotonic() + 60
-        while fd is None and time.monotonic() < deadline:
-            try:
-                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-            except OSError:
-                time.sleep(0.01)
+        fd = open_fifo_writer(fifo)
         assert fd is not None, "the worker never got to the FIFO"
         assert os.path.exists(prefix + ".2"), "the worker's third file has no part store of its own"
         deadline = time.monotonic() + 60
@@ -168,12 +175,7 @@ def test_parts_are_copied_while_the_worker_loads_its_next_files(tp3, tmp_path):
         assert merging.is_alive()
     finally:
         if fd is None:  # failed before the worker reached the FIFO: let it go on when it does
-            deadline = time.monotonic() + 60
-            while fd is None and time.monotonic() < deadline:
-                try:
-                    fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-                except OSError:
-                    time.sleep(0.01)
+            fd = open_fifo_writer(fifo)
         if fd is not None:
             os.write(fd, b"this is not a trace")
             os.close(fd)

@@ -219,27 +219,13 @@ def test_a_session_that_says_no_takes_the_python_path_after_one_that_took_the_ex
     """The layout keys are module globals: a tracer session with TENSOR_TRACE_NATIVE=0 in a
     process whose earlier session took the extension keys in Python and calls modules through
     the Python wrapper, as a fresh process would (tests that pin the Python path rely on it)."""
-    env_path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    if not (shutil.which("ninja", path=env_path) and (shutil.which("c++") or shutil.which("g++"))):
-        pytest.skip("no C++ compiler or ninja to build the extension")
-    import threading
-
     import torch
 
+    from native_loaded import load_native_in_process
     from tensor_trace import tracer
-    from tensor_trace.tracer import native, spans
+    from tensor_trace.tracer import spans
 
-    monkeypatch.setenv("TENSOR_TRACE_NATIVE", "1")
-    monkeypatch.setenv("PATH", env_path)
-    for key, value in list(native._state.items()):
-        monkeypatch.setitem(native._state, key, value)
-    monkeypatch.setattr(native, "_done", native._done)
-    if not native._state["started"]:
-        native._done = threading.Event()
-    monkeypatch.setattr(spans, "pair_key", spans.pair_key)
-    monkeypatch.setattr(spans, "call_key", spans.call_key)
-    native.ensure(block=True, timeout=900)
-    assert native.traced_call() is not None, native.error()
+    load_native_in_process(monkeypatch)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
     x = torch.randn(2, 4)
     wrappers = {}

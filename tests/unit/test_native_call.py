@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -82,24 +81,10 @@ def test_python_calls_per_traced_module_call_with_the_c_wrapper(tmp_path, monkey
     """tests/unit/test_hot_path_calls.py's count with the C wrapper: a traced one-tensor module
     call runs no Python function of the tracer's without fingerprints, and with them (immediate
     CPU fingerprints) only StepFingerprints.add_one's for its input and its output."""
-    env_path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    if not (shutil.which("ninja", path=env_path) and (shutil.which("c++") or shutil.which("g++"))):
-        pytest.skip("no C++ compiler or ninja to build the extension")
-    from tensor_trace.tracer import native, spans
+    from native_loaded import load_native_in_process
     from test_hot_path_calls import calls_with_tracer
 
-    # this process's extension and layout keys as they were, after the test
-    monkeypatch.setenv("TENSOR_TRACE_NATIVE", "1")
-    monkeypatch.setenv("PATH", env_path)
-    for key, value in list(native._state.items()):
-        monkeypatch.setitem(native._state, key, value)
-    monkeypatch.setattr(native, "_done", native._done)
-    if not native._state["started"]:  # (a load of its own to wait for; one begun by an earlier
-        native._done = threading.Event()  # test, or done, sets the event it has)
-    monkeypatch.setattr(spans, "pair_key", spans.pair_key)
-    monkeypatch.setattr(spans, "call_key", spans.call_key)
-    native.ensure(block=True, timeout=900)
-    assert native.traced_call() is not None, native.error()
+    load_native_in_process(monkeypatch)
 
     def check(tr):
         (wrapper,) = tr.global_handles
