@@ -33,57 +33,19 @@ import types
 import torch
 
 from tensor_trace import schema
-from tensor_trace.tracer import functional, host_values
-from tensor_trace.tracer.functional import bind_args, tensors_of
+from tensor_trace.tracer import functional, host_values, spans
+from tensor_trace.tracer.collective_specs import ALWAYS_ASYNC as _ALWAYS_ASYNC
+from tensor_trace.tracer.collective_specs import C10D_SPECS as _C10D_SPECS
+from tensor_trace.tracer.collective_specs import REDUCING as _REDUCING
+from tensor_trace.tracer.collective_specs import layout_of as _layout_of
+from tensor_trace.tracer.collective_specs import reduce_op_name as _reduce_op_name
+from tensor_trace.tracer.functional import tensors_of
 from tensor_trace.tracer.patching import ORIGINAL, is_wrapped
 
 _ACTIVE = None  # the Tracer whose wrappers are installed
+_c10d = None  # torch.distributed.distributed_c10d, once a tracer installed its wrappers
 _FUNCTION = types.FunctionType
 _now = time.monotonic_ns
-
-
-# op -> (parameter names, input tensors, output tensors, has reduce op, async from argument)
-_C10D_SPECS = {
-    "all_reduce": (("tensor", "op", "group", "async_op"), "tensor", "tensor", True),
-    "reduce_scatter": (("output", "input_list", "op", "group", "async_op"), "input_list", "output", True),
-    "reduce_scatter_tensor": (("output", "input", "op", "group", "async_op"), "input", "output", True),
-    "reduce_scatter_single": (("output", "input", "op", "group", "async_op"), "input", "output", True),
-    "_reduce_scatter_base": (("output", "input", "op", "group", "async_op"), "input", "output", True),
-    "all_gather": (("tensor_list", "tensor", "group", "async_op"), "tensor", "tensor_list", False),
-    "all_gather_into_tensor": (("output_tensor", "input_tensor", "group", "async_op"), "input_tensor",
-                               "output_tensor", False),
-    "all_gather_single": (("output_tensor", "input_tensor", "group", "async_op"), "input_tensor",
-                          "output_tensor", False),
-    "all_reduce_coalesced": (("tensors", "op", "group", "async_op"), "tensors", "tensors", True),
-    "_all_gather_base": (("output_tensor", "input_tensor", "group", "async_op"), "input_tensor",
-                         "output_tensor", False),
-    "all_gather_object": (("object_list", "obj", "group"), None, None, False),
-    "all_to_all": (("output_tensor_list", "input_tensor_list", "group", "async_op"), "input_tensor_list",
-                   "output_tensor_list", False),
-    "all_to_all_single": (("output", "input", "output_split_sizes", "input_split_sizes", "group",
-                           "async_op"), "input", "output", False),
-    "broadcast": (("tensor", "src", "group", "async_op"), "tensor", "tensor", False),
-    "reduce": (("tensor", "dst", "op", "group", "async_op"), "tensor", "tensor", True),
-    "gather": (("tensor", "gather_list", "dst", "group", "async_op"), "tensor", "gather_list", False),
-    "scatter": (("tensor", "scatter_list", "src", "group", "async_op"), "scatter_list", "tensor", False),
-    "barrier": (("group", "async_op"), None, None, False),
-    "send": (("tensor", "dst", "group", "tag"), "tensor", None, False),
-    "recv": (("tensor", "src", "group", "tag"), None, "tensor", False),
-    "isend": (("tensor", "dst", "group", "tag"), "tensor", None, False),
-    "irecv": (("tensor", "src", "group", "tag"), None, "tensor", False),
-}
-_ALWAYS_ASYNC = {"isend", "irecv"}
-_REDUCING = {name for name, spec in _C10D_SPECS.items() if spec[3]}
-
-def _reduce_op_name(op) -> str:
-    if op is None:
-        return "sum"
-    if isinstance(op, str):
-        return op.lower()
-    name = getattr(op, "name", None)
-    if name is None:
-        name = str(op).rsplit(".", 1)[-1]
-    return str(name).lower()
 
 
 _OpPacketWrapper = functional.OpPacketWrapper  # (its old name)
@@ -133,13 +95,14 @@ class CollectiveInterceptor:
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
-        global _ACTIVE
+        global _ACTIVE, _c10d
         import torch.distributed as dist
 
         if not dist.is_available():
             return
         from torch.distributed import distributed_c10d as c10d
 
+        _c10d = c10d
         _ACTIVE = self.tracer
         for name, spec in _C10D_SPECS.items():
             orig = getattr(c10d, name, None)
@@ -233,26 +196,48 @@ class CollectiveInterceptor:
         names, in_arg, out_arg, has_op = spec
         tracer = self.tracer
         interceptor = self
+        group_seq = self.group_seq
+        always_async = name in _ALWAYS_ASYNC
 
         @functools.wraps(orig)
         def wrapper(*args, **kwargs):
-            if not tracer.enabled or tracer.in_collective or tracer.busy:
+            # (``_busy``, ``_tracing_step``: what Tracer.busy and .tracing_step return, read
+            # without their descriptor's Python call; this wrapper runs for every collective of
+            # every step, inside the window or not, as does bind_args inlined below)
+            if not tracer.enabled or tracer.in_collective or tracer._busy:
                 return orig(*args, **kwargs)
             token = None
             try:
-                bound = bind_args(names, args, kwargs)
-                group = interceptor.group_seq(bound.get("group"))
-                if tracer.tracing_step:
-                    is_async = bool(bound.get("async_op")) or name in _ALWAYS_ASYNC
+                bound = dict(zip(names, args))
+                if kwargs:
+                    bound.update(kwargs)
+                group = group_seq(bound.get("group"))
+                if tracer._tracing_step:
+                    is_async = always_async or bool(bound.get("async_op"))
+                    inputs = bound.get(in_arg) if in_arg else None
+                    # (tensors_of for a lone tensor inlined)
+                    inputs = [inputs] if type(inputs) is _Tensor else tensors_of(inputs)
+                    if out_arg:
+                        out = bound.get(out_arg)
+                        outputs = [out] if type(out) is _Tensor else tensors_of(out)
+                    else:
+                        out = outputs = None
                     token = interceptor.begin(name, bound.get("op") if has_op else None, group,
-                                              tensors_of(bound.get(in_arg)) if in_arg else [],
-                                              is_async,
-                                              tensors_of(bound.get(out_arg)) if out_arg else None)
-                    token.append(bound.get(out_arg) if out_arg else None)
+                                              inputs, is_async, outputs)
+                    token.append(out)
             except Exception as exc:
                 tracer.on_error(f"collective {name}", exc)
                 token = None
-            result = interceptor.call(token, orig, args, kwargs)
+            # interceptor.call inlined (a Python frame less per collective)
+            tracer.in_collective = True
+            try:
+                result = orig(*args, **kwargs)
+            except BaseException:
+                tracer.in_collective = False
+                if token is not None:
+                    interceptor.finish(token, error=True)
+                raise
+            tracer.in_collective = False
             if token is None:
                 return result
             if token[_T_ASYNC] and result is not None:
@@ -267,9 +252,7 @@ class CollectiveInterceptor:
     def group_seq(self, group) -> tuple:
         """(per-process group id, this call's sequence number) for a process group or its name
         (None = the default group); advances the group's sequence."""
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d as c10d
-
+        c10d = _c10d
         # Keyed by c10d's group name: holding the group object itself would keep a destroyed
         # process group alive (and gloo aborts at exit when one outlives its store).
         if group is None:
@@ -280,18 +263,23 @@ class CollectiveInterceptor:
         entry = self.groups.get(pg_name)
         if entry is None:
             try:
-                ranks = dist.get_process_group_ranks(group)
+                ranks = c10d.get_process_group_ranks(group)
             except Exception:
                 ranks = []
             try:
-                backend = str(dist.get_backend(group))
+                backend = str(c10d.get_backend(group))
             except Exception:
                 backend = ""
             desc = getattr(group, "group_desc", "") or ""
             is_default = group is c10d._get_default_group()
             name = "world" if is_default else (desc if desc and desc != "undefined" else pg_name)
             return self.seq_for(pg_name, name, list(ranks), backend, pg_name)
-        return self._next_seq(entry)
+        gid = entry[0]
+        if gid not in self.tracer.written_groups:
+            return self._next_seq(entry)  # (its GROUP record first)
+        seq = self.seq[gid]
+        self.seq[gid] = seq + 1
+        return gid, seq
 
     def seq_for(self, key: str, name: str, ranks: list, backend: str, pg_name: str) -> tuple:
         """(group id, sequence number) of a call on the group known by ``key`` (a framework's
@@ -361,12 +349,17 @@ class CollectiveInterceptor:
                 tracer.busy = was
         started = None
         if not tracer.capturing:
-            device = self.device_times.device_of(inputs) or (
-                self.device_times.device_of(outputs) if outputs else None)
+            # (the first CUDA tensor's device, inputs first: one call for both lists)
+            device = self.device_times.device_of(inputs + outputs if outputs else inputs)
             if device is not None:
                 started = self.device_times.start(device)
-        token = [op, reduce_op, gid, seq, t0, index, tracer.innermost_span(), inputs,
-                 fp_pre, is_async, tracer.step, started]
+        parent = -1  # spans.innermost_span inlined
+        for frame in reversed(tracer.stack):
+            if frame[_F_SELECTED]:
+                parent = frame[_F_INDEX]
+                break
+        token = [op, reduce_op, gid, seq, t0, index, parent, inputs, fp_pre, is_async, tracer.step,
+                 started]
         if is_async:
             self.open_async[id(token)] = token
         if rows is not None:
@@ -382,16 +375,24 @@ class CollectiveInterceptor:
             return
         if token[_T_ASYNC] and self.open_async.pop(id(token), None) is None:
             return  # already closed (e.g. as unwaited at the end of its step)
-        was = tracer.busy  # (at the end of a step: the tracer's own work goes on after this)
-        tracer.busy = True
+        # The tracer's own tensor ops below (fingerprints; shape reads under a lineage step's
+        # torch function mode) are never traced: busy meanwhile. A step without either runs
+        # none, and skips setting it (two Python calls of busy's descriptor per collective).
+        lineage = tracer.lineage
+        guard = tracer.fp_now or (lineage is not None and lineage.mode is not None)
+        if guard:
+            was = tracer._busy  # (at the end of a step: the tracer's own work goes on after this)
+            tracer.busy = True
         try:
+            n = len(token)
             op, reduce_op, gid, seq, t0, index, parent, inputs, fp_pre, is_async, step, started = token[:12]
-            outputs = tensors_of(token[12]) if len(token) > 12 else []
-            attrs = token[functional.T_ATTRS] if len(token) > functional.T_ATTRS else None
+            out = token[12] if n > 12 else None
+            outputs = [out] if type(out) is _Tensor else tensors_of(out)
+            attrs = token[functional.T_ATTRS] if n > functional.T_ATTRS else None
             rows = self.rows_of.pop(id(token), None) if self.rows_of else None
             if rows is not None:
                 attrs = dict(attrs or {}, nonzero_rows=rows)
-            waited = token[functional.T_WAITED] if len(token) > functional.T_WAITED else None
+            waited = token[functional.T_WAITED] if n > functional.T_WAITED else None
             t1 = _now() if waited is None else waited
             if started is not None:
                 if error or unwaited or step != tracer.step:
@@ -399,30 +400,47 @@ class CollectiveInterceptor:
                 else:
                     self.device_times.end(step, index, started)
             writer = tracer.writer
-            fps = tracer.fps
             fp_post = -1
             if waited is not None:
                 fp_post = token[functional.T_FP_OUT]
-            elif outputs and tracer.fp_now and step == tracer.step and not unwaited and len(token) <= 13:
+            elif outputs and tracer.fp_now and step == tracer.step and not unwaited and n <= 13:
+                fps = tracer.fps
                 fps.forget(outputs)
                 fp_post = fps.add(outputs)
-            slots = [(f"input.{i}", t) for i, t in enumerate(inputs)]
-            slots += [(f"output.{i}", t) for i, t in enumerate(outputs)]
-            layout = writer.layout(tuple([(s, t.shape, t.dtype, t.device) for s, t in slots]))
-            nbytes = sum(t.numel() * t.element_size() for t in inputs)
+            # The layout: from the cache by tracer/native.py's call_key where it is built (see
+            # _layout_of; its hit inlined here).
+            key_fn = spans.call_key
+            key = key_fn(tuple(inputs), None, outputs, _NO_CONTEXT) if key_fn is not None else -1
+            hit = tracer.layouts.coll.get(key) if key >= 0 else None
+            layout, nbytes = hit if hit is not None else _layout_of(tracer, writer, inputs, outputs, key)
             flags = ((schema.FLAG_ASYNC if is_async else 0) | (schema.FLAG_ERROR if error else 0)
                      | (schema.FLAG_CAPTURED if tracer.capturing else 0)
                      | (schema.FLAG_UNWAITED if unwaited else 0))
-            redop = (writer.string(_reduce_op_name(reduce_op))
-                     if reduce_op is not None or op in _REDUCING else -1)
-            record = (schema.COLLECTIVE, step, index, parent, writer.string(op), redop, gid, seq,
+            # (interned string ids looked up in the writer's table first: a method call only
+            # for a string new to the file)
+            strings = writer.string_ids
+            if reduce_op is not None or op in _REDUCING:
+                redop_name = "sum" if reduce_op is None else _reduce_op_name(reduce_op)
+                redop = strings.get(redop_name)
+                if redop is None:
+                    redop = writer.string(redop_name)
+            else:
+                redop = -1
+            op_id = strings.get(op)
+            if op_id is None:
+                op_id = writer.string(op)
+            record = (schema.COLLECTIVE, step, index, parent, op_id, redop, gid, seq,
                       t0 - tracer.step_t0_raw, t1 - t0, layout, fp_pre, fp_post, len(inputs), flags,
                       nbytes)
-            writer.add(record + (attrs,) if attrs else record)
+            buf = writer.pending  # (writer.add inlined, as tracer/spans.py does)
+            buf.append(record + (attrs,) if attrs else record)
+            if len(buf) >= writer.max_buffered:
+                writer.flush()
         except Exception as exc:
             tracer.on_error(f"collective {token[0]}", exc)
         finally:
-            tracer.busy = was
+            if guard:
+                tracer.busy = was
 
     def end_step(self) -> None:
         """Write the records of this step's waited functional collectives, and close the async
@@ -435,6 +453,11 @@ class CollectiveInterceptor:
 
 
 _T_ASYNC = 9
+_F_SELECTED, _F_INDEX = spans.F_SELECTED, spans.F_INDEX
+_NO_CONTEXT: set = set()  # (call_key's registered plain types: a collective's slots hold tensors only)
+_Tensor = torch.Tensor
+
+
 # All_reduces whose inputs may be zero-padded slices (a gather done as a sum, as SGLang's DP
 # attention does): the rows each rank's input is nonzero in tell a gather from a reduction.
 _ROW_CHECKED = {"all_reduce", "all_reduce_", "all_reduce_coalesced"}

@@ -34,7 +34,7 @@ class SpanLayouts:
     """Layout ids of the current rank file by flat keys, cheaper to build than the nested slot
     tuple ``RankWriter.layout`` interns: valid until the writer forgets its ids (``clear``)."""
 
-    __slots__ = ("one", "flat", "by_call_key")
+    __slots__ = ("one", "flat", "by_call_key", "coll")
 
     def __init__(self):
         # One tensor in and one out (the common call), keyed by (shape, dtype, device) of each
@@ -42,11 +42,14 @@ class SpanLayouts:
         self.one: dict = {}
         self.flat: dict = {}  # calls of tensors and plain values, keyed flat (record_tensors)
         self.by_call_key: dict = {}  # the same by tracer/native.py's call_key: (layout, n_pre)
+        # collectives' tensors by call_key: (layout, bytes of the inputs) (tracer/collectives.py)
+        self.coll: dict = {}
 
     def clear(self) -> None:
         self.one.clear()
         self.flat.clear()
         self.by_call_key.clear()
+        self.coll.clear()
 
 
 def open_span(t, path_id) -> tuple:

@@ -57,6 +57,7 @@ class RankWriter:
         self._lock = threading.Lock()  # one chunk written at a time, in order
         self._packer = msgpack.Packer(use_bin_type=True)
         self._strings: dict[str, int] = {}
+        self.string_ids = self._strings  # read by tracer/collectives.py before asking string()
         self._metas: dict[tuple, int] = {}
         self.layout_ids: dict[tuple, int] = {}  # read by tracer/spans.py before asking layout()
         self._modules: dict[str, int] = {}
