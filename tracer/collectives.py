@@ -198,32 +198,42 @@ class CollectiveInterceptor:
         interceptor = self
         group_seq = self.group_seq
         always_async = name in _ALWAYS_ASYNC
+        # Positions of the arguments read below (len(names): only by keyword), so that a call
+        # builds no dict of its arguments.
+        at = {n: i for i, n in enumerate(names)}
+        group_at, in_at, out_at = at["group"], at.get(in_arg, 0), at.get(out_arg, 0)
+        op_at, async_at = at.get("op", len(names)), at.get("async_op", len(names))
 
         @functools.wraps(orig)
         def wrapper(*args, **kwargs):
             # (``_busy``, ``_tracing_step``: what Tracer.busy and .tracing_step return, read
             # without their descriptor's Python call; this wrapper runs for every collective of
-            # every step, inside the window or not, as does bind_args inlined below)
+            # every step, inside the window or not: what it reads is read in place, with no
+            # call of bind_args or tensors_of for a lone tensor)
             if not tracer.enabled or tracer.in_collective or tracer._busy:
                 return orig(*args, **kwargs)
             token = None
             try:
-                bound = dict(zip(names, args))
-                if kwargs:
-                    bound.update(kwargs)
-                group = group_seq(bound.get("group"))
+                n = len(args)
+                group = group_seq(args[group_at] if group_at < n else
+                                  kwargs.get("group") if kwargs else None)
                 if tracer._tracing_step:
-                    is_async = always_async or bool(bound.get("async_op"))
-                    inputs = bound.get(in_arg) if in_arg else None
-                    # (tensors_of for a lone tensor inlined)
-                    inputs = [inputs] if type(inputs) is _Tensor else tensors_of(inputs)
+                    is_async = always_async or bool(args[async_at] if async_at < n else
+                                                    kwargs.get("async_op") if kwargs else None)
+                    if in_arg:
+                        inputs = args[in_at] if in_at < n else kwargs.get(in_arg) if kwargs else None
+                        inputs = [inputs] if type(inputs) is _Tensor else tensors_of(inputs)
+                    else:
+                        inputs = []
                     if out_arg:
-                        out = bound.get(out_arg)
+                        out = args[out_at] if out_at < n else kwargs.get(out_arg) if kwargs else None
                         outputs = [out] if type(out) is _Tensor else tensors_of(out)
                     else:
                         out = outputs = None
-                    token = interceptor.begin(name, bound.get("op") if has_op else None, group,
-                                              inputs, is_async, outputs)
+                    op = None
+                    if has_op:
+                        op = args[op_at] if op_at < n else kwargs.get("op") if kwargs else None
+                    token = interceptor.begin(name, op, group, inputs, is_async, outputs)
                     token.append(out)
             except Exception as exc:
                 tracer.on_error(f"collective {name}", exc)
