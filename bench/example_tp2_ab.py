@@ -18,6 +18,8 @@ Variants (``--variants``):
 - ``record-nowake`` the same with the step end's ``flush_when_idle`` made a no-op (what waking
                     the writer thread costs);
 - ``record-nofp``   ``fingerprint=False``;
+- ``record-0:1``    ``steps=(0, 1)``: the block's first warm-up step traced, every timed step
+                    outside the window (what an untraced step costs with the tracer installed);
 - ``empty-hooks``   two empty global forward hooks (pre and post), no tracer: a floor.
 
     OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc-per-node 2 bench/example_tp2_ab.py --rounds 5
@@ -41,7 +43,7 @@ import torch.distributed as dist
 from common import header, header_line  # bench/ is first on sys.path
 from models import load_example
 
-VARIANTS = ("untraced", "record", "record-nocoll", "record-nowake", "record-nofp", "empty-hooks")
+VARIANTS = ("untraced", "record", "record-nocoll", "record-nowake", "record-nofp", "record-0:1", "empty-hooks")
 
 
 def _start(variant: str, out_dir: str):
@@ -56,7 +58,8 @@ def _start(variant: str, out_dir: str):
         handles = [nn_module.register_module_forward_pre_hook(lambda m, a: None),
                    nn_module.register_module_forward_hook(lambda m, a, o: None, always_call=True)]
         return lambda: [h.remove() for h in handles]
-    tr = tracer.start(out_dir=out_dir, fingerprint=variant != "record-nofp")
+    tr = tracer.start(out_dir=out_dir, fingerprint=variant != "record-nofp",
+                      steps=(0, 1) if variant == "record-0:1" else (0, None))
     if variant == "record-nocoll" and tr.collectives is not None:
         tr.collectives.uninstall()
     if variant == "record-nowake":
