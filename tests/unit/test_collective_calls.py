@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from tensor_trace import tracer
+from tensor_trace import schema, tracer
 from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 
 # Python calls the tracer adds per all_reduce (measured on the code of 2026-12-02: torch 2.13
@@ -123,7 +123,8 @@ def test_python_calls_per_traced_collective_with_native_keys(tmp_path, monkeypat
 
 
 class Mixed(nn.Module):
-    """Collectives of several layouts, each layout twice in a step (the second from the cache)."""
+    """Collectives of several layouts, each layout twice in a step (the second from the cache),
+    and all_reduces whose arguments come by keyword and by position."""
 
     def forward(self, x):
         for _ in range(2):
@@ -134,6 +135,11 @@ class Mixed(nn.Module):
             out = torch.empty(x.shape[0] // 4, *x.shape[1:])
             dist.reduce_scatter_tensor(out, x)
             dist.broadcast(x[:2], src=0)
+        # arguments by keyword and by position: the wrapper reads each where it was given
+        dist.all_reduce(tensor=x, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+        dist.all_reduce(x, dist.ReduceOp.MIN, None, False)
+        work = dist.all_reduce(x, dist.ReduceOp.PRODUCT, None, True)
+        work.wait()
         return x
 
 
@@ -167,11 +173,15 @@ def test_collective_layouts_from_native_keys_match_the_python_path(tmp_path, mon
                     m(x)
             assert tr.errors == 0
             if key is not None:
-                assert len(tr.layouts.coll) == 5  # the cache was used
+                assert len(tr.layouts.coll) == 5  # the cache was used (five layouts)
             else:
                 assert not tr.layouts.coll
         finally:
             tracer.stop()
         got[label] = _collective_records(tmp_path / label)
-    assert len(got["native"]) == 4 * 10
+    assert len(got["native"]) == 4 * 13
     assert got["native"] == got["python"]
+    last = got["python"][-3:]
+    assert [c.reduce_op for c in last] == ["max", "min", "product"]
+    assert [bool(c.flags & schema.FLAG_ASYNC) for c in last] == [False, False, True]
+    assert all([t.shape for t in c.tensors] == [[8, 4], [8, 4]] for c in last)
