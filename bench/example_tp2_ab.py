@@ -11,6 +11,7 @@ thread only, not the rank file's writer thread nor gloo's).
 Variants (``--variants``):
 
 - ``untraced``      the model alone;
+- ``untraced-b``    the same again (a control: how far two identical variants differ);
 - ``record``        a tracer session with record's defaults (tracer/native.py's C call wrapper
                     where it builds);
 - ``record-nocoll`` the same with the collective wrappers taken out again after start (what
@@ -43,14 +44,14 @@ import torch.distributed as dist
 from common import header, header_line  # bench/ is first on sys.path
 from models import load_example
 
-VARIANTS = ("untraced", "record", "record-nocoll", "record-nowake", "record-nofp", "record-0:1", "empty-hooks")
+VARIANTS = ("untraced", "untraced-b", "record", "record-nocoll", "record-nowake", "record-nofp", "record-0:1", "empty-hooks")
 
 
 def _start(variant: str, out_dir: str):
     """Start what ``variant`` runs; returns a callable that stops it."""
     from tensor_trace import tracer
 
-    if variant == "untraced":
+    if variant in ("untraced", "untraced-b"):
         return lambda: None
     if variant == "empty-hooks":
         from torch.nn.modules import module as nn_module
