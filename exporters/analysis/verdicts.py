@@ -172,6 +172,18 @@ def _semantics_check(sem, placement, reduction, items) -> None:
                          f" -- DISAGREES with the observed {placement}/{reduction}")))
 
 
+def calls_seen(con) -> list:
+    """[(module_id, call, spans)] of the first process with spans. The merge counts them while
+    it loads that file and leaves them in a TEMP table of its connection (``first_proc_calls``,
+    store/merge.py); elsewhere they are grouped from the store."""
+    if con.execute("SELECT 1 FROM temp.sqlite_master WHERE name = 'first_proc_calls'").fetchone():
+        return con.execute("SELECT module_id, call, n FROM temp.first_proc_calls").fetchall()
+    bounds = con.execute("SELECT MIN(span_first), MAX(span_last) FROM steps WHERE proc = "
+                         "(SELECT MIN(proc) FROM steps WHERE span_first IS NOT NULL)").fetchone()
+    return con.execute("SELECT module_id, call, COUNT(*) FROM spans WHERE rowid BETWEEN ? AND ? "
+                       "GROUP BY module_id, call", bounds).fetchall()
+
+
 def compute_verdicts(con) -> int:
     """Fill the ``points`` table; return the number of points."""
     ctx = StoreContext(con)
@@ -187,12 +199,8 @@ def compute_verdicts(con) -> int:
                 verdict["step"] = step
                 verdict["order"] = view.times.get(key, (1 << 62, 0, 0))
                 per_point.setdefault(key, []).append(verdict)
-    seen_steps = {}  # traced steps each (module, call) was seen in, on the first process
-    bounds = con.execute("SELECT MIN(span_first), MAX(span_last) FROM steps WHERE proc = "
-                         "(SELECT MIN(proc) FROM steps WHERE span_first IS NOT NULL)").fetchone()
-    for mid, call, n in con.execute("SELECT module_id, call, COUNT(*) FROM spans WHERE rowid BETWEEN ? AND ? "
-                                    "GROUP BY module_id, call", bounds):
-        seen_steps[(ctx.modules[mid], call)] = n
+    # traced steps each (module, call) was seen in, on the first process
+    seen_steps = {(ctx.modules[mid], call): n for mid, call, n in calls_seen(con)}
     captures = {p: json.loads(i) for p, i in con.execute("SELECT point, info FROM captures")}
     lineage_steps = {s for (s,) in con.execute("SELECT DISTINCT step FROM lineage")}
     rows = []

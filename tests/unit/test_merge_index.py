@@ -116,3 +116,45 @@ def test_the_pipelines_analysis_writes_nothing_before_its_verdicts(tmp_path, mon
     con = sqlite3.connect(f"file:{merge.store_path(d)}?mode=ro", uri=True)
     assert con.execute("SELECT value FROM meta WHERE key='analysis_version'").fetchone() == (analysis.version(),)
     con.close()
+
+
+def _steps_trace(d):
+    # Three steps; "reduce" runs twice a step (calls 0 and 1), "skip" in the first step only.
+    rng = gen()
+    tr = SyntheticTrace(2)
+    for k in range(3):
+        with tr.step():
+            for _ in range(2):
+                xs = {r: pos(rng, 2, 3) for r in R}
+                with tr.call("reduce", arrays(xs)) as c:
+                    tr.coll("all_reduce", [arrays(xs)], [same(xs[0] + xs[1], R)])
+                    c.returns(same(xs[0] + xs[1], R))
+            if k == 0:
+                with tr.call("skip", arrays(xs)) as c:
+                    c.returns(arrays(xs))
+    tr.write(str(d))
+    return str(d)
+
+
+def test_the_first_process_spans_per_call_are_counted_while_loading(tmp_path):
+    # The verdicts' steps seen per point come from the merge's count of the first file's spans
+    # (a TEMP table of its connection), not from grouping that process's spans again; the same
+    # counts as the grouping, which the verdicts fall back to without the table.
+    from tensor_trace.exporters.analysis import verdicts
+
+    d = _steps_trace(tmp_path / "t")
+    seen = {}
+
+    def analyse(con):
+        seen["tables"] = {n for (n,) in con.execute("SELECT name FROM temp.sqlite_master")}
+        seen["counted"] = sorted(verdicts.calls_seen(con))
+        con.execute(f"DROP TABLE temp.{merge.CALLS_TABLE}")
+        seen["grouped"] = sorted(verdicts.calls_seen(con))
+        return 0
+
+    merge.merge_ranks(d, warn=lambda m: None, workers=0, analyse=analyse)
+    assert merge.CALLS_TABLE in seen["tables"]
+    modules = dict(sqlite3.connect(merge.store_path(d)).execute("SELECT module_id, path FROM modules"))
+    counted = {(modules[m], call): n for m, call, n in seen["counted"]}
+    assert counted["reduce", 0] == counted["reduce", 1] == 3 and counted["skip", 0] == 1
+    assert seen["counted"] == seen["grouped"]
