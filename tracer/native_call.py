@@ -335,8 +335,34 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   return 1;
 }
 
+// One int as msgpack-python's Packer writes it (the shortest form): where p points; the end.
+inline uint8_t* pack_int(uint8_t* p, long long v) {
+  auto be = [&p](unsigned long long u, int bytes) {
+    for (int i = bytes - 1; i >= 0; --i) *p++ = static_cast<uint8_t>(u >> (8 * i));
+  };
+  if (v >= 0) {
+    if (v < 0x80) { *p++ = static_cast<uint8_t>(v); }
+    else if (v < 0x100) { *p++ = 0xcc; be(v, 1); }
+    else if (v < 0x10000) { *p++ = 0xcd; be(v, 2); }
+    else if (v < 0x100000000LL) { *p++ = 0xce; be(v, 4); }
+    else { *p++ = 0xcf; be(v, 8); }
+  } else {
+    unsigned long long u = static_cast<unsigned long long>(v);
+    if (v >= -32) { *p++ = static_cast<uint8_t>(v); }
+    else if (v >= -128) { *p++ = 0xd0; be(u, 1); }
+    else if (v >= -32768) { *p++ = 0xd1; be(u, 2); }
+    else if (v >= -2147483648LL) { *p++ = 0xd2; be(u, 4); }
+    else { *p++ = 0xd3; be(u, 8); }
+  }
+  return p;
+}
+
 // The SPAN record of spans.py, item for item, appended to the writer's pending list; the
 // writer flushed at its bound as spans.py does. 0, or -1 with an exception.
+// Appended as the bytes msgpack makes of its tuple (RankWriter.flush writes such items as they
+// are): one small object, where the tuple took three and a reference to each of its values;
+// a GPU step is host-bound, and on the H200 that memory traffic was a third of a call's cost.
+// A value that is no int of 64 bits takes the tuple.
 int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyObject* fp_post,
                 PyObject* n_pre) {
   PyObject *step = state_item(self, kStep), *raw = state_item(self, kStepT0Raw);
@@ -347,23 +373,49 @@ int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyO
   }
   long long t0_raw = as_long_long(raw);
   if (t0_raw == -1 && PyErr_Occurred()) return -1;
-  PyObject* rec = PyTuple_New(13);
-  if (rec == nullptr) return -1;
   PyObject* items[13] = {self->span_tag, step, c.index, c.parent, c.path_id, c.call, nullptr,
                          nullptr, layout, c.fp_pre, fp_post, n_pre, flags};
-  for (int i = 0; i < 13; ++i) {
-    if (i == 6 || i == 7) continue;
-    PyTuple_SET_ITEM(rec, i, Py_NewRef(items[i]));
+  uint8_t packed[1 + 13 * 9];
+  uint8_t* p = packed;
+  *p++ = 0x9d;  // an array of 13
+  for (int i = 0; i < 13 && p != nullptr; ++i) {
+    long long v;
+    if (i == 6) {
+      v = c.t0 - t0_raw;
+    } else if (i == 7) {
+      v = t1 - c.t0;
+    } else {
+      int overflow = 0;
+      v = PyLong_CheckExact(items[i]) ? PyLong_AsLongLongAndOverflow(items[i], &overflow) : 0;
+      if (!PyLong_CheckExact(items[i]) || overflow != 0 || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        p = nullptr;
+        break;
+      }
+    }
+    p = pack_int(p, v);
   }
-  PyObject* rel = PyLong_FromLongLong(c.t0 - t0_raw);
-  PyObject* dur = PyLong_FromLongLong(t1 - c.t0);
-  if (rel == nullptr || dur == nullptr) {
-    Py_XDECREF(rel); Py_XDECREF(dur); Py_DECREF(rec);
-    return -1;
+  PyObject* rec;
+  if (p != nullptr) {
+    rec = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(packed), p - packed);
+    if (rec == nullptr) return -1;
+  } else {
+    rec = PyTuple_New(13);
+    if (rec == nullptr) return -1;
+    for (int i = 0; i < 13; ++i) {
+      if (i == 6 || i == 7) continue;
+      PyTuple_SET_ITEM(rec, i, Py_NewRef(items[i]));
+    }
+    PyObject* rel = PyLong_FromLongLong(c.t0 - t0_raw);
+    PyObject* dur = PyLong_FromLongLong(t1 - c.t0);
+    if (rel == nullptr || dur == nullptr) {
+      Py_XDECREF(rel); Py_XDECREF(dur); Py_DECREF(rec);
+      return -1;
+    }
+    PyTuple_SET_ITEM(rec, 6, rel);
+    PyTuple_SET_ITEM(rec, 7, dur);
+    PyObject_GC_UnTrack(rec);  // (ints only: never in a cycle, nothing for the collector to visit)
   }
-  PyTuple_SET_ITEM(rec, 6, rel);
-  PyTuple_SET_ITEM(rec, 7, dur);
-  PyObject_GC_UnTrack(rec);  // (ints only: never in a cycle, nothing for the collector to visit)
   PyObject* pending = writer_attr(self, writer, kPending);
   if (pending == nullptr) { Py_DECREF(rec); return -1; }
   int r = PyList_Append(pending, rec);

@@ -1,7 +1,7 @@
 """RankWriter: the per-process, append-only, crash-safe rank file.
 
 Records are appended to an in-memory list by the hooks (a list append: the cheapest thing a
-hook can do) and written by a background thread at least once a second as one framed chunk
+hook can do; tracer/native_call.py appends a span as the msgpack bytes of its tuple) and written by a background thread at least once a second as one framed chunk
 (see ``tensor_trace.schema``); exit, SIGTERM and SIGINT flush what is left.
 
 Idle flush. A server goes idle after its last request's last step, and may then be SIGKILLed
@@ -31,6 +31,19 @@ from tensor_trace import schema
 from tensor_trace.tracer import kinds
 
 CHUNK_RECORDS = 256
+
+
+def pack_records(packer, records: list) -> bytes:
+    """The msgpack array of ``records`` (one chunk's payload): tuples packed here, and bytes
+    taken as they are, the packed tuple that tracer/native_call.py appends in their stead (so
+    the payload is the same whichever appended a record)."""
+    if bytes not in set(map(type, records)):
+        return packer.pack(records)
+    n = len(records)
+    head = bytes((0x90 | n,)) if n < 16 else b"\xdc" + n.to_bytes(2, "big") if n < 0x10000 \
+        else b"\xdd" + n.to_bytes(4, "big")
+    pack = packer.pack
+    return head + b"".join([r if r.__class__ is bytes else pack(r) for r in records])
 
 
 class RankWriter:
@@ -158,12 +171,14 @@ class RankWriter:
             start = self.bytes_written
             try:
                 # Chunks of bounded size: damage to one costs at most CHUNK_RECORDS records.
-                data = b"".join(schema.chunk(self._packer.pack(buf[i:i + CHUNK_RECORDS]))
+                data = b"".join(schema.chunk(pack_records(self._packer, buf[i:i + CHUNK_RECORDS]))
                                 for i in range(0, len(buf), CHUNK_RECORDS))
                 self._write_all(data)
                 self.chunks_written += (len(buf) + CHUNK_RECORDS - 1) // CHUNK_RECORDS
             except Exception as exc:  # a full disk must not take the traced program down
                 self._write_failed(exc, start)
+            if self.listeners and bytes in set(map(type, buf)):
+                buf = [r if r.__class__ is not bytes else msgpack.unpackb(r, use_list=False) for r in buf]
             for listener in self.listeners:
                 try:
                     listener(buf)
