@@ -107,10 +107,13 @@ def from_torch_style(style) -> Style:
 # distributed/tensor_parallel.py for 5.x): "colwise" is ColwiseParallel (output Shard(-1), kept
 # local); "colwise_rep" / "colwise_gather_output" gather it (output Replicate()); "rowwise" is
 # RowwiseParallel (output Replicate(): the partial sums are all-reduced inside the module call);
-# "embedding_rowwise" is a vocab-parallel embedding reduced the same way.
+# "embedding_rowwise" is a vocab-parallel embedding reduced the same way; "rowwise_split_input"
+# takes a replicated input and slices this rank's features off it inside the call (no
+# collective), then reduces as "rowwise" does.
 HF_STYLES = {"colwise": Style("colwise", shard(-1)), "colwise_rep": Style("colwise", REP),
              "colwise_gather_output": Style("colwise", REP), "rowwise": Style("rowwise", REP),
-             "embedding_rowwise": Style("rowwise", REP)}
+             "embedding_rowwise": Style("rowwise", REP),
+             "rowwise_split_input": Style("rowwise", REP, inputs=(REP,))}
 
 
 def hf_plan_styles(plan: dict, module_paths) -> dict:
@@ -191,7 +194,10 @@ class Walk:
             local = PlannedTensor(shard(last), NO, xin.shape[:-1] + (out_features // self.tp,))
             return self.put(f"{path}:output", self._finish_colwise(path, local, style))
         if style.kind == "rowwise":
-            assert shard_dim(x.placement) == last, f"{path}: rowwise input must be a last-dim shard"
+            if style.inputs == (REP,):  # (rowwise_split_input: the call slices it)
+                assert x.placement == REP, f"{path}: rowwise_split_input's input must be replicated"
+            else:
+                assert shard_dim(x.placement) == last, f"{path}: rowwise input must be a last-dim shard"
             return self.put(f"{path}:output", self._finish_rowwise(path, x.shape[:-1] + (out_features,), style))
         raise ValueError(f"{path}: no truth for {style.kind} on a linear")
 
@@ -274,12 +280,16 @@ def titan_truth(plan: str, tp: int, *, plan_styles, sizes: dict) -> Walk:
 
 
 def hf_llama_truth(plan: dict, tp: int, *, sizes: dict, batch: int, seq: int, version: str,
-                   moe: bool = False) -> Walk:
+                   moe: bool = False, post_norms: bool = False) -> Walk:
     """Truth for tests/integration/scripts/tp_hf_llama.py: transformers' LlamaForCausalLM loaded
     with ``tp_plan="auto"``, whose applied plan (``model.tp_plan``) is ``plan``. The walk follows
     LlamaForCausalLM / LlamaModel / LlamaDecoderLayer.forward of transformers ``version`` (the
     4.x and 5.x sources differ in which keyword arguments they pass). ``moe``: tp_hf_mixtral.py's
-    MixtralForCausalLM, the same walk but for its MLP (``hf_moe_mlp``)."""
+    MixtralForCausalLM, the same walk but for its MLP (``hf_moe_mlp``). ``post_norms``:
+    tp_hf_olmo2.py's Olmo2ForCausalLM (Olmo2DecoderLayer.forward of 5.x): no input norm; the
+    attention's q and k projections each go through a norm over their whole width (q_norm,
+    k_norm); the attention's and the MLP's outputs are normed (post_attention_layernorm,
+    post_feedforward_layernorm) before each residual add."""
     major = int(version.split(".")[0])
     layers = sizes["num_hidden_layers"]
     paths = ["model.embed_tokens", "lm_head"]
@@ -314,17 +324,25 @@ def hf_llama_truth(plan: dict, tp: int, *, sizes: dict, batch: int, seq: int, ve
         (x,) = w.enter(p, [h])
         for k, v in extras.items():
             w.put(f"{p}:input.{k}", v)
-        n = w.norm(f"{p}.input_layernorm", x)
+        n = x if post_norms else w.norm(f"{p}.input_layernorm", x)
         w.put(f"{p}.self_attn:input.hidden_states", n)
         for k, v in extras.items():
             w.put(f"{p}.self_attn:input.{k}", v)
         q = w.linear(f"{p}.self_attn.q_proj", n, heads * hd)
-        w.linear(f"{p}.self_attn.k_proj", n, kv * hd)
+        k_ = w.linear(f"{p}.self_attn.k_proj", n, kv * hd)
+        if post_norms:
+            q = w.norm(f"{p}.self_attn.q_norm", q)
+            w.norm(f"{p}.self_attn.k_norm", k_)
         w.linear(f"{p}.self_attn.v_proj", n, kv * hd)
+        # (the attention's output has q's placement: its heads are split as q's features are)
         a = w.put(f"{p}.self_attn:output.0", w.linear(f"{p}.self_attn.o_proj", q.local_op(), d))
-        h1 = add(x, a)
-        n2 = w.norm(f"{p}.post_attention_layernorm", h1)
-        (xm,) = w.enter(f"{p}.mlp", [n2])
+        if post_norms:
+            h1 = add(x, w.norm(f"{p}.post_attention_layernorm", a))
+            (xm,) = w.enter(f"{p}.mlp", [h1])
+        else:
+            h1 = add(x, a)
+            n2 = w.norm(f"{p}.post_attention_layernorm", h1)
+            (xm,) = w.enter(f"{p}.mlp", [n2])
         if moe:
             f = hf_moe_mlp(w, plan, f"{p}.mlp", xm, sizes)
         else:
@@ -333,6 +351,8 @@ def hf_llama_truth(plan: dict, tp: int, *, sizes: dict, batch: int, seq: int, ve
             act = w.put(f"{p}.mlp.act_fn:output", g.local_op())
             w.linear(f"{p}.mlp.up_proj", xm, sizes["intermediate_size"])
             f = w.put(f"{p}.mlp:output", w.linear(f"{p}.mlp.down_proj", act.local_op(), d))
+        if post_norms:
+            f = w.norm(f"{p}.post_feedforward_layernorm", f)
         h = w.put(f"{p}:output", add(h1, f))
     last = w.put("model:output.last_hidden_state", w.norm("model.norm", h))
     w.put(":output.logits", w.linear("lm_head", last, sizes["vocab_size"]))

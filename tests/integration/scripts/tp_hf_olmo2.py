@@ -1,0 +1,31 @@
+"""A HuggingFace transformers OLMo 2 loaded with its own tensor-parallel plan (``tp_plan="auto"``):
+its attention projections are column-parallel with the output gathered (``colwise_gather_output``:
+q_norm and k_norm then norm whole rows), its ``o_proj`` slices a replicated input inside the call
+(``rowwise_split_input``), and its norms come after the attention and the MLP. Same command line
+as tp_hf_llama.py, whose main it runs:
+
+    torchrun --nproc-per-node 2 tp_hf_olmo2.py --ckpt DIR --steps 2 [--dump DIR] [--plan-out FILE]
+"""
+
+import os
+
+import tp_hf_llama
+
+SIZES, BATCH, SEQ = tp_hf_llama.SIZES, tp_hf_llama.BATCH, tp_hf_llama.SEQ
+
+
+def write_checkpoint(path):
+    """A seeded random OLMo 2 in ``path`` (safetensors + config), written once."""
+    import torch
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Olmo2Config(**SIZES, tie_word_embeddings=False, dtype="float32")
+    model = Olmo2ForCausalLM(config).eval()
+    tmp = path + ".tmp"
+    model.save_pretrained(tmp)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    tp_hf_llama.main(write_checkpoint)
