@@ -24,16 +24,22 @@ SIZES = dict(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_lay
 BATCH, SEQ = 2, 12
 
 
-def write_checkpoint(path):
-    """A seeded random Llama in ``path`` (safetensors + config), written once."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def save_seeded(path, config_cls, model_cls, sizes):
+    """A seeded random ``model_cls`` of ``sizes`` in ``path`` (safetensors + config), written once
+    (the other tp_hf_*.py programs save theirs with it)."""
     torch.manual_seed(0)
-    config = LlamaConfig(**SIZES, tie_word_embeddings=False, dtype="float32")
-    model = LlamaForCausalLM(config).eval()
+    config = config_cls(**sizes, tie_word_embeddings=False, dtype="float32")
+    model = model_cls(config).eval()
     tmp = path + ".tmp"
     model.save_pretrained(tmp)
     os.replace(tmp, path)
+
+
+def write_checkpoint(path):
+    """A seeded random Llama in ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    save_seeded(path, LlamaConfig, LlamaForCausalLM, SIZES)
 
 
 def tokens_for_step(step):

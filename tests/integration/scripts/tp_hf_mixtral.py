@@ -7,8 +7,6 @@ experts' output (``moe_tp_experts``); the experts run on local tensors inside on
     torchrun --nproc-per-node 2 tp_hf_mixtral.py --ckpt DIR --steps 2 [--dump DIR] [--plan-out FILE]
 """
 
-import os
-
 import tp_hf_llama
 
 # tp_hf_llama's sizes (its token ids are drawn from the same vocabulary), with 4 experts, 2 per token
@@ -17,16 +15,10 @@ BATCH, SEQ = tp_hf_llama.BATCH, tp_hf_llama.SEQ
 
 
 def write_checkpoint(path):
-    """A seeded random Mixtral in ``path`` (safetensors + config), written once."""
-    import torch
+    """A seeded random Mixtral in ``path``."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    torch.manual_seed(0)
-    config = MixtralConfig(**SIZES, tie_word_embeddings=False, dtype="float32")
-    model = MixtralForCausalLM(config).eval()
-    tmp = path + ".tmp"
-    model.save_pretrained(tmp)
-    os.replace(tmp, path)
+    tp_hf_llama.save_seeded(path, MixtralConfig, MixtralForCausalLM, SIZES)
 
 
 if __name__ == "__main__":

@@ -7,24 +7,16 @@ as tp_hf_llama.py, whose main it runs:
     torchrun --nproc-per-node 2 tp_hf_olmo2.py --ckpt DIR --steps 2 [--dump DIR] [--plan-out FILE]
 """
 
-import os
-
 import tp_hf_llama
 
 SIZES, BATCH, SEQ = tp_hf_llama.SIZES, tp_hf_llama.BATCH, tp_hf_llama.SEQ
 
 
 def write_checkpoint(path):
-    """A seeded random OLMo 2 in ``path`` (safetensors + config), written once."""
-    import torch
+    """A seeded random OLMo 2 in ``path``."""
     from transformers import Olmo2Config, Olmo2ForCausalLM
 
-    torch.manual_seed(0)
-    config = Olmo2Config(**SIZES, tie_word_embeddings=False, dtype="float32")
-    model = Olmo2ForCausalLM(config).eval()
-    tmp = path + ".tmp"
-    model.save_pretrained(tmp)
-    os.replace(tmp, path)
+    tp_hf_llama.save_seeded(path, Olmo2Config, Olmo2ForCausalLM, SIZES)
 
 
 if __name__ == "__main__":
