@@ -1,7 +1,12 @@
 """What tracer/collectives.py needs to know of each c10d collective (its parameters, which hold
-its input and output tensors, whether it reduces) and how its record's layout is built."""
+its input and output tensors, whether it reduces), how its record's layout is built, and the
+rows an all_reduce's inputs are nonzero in."""
 
 from __future__ import annotations
+
+import torch
+
+from tensor_trace.tracer import host_values
 
 # op -> (parameter names, input tensors, output tensors, has reduce op, async from argument)
 C10D_SPECS = {
@@ -62,3 +67,26 @@ def layout_of(tracer, writer, inputs, outputs, key: int) -> tuple:
     if key >= 0:
         tracer.layouts.coll[key] = hit
     return hit
+
+
+# All_reduces whose inputs may be zero-padded slices (a gather done as a sum, as SGLang's DP
+# attention does): the rows each rank's input is nonzero in tell a gather from a reduction.
+ROW_CHECKED = {"all_reduce", "all_reduce_", "all_reduce_coalesced"}
+
+
+def nonzero_rows(inputs):
+    """Per input tensor ``[first, last, count]`` of its dim-0 rows holding a nonzero value
+    (``[0, 0, 0]`` when none), for CPU tensors only: on a GPU the answer would need a device
+    sync inside the collective's call. None when there is nothing to say."""
+    out = []
+    for t in inputs:
+        if type(t) is not torch.Tensor or t.device.type != "cpu" or t.dim() == 0 or t.numel() == 0 \
+                or t.is_complex() or t.layout is not torch.strided:
+            return None
+        rows = host_values.nonzero_rows(t)  # (numpy: about 9 us against 84 for these torch ops)
+        if rows is None:
+            nz = torch.nonzero(t.reshape(t.shape[0], -1).ne(0).any(1)).flatten()
+            n = int(nz.numel())
+            rows = [int(nz[0]), int(nz[-1]), n] if n else [0, 0, 0]
+        out.append(rows)
+    return out or None

@@ -33,10 +33,12 @@ import types
 import torch
 
 from tensor_trace import schema
-from tensor_trace.tracer import functional, host_values, spans
+from tensor_trace.tracer import functional, native_coll_type, spans
 from tensor_trace.tracer.collective_specs import ALWAYS_ASYNC as _ALWAYS_ASYNC
 from tensor_trace.tracer.collective_specs import C10D_SPECS as _C10D_SPECS
 from tensor_trace.tracer.collective_specs import REDUCING as _REDUCING
+from tensor_trace.tracer.collective_specs import ROW_CHECKED as _ROW_CHECKED
+from tensor_trace.tracer.collective_specs import nonzero_rows as _nonzero_rows
 from tensor_trace.tracer.collective_specs import layout_of as _layout_of
 from tensor_trace.tracer.collective_specs import reduce_op_name as _reduce_op_name
 from tensor_trace.tracer.functional import tensors_of
@@ -92,6 +94,8 @@ class CollectiveInterceptor:
         self.rows_of: dict = {}  # token id -> nonzero rows of its inputs, until its record is written
         self.device_times = tracer.device_times
         self.functional = functional.FunctionalCollectives(self)
+        self.native_paths: dict = {}  # name -> (set its C path, the Python path, torch's function)
+        self.native_calls: dict = {}  # name -> its C path in use (tracer/native_coll.py)
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
@@ -166,8 +170,14 @@ class CollectiveInterceptor:
         if found:
             self._rebind([(mod_name, module)], found)
 
+    def use_native(self) -> int:
+        """tracer/native.py is ready: each wrapper of a collective of tensors calls its C path
+        first (tracer/native_coll.py). How many do."""
+        return native_coll_type.attach(self)
+
     def uninstall(self) -> None:
         global _ACTIVE
+        native_coll_type.detach(self)
         for d, attr, value in self.rebound:
             d[attr] = value
         self.rebound = []
@@ -203,59 +213,71 @@ class CollectiveInterceptor:
         at = {n: i for i, n in enumerate(names)}
         group_at, in_at, out_at = at["group"], at.get(in_arg, 0), at.get(out_arg, 0)
         op_at, async_at = at.get("op", len(names)), at.get("async_op", len(names))
+        fast = None  # this collective's C path (tracer/native_coll.py), once built: use_native
 
-        @functools.wraps(orig)
-        def wrapper(*args, **kwargs):
-            # (``_busy``, ``_tracing_step``: what Tracer.busy and .tracing_step return, read
-            # without their descriptor's Python call; this wrapper runs for every collective of
-            # every step, inside the window or not: what it reads is read in place, with no
-            # call of bind_args or tensors_of for a lone tensor)
-            if not tracer.enabled or tracer.in_collective or tracer._busy:
-                return orig(*args, **kwargs)
-            token = None
-            try:
-                n = len(args)
-                group = group_seq(args[group_at] if group_at < n else
-                                  kwargs.get("group") if kwargs else None)
-                if tracer._tracing_step:
-                    is_async = always_async or bool(args[async_at] if async_at < n else
-                                                    kwargs.get("async_op") if kwargs else None)
-                    if in_arg:
-                        inputs = args[in_at] if in_at < n else kwargs.get(in_arg) if kwargs else None
-                        inputs = [inputs] if type(inputs) is _Tensor else tensors_of(inputs)
-                    else:
-                        inputs = []
-                    if out_arg:
-                        out = args[out_at] if out_at < n else kwargs.get(out_arg) if kwargs else None
-                        outputs = [out] if type(out) is _Tensor else tensors_of(out)
-                    else:
-                        out = outputs = None
-                    op = None
-                    if has_op:
-                        op = args[op_at] if op_at < n else kwargs.get("op") if kwargs else None
-                    token = interceptor.begin(name, op, group, inputs, is_async, outputs)
-                    token.append(out)
-            except Exception as exc:
-                tracer.on_error(f"collective {name}", exc)
+        def make(native_first):  # (two functions of one body: the C path's fallback skips it)
+            @functools.wraps(orig)
+            def wrapper(*args, **kwargs):
+                if native_first and fast is not None:
+                    return fast(*args, **kwargs)  # (it calls the other one for what it does not do)
+                # (``_busy``, ``_tracing_step``: what Tracer.busy and .tracing_step return, read
+                # without their descriptor's Python call; this wrapper runs for every collective of
+                # every step, inside the window or not: what it reads is read in place, with no
+                # call of bind_args or tensors_of for a lone tensor)
+                if not tracer.enabled or tracer.in_collective or tracer._busy:
+                    return orig(*args, **kwargs)
                 token = None
-            # interceptor.call inlined (a Python frame less per collective)
-            tracer.in_collective = True
-            try:
-                result = orig(*args, **kwargs)
-            except BaseException:
+                try:
+                    n = len(args)
+                    group = group_seq(args[group_at] if group_at < n else
+                                      kwargs.get("group") if kwargs else None)
+                    if tracer._tracing_step:
+                        is_async = always_async or bool(args[async_at] if async_at < n else
+                                                        kwargs.get("async_op") if kwargs else None)
+                        if in_arg:
+                            inputs = args[in_at] if in_at < n else kwargs.get(in_arg) if kwargs else None
+                            inputs = [inputs] if type(inputs) is _Tensor else tensors_of(inputs)
+                        else:
+                            inputs = []
+                        if out_arg:
+                            out = args[out_at] if out_at < n else kwargs.get(out_arg) if kwargs else None
+                            outputs = [out] if type(out) is _Tensor else tensors_of(out)
+                        else:
+                            out = outputs = None
+                        op = None
+                        if has_op:
+                            op = args[op_at] if op_at < n else kwargs.get("op") if kwargs else None
+                        token = interceptor.begin(name, op, group, inputs, is_async, outputs)
+                        token.append(out)
+                except Exception as exc:
+                    tracer.on_error(f"collective {name}", exc)
+                    token = None
+                # interceptor.call inlined (a Python frame less per collective)
+                tracer.in_collective = True
+                try:
+                    result = orig(*args, **kwargs)
+                except BaseException:
+                    tracer.in_collective = False
+                    if token is not None:
+                        interceptor.finish(token, error=True)
+                    raise
                 tracer.in_collective = False
-                if token is not None:
-                    interceptor.finish(token, error=True)
-                raise
-            tracer.in_collective = False
-            if token is None:
+                if token is None:
+                    return result
+                if token[_T_ASYNC] and result is not None:
+                    return TracedWork(result, token, interceptor)
+                interceptor.finish(token)
                 return result
-            if token[_T_ASYNC] and result is not None:
-                return TracedWork(result, token, interceptor)
-            interceptor.finish(token)
-            return result
 
-        wrapper.__tensor_trace_original__ = orig
+            wrapper.__tensor_trace_original__ = orig
+            return wrapper
+
+        def use_native(c):
+            nonlocal fast
+            fast = c
+
+        wrapper, python_path = make(True), make(False)
+        self.native_paths[name] = (use_native, python_path, orig)
         return wrapper
 
     # ------------------------------------------------------------------ groups
@@ -466,29 +488,6 @@ _T_ASYNC = 9
 _F_SELECTED, _F_INDEX = spans.F_SELECTED, spans.F_INDEX
 _NO_CONTEXT: set = set()  # (call_key's registered plain types: a collective's slots hold tensors only)
 _Tensor = torch.Tensor
-
-
-# All_reduces whose inputs may be zero-padded slices (a gather done as a sum, as SGLang's DP
-# attention does): the rows each rank's input is nonzero in tell a gather from a reduction.
-_ROW_CHECKED = {"all_reduce", "all_reduce_", "all_reduce_coalesced"}
-
-
-def _nonzero_rows(inputs):
-    """Per input tensor ``[first, last, count]`` of its dim-0 rows holding a nonzero value
-    (``[0, 0, 0]`` when none), for CPU tensors only: on a GPU the answer would need a device
-    sync inside the collective's call. None when there is nothing to say."""
-    out = []
-    for t in inputs:
-        if type(t) is not torch.Tensor or t.device.type != "cpu" or t.dim() == 0 or t.numel() == 0 \
-                or t.is_complex() or t.layout is not torch.strided:
-            return None
-        rows = host_values.nonzero_rows(t)  # (numpy: about 9 us against 84 for these torch ops)
-        if rows is None:
-            nz = torch.nonzero(t.reshape(t.shape[0], -1).ne(0).any(1)).flatten()
-            n = int(nz.numel())
-            rows = [int(nz[0]), int(nz[-1]), n] if n else [0, 0, 0]
-        out.append(rows)
-    return out or None
 
 
 def on_import(mod_name: str, module) -> None:

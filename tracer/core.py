@@ -283,8 +283,11 @@ class Tracer:
         intercept.remove_global_hooks(self)
 
     def use_native_call(self) -> None:
-        """tracer/native.py is ready: modules called through the call wrapper's C version."""
+        """tracer/native.py is ready: modules called through the call wrapper's C version, and
+        collectives through theirs."""
         intercept.use_native_call(self)
+        if self.collectives is not None:
+            self.collectives.use_native()
 
     def set_quiet_hooks(self, quiet: bool) -> None:
         """The lineage-quiet hook bodies (a step that records lineage) or the plain ones."""

@@ -12,6 +12,8 @@ that could only fail, and says nothing.
 - ``traced_call``: ``torch.nn.Module.__call__`` in C for a traced step's common calls
   (tracer/native_call.py), which tracer/intercept.py's ``CallWrapper`` puts in the call slot of
   the modules' classes once this is built: no Python frame of the tracer's per such call.
+- ``traced_collective``: a traced c10d collective's common case in C (tracer/native_coll.py),
+  which tracer/collectives.py's wrappers call first once this is built.
 - ``Table``: the eager fingerprint path's deferred tensors (C++ in tracer/native_table.py). A traced eager GPU step holds a few
   hundred tensors for its fingerprint kernel; in Python each costs a dozen tensor attribute
   reads in the hook and again at the step's end, when they are cold in the CPU's caches. The
@@ -47,7 +49,7 @@ import os
 import sys
 import threading
 
-from tensor_trace.tracer import native_call, native_call_type, native_table
+from tensor_trace.tracer import native_call, native_call_type, native_coll, native_coll_type, native_table
 from tensor_trace.tracer import native_build
 from tensor_trace.tracer.native_build import build_directory, missing_toolchain
 
@@ -217,7 +219,7 @@ _SOURCE_END = r"""
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  if (!ready_traced_call()) throw py::error_already_set();
+  if (!ready_traced_call() || !ready_traced_collective()) throw py::error_already_set();
   py::class_<Table>(m, "Table")
       .def(py::init<int64_t, c10::Device>())
       .def("hold", &Table::hold)
@@ -231,13 +233,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("pair_key") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&pair_key_def, nullptr, nullptr));
   m.attr("call_key") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&call_key_def, nullptr, nullptr));
   m.attr("traced_call") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&traced_call_def, nullptr, nullptr));
+  m.attr("traced_collective") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&traced_collective_def, nullptr, nullptr));
   m.attr("patch_call_slots") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&patch_call_slots_def, nullptr, nullptr));
 }
 """
-SOURCE = SOURCE + native_table.SOURCE + native_call.SOURCE + native_call_type.SOURCE + _SOURCE_END
+SOURCE = (SOURCE + native_table.SOURCE + native_call.SOURCE + native_call_type.SOURCE + native_coll.SOURCE
+          + native_coll_type.SOURCE + _SOURCE_END)
 
 _state: dict = {"table": None, "hold_in": None, "pair_key": None, "call_key": None, "traced_call": None,
-                "patch_call_slots": None, "started": False, "error": None}
+                "patch_call_slots": None, "traced_collective": None, "started": False, "error": None}
 _lock = threading.Lock()
 _done = threading.Event()  # set when a build or load has finished, either way
 
@@ -315,6 +319,12 @@ def traced_call():
     return _state["traced_call"]
 
 
+def traced_collective():
+    """The compiled ``traced_collective(...)``, which makes tracer/native_coll.py's
+    ``TracedCollective`` (a traced c10d collective's common case in C), or None."""
+    return _state["traced_collective"]
+
+
 def patch_call_slots():
     """The compiled ``patch_call_slots(traced_call, base, classes)`` (tracer/native_call.py), or None."""
     return _state["patch_call_slots"]
@@ -375,6 +385,7 @@ def _build() -> None:
         _state["call_key"] = module.call_key
         _state["traced_call"] = module.traced_call
         _state["patch_call_slots"] = module.patch_call_slots
+        _state["traced_collective"] = module.traced_collective
         _state["hold_in"] = module.hold_in
         _state["pair_key"] = module.pair_key
         _state["table"] = module.Table
