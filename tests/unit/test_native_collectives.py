@@ -78,18 +78,19 @@ def _run(out_dir, monkeypatch, native, c_path):
                 m(x)
         calls = tr.collectives.native_calls
         recorded = sum(c.recorded for c in calls.values())
+        seqs = dict(tr.collectives.seq)  # (advanced outside the window too: step 5's calls)
         assert tr.errors == 0
     finally:
         tracer.stop()
-    return _records(out_dir), calls, recorded
+    return _records(out_dir), calls, recorded, seqs
 
 
 def test_c_path_of_collectives_writes_the_python_paths_records(tmp_path, monkeypatch, fake_world):
     from native_loaded import load_native_in_process
 
     native = load_native_in_process(monkeypatch)
-    c_records, c_calls, c_recorded = _run(tmp_path / "c", monkeypatch, native, True)
-    py_records, py_calls, py_recorded = _run(tmp_path / "py", monkeypatch, native, False)
+    c_records, c_calls, c_recorded, c_seqs = _run(tmp_path / "c", monkeypatch, native, True)
+    py_records, py_calls, py_recorded, py_seqs = _run(tmp_path / "py", monkeypatch, native, False)
     assert not py_calls and py_recorded == 0
     assert {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_gather"} \
         <= set(c_calls)
@@ -99,6 +100,7 @@ def test_c_path_of_collectives_writes_the_python_paths_records(tmp_path, monkeyp
     # to the rank file (the first traced step, and the step after its ids were forgotten).
     assert c_recorded >= 2 * 12
     assert c_records == py_records
+    assert c_seqs == py_seqs == {0: 6 * 15}
     assert [r[14] for r in colls[12:15]] == [schema.FLAG_ASYNC, schema.FLAG_ASYNC, schema.FLAG_ERROR]
 
 
