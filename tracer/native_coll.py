@@ -383,11 +383,11 @@ int coll_begin(TracedCollective* self, PyObject* const* vals, CollCall& c) {
     if (!PyList_CheckExact(ready) || PyList_GET_SIZE(ready) != 0) return 0;
     stack = cstate(st, cStack);
     count = cstate(st, cCollCount);
-    c.step = cstate(st, cStep);
+    PyObject* step = cstate(st, cStep);
     if (stack == nullptr || !PyList_CheckExact(stack) || count == nullptr || !PyLong_CheckExact(count) ||
-        c.step == nullptr)
+        step == nullptr)
       return 0;
-    c.step = Py_NewRef(c.step);
+    c.step = Py_NewRef(step);
     // The innermost recorded call's span index: spans.innermost_span, as begin inlines it.
     c.parent = nullptr;
     for (Py_ssize_t i = PyList_GET_SIZE(stack) - 1; i >= 0 && c.parent == nullptr; --i) {

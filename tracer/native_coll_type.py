@@ -30,12 +30,14 @@ def attach(ic) -> int:
 
 
 def detach(ic) -> None:
-    """The wrappers of ``ic`` back to their Python path alone, their C paths closed."""
+    """The wrappers of ``ic`` back to their Python path alone, their C paths closed (for good:
+    the interceptor is uninstalled)."""
     for use, _, _ in ic.native_paths.values():
         use(None)
     for c in ic.native_calls.values():
         c.close()
     ic.native_calls = {}
+    ic.native_paths = {}
 
 
 SOURCE = r"""
