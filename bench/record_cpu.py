@@ -13,7 +13,10 @@ Per variant: the whole process tree's wall time (launch to exit, ``record``'s su
 and the steady-state step time: the example's per-step wall time on rank 0 (``step_wall_s`` in
 its ``--out`` JSON; rank 0 waits for rank 1 at every collective, so it is the pair's step),
 steps from ``--warmup`` on. The headline is the ratio of the median steady-state step to the
-untraced one; the mean steady-state step (which includes the periodic lineage steps of the
+untraced one, with the median of the per-round ratios beside it (``paired``: a round's variants
+run back to back, so its ratio cancels what moved the host between rounds; on 2 shared cores
+rank 0's wall step spreads by +-30 % between rounds, and one slow untraced round moves the ratio
+of medians where the paired median moves by one place); the mean steady-state step (which includes the periodic lineage steps of the
 default schedule) and the whole-process ratio are printed beside it. For ``record-0:1`` every
 steady-state step is outside the window: its ratio is what an untraced step costs with the
 tracer installed (x1.00 is the target).
@@ -112,8 +115,11 @@ FIGURES = (("step_median_s", "step median", "ms"), ("step_mean_s", "step mean", 
 
 
 def summarize(times: dict) -> dict:
-    """Per variant: medians over rounds, and each figure's ratio to untraced (ratio of the
-    medians, and min..max of the per-round ratios: the variants of one round ran back to back)."""
+    """Per variant: medians over rounds, and each figure's ratio to untraced: the ratio of the
+    medians, the median of the per-round ratios (``_paired``: the variants of one round ran back
+    to back, so a round's ratio cancels what moved the host between rounds, where the ratio of
+    medians pairs the median untraced run with a record run of another round), and their
+    min..max."""
     out = {}
     base = times["untraced"]
     for variant, runs in times.items():
@@ -123,6 +129,7 @@ def summarize(times: dict) -> dict:
             row[key] = median(vals)
             per_round = [r[key] / b[key] for r, b in zip(runs, base)]
             row[key + "_ratio"] = row[key] / median([b[key] for b in base])
+            row[key + "_paired"] = median(per_round)
             row[key + "_ratio_range"] = (min(per_round), max(per_round))
         row["trace_bytes"] = median([r["trace_bytes"] for r in runs])
         out[variant] = row
@@ -132,21 +139,27 @@ def summarize(times: dict) -> dict:
 def print_table(summary: dict, args) -> None:
     print(f"\n== {args.workload}: {args.nproc} ranks, {args.steps} steps, steady state = steps "
           f"{args.warmup}..{args.steps - 1}, {args.rounds} rounds. Medians over rounds, their ratio to "
-          f"untraced, and per-round ratios min-max. Step: rank 0's forward call (mean: with the "
-          f"periodic lineage steps; CPU: rank 0's process CPU time); process: the whole tree ==")
-    print(f"{'variant':<11}" + "".join(f" {title:>29}" for _, title, _ in FIGURES) + f" {'trace':>9}")
+          f"untraced [the median of the per-round ratios], and per-round ratios min-max. Step: rank 0's "
+          f"forward call (mean: with the periodic lineage steps; CPU: rank 0's process CPU time); "
+          f"process: the whole tree ==")
+    print(f"{'variant':<11}" + "".join(f" {title:>38}" for _, title, _ in FIGURES) + f" {'trace':>9}")
     for variant, row in summary.items():
         cells = []
         for key, _, unit in FIGURES:
             lo, hi = row[key + "_ratio_range"]
             value = row[key] * (1e3 if unit == "ms" else 1)
-            cells.append(f"{value:>7.2f} {unit:<2} x{row[key + '_ratio']:.3f} ({lo:.2f}-{hi:.2f})")
+            cells.append(f"{value:>7.2f} {unit:<2} x{row[key + '_ratio']:.3f} [x{row[key + '_paired']:.3f}] "
+                         f"({lo:.2f}-{hi:.2f})")
         print(f"{variant:<11} " + " ".join(cells) + f" {row['trace_bytes'] / 1e6:>6.2f} MB")
     base = summary["untraced"]["step_median_s"]
-    lines = [f"headline: record step x{summary['record']['step_median_s'] / base:.3f} of untraced"
-             if "record" in summary else None,
-             f"profiler step x{summary['profiler']['step_median_s'] / base:.3f}" if "profiler" in summary else None,
-             f"record --steps 0:1, steps outside the window x{summary['record-0:1']['step_median_s'] / base:.3f}"
+
+    def step(variant):
+        row = summary[variant]
+        return f"x{row['step_median_s'] / base:.3f} [paired x{row['step_median_s_paired']:.3f}]"
+
+    lines = [f"headline: record step {step('record')} of untraced" if "record" in summary else None,
+             f"profiler step {step('profiler')}" if "profiler" in summary else None,
+             f"record --steps 0:1, steps outside the window {step('record-0:1')}"
              if "record-0:1" in summary else None]
     print("; ".join(x for x in lines if x))
 
