@@ -33,13 +33,13 @@ import types
 import torch
 
 from tensor_trace import schema
-from tensor_trace.tracer import functional, native_coll_type, spans
+from tensor_trace.tracer import functional, native, native_coll_type, spans
 from tensor_trace.tracer.collective_specs import ALWAYS_ASYNC as _ALWAYS_ASYNC
 from tensor_trace.tracer.collective_specs import C10D_SPECS as _C10D_SPECS
 from tensor_trace.tracer.collective_specs import REDUCING as _REDUCING
 from tensor_trace.tracer.collective_specs import ROW_CHECKED as _ROW_CHECKED
-from tensor_trace.tracer.collective_specs import nonzero_rows as _nonzero_rows
 from tensor_trace.tracer.collective_specs import layout_of as _layout_of
+from tensor_trace.tracer.collective_specs import nonzero_rows as _nonzero_rows
 from tensor_trace.tracer.collective_specs import reduce_op_name as _reduce_op_name
 from tensor_trace.tracer.functional import tensors_of
 from tensor_trace.tracer.patching import ORIGINAL, is_wrapped
@@ -173,7 +173,7 @@ class CollectiveInterceptor:
     def use_native(self) -> int:
         """tracer/native.py is ready: each wrapper of a collective of tensors calls its C path
         first (tracer/native_coll.py). How many do."""
-        return native_coll_type.attach(self)
+        return native_coll_type.attach(self, native.traced_collective(), native.call_key())
 
     def uninstall(self) -> None:
         global _ACTIVE

@@ -3,19 +3,19 @@ tracer/collectives.py, and in C++ its Python type (constructor ``traced_collecti
 keeping, ``close``, ``recorded``)."""
 
 
-def attach(ic) -> int:
+def attach(ic, make, key) -> int:
     """Give each c10d wrapper of ``ic`` (a CollectiveInterceptor) of a collective with tensor
-    arguments in and out its TracedCollective, once tracer/native.py is built and spans.py keys
-    layouts with its ``call_key`` (the keys of ``layouts.coll``, which both paths fill and read).
-    How many wrappers have one."""
+    arguments in and out its TracedCollective (``make``: tracer/native.py's
+    ``traced_collective``), once that is built and spans.py keys layouts with its ``call_key``
+    (``key``: the keys of ``layouts.coll``, which both paths fill and read). How many wrappers
+    have one."""
     import torch
     from torch.distributed import distributed_c10d as c10d
 
     from tensor_trace import schema
-    from tensor_trace.tracer import native, spans
+    from tensor_trace.tracer import spans
     from tensor_trace.tracer.collective_specs import ALWAYS_ASYNC, C10D_SPECS, REDUCING, reduce_op_name
 
-    make, key = native.traced_collective(), native.call_key()
     if make is None or key is None or spans.call_key is not key:
         return len(ic.native_calls)
     for name, (use, python_path, orig) in ic.native_paths.items():

@@ -3,6 +3,7 @@ wrapper writes: every record the same but its times, whichever path recorded eac
 (arguments by keyword and by position, the default group, list outputs, a failing call, async
 calls that the C path leaves to Python, steps outside the window, interned ids forgotten)."""
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -10,8 +11,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tensor_trace import schema, tracer
 from tensor_trace.exporters.store.reader import iter_records, rank_files
-
-import pytest
 
 # record type -> positions of its times (zeroed before comparing)
 TIMES = {schema.STEP_BEGIN: (3,), schema.STEP_END: (2,), schema.SPAN: (6, 7), schema.COLLECTIVE: (8, 9)}
