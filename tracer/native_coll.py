@@ -330,29 +330,8 @@ int coll_begin(TracedCollective* self, PyObject* const* vals, CollCall& c) {
   if (cstate(st, cEnabled) != Py_True || cstate(st, cInCollective) != Py_False ||
       cstate(st, cBusy) != Py_False)
     return 0;
-  PyObject* group = self->group_at >= 0 ? vals[self->group_at] : nullptr;
-  if (group == nullptr || group == Py_None) {
-    c.group_owned = PyObject_CallNoArgs(self->default_group);
-    if (c.group_owned == nullptr) return 0;
-    group = c.group_owned;
-  } else if (PyUnicode_Check(group)) {
-    return 0;
-  }
-  c.pg_name = PyObject_GetAttr(group, cnames[cGroupName]);
-  if (c.pg_name == nullptr || !PyUnicode_CheckExact(c.pg_name) || PyUnicode_GET_LENGTH(c.pg_name) == 0)
-    return 0;
-  PyObject *groups = cstate(ic, cGroups), *seqs = cstate(ic, cSeq), *written = cstate(st, cWrittenGroups);
-  if (groups == nullptr || seqs == nullptr || written == nullptr || !PyDict_CheckExact(groups) ||
-      !PyDict_CheckExact(seqs) || !PyAnySet_CheckExact(written))
-    return 0;
-  PyObject* entry = PyDict_GetItemWithError(groups, c.pg_name);
-  if (entry == nullptr || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) < 1) return 0;
-  c.gid = Py_NewRef(PyTuple_GET_ITEM(entry, 0));
-  if (PySet_Contains(written, c.gid) != 1) return 0;
-  PyObject* seq = PyDict_GetItemWithError(seqs, c.gid);
-  if (seq == nullptr || !PyLong_CheckExact(seq)) return 0;
+  // The call's tensors first: a CUDA step's collectives leave here at once.
   bool tracing = cstate(st, cTracingStep) == Py_True;
-  PyObject *stack = nullptr, *count = nullptr;
   if (tracing) {
     PyObject* a = self->async_at >= 0 ? vals[self->async_at] : nullptr;
     if (a != nullptr && a != Py_None && a != Py_False) return 0;
@@ -381,6 +360,30 @@ int coll_begin(TracedCollective* self, PyObject* const* vals, CollCall& c) {
     if (ready == nullptr) return 0;
     Py_DECREF(ready);  // (the functional collectives' object holds it)
     if (!PyList_CheckExact(ready) || PyList_GET_SIZE(ready) != 0) return 0;
+  }
+  PyObject* group = self->group_at >= 0 ? vals[self->group_at] : nullptr;
+  if (group == nullptr || group == Py_None) {
+    c.group_owned = PyObject_CallNoArgs(self->default_group);
+    if (c.group_owned == nullptr) return 0;
+    group = c.group_owned;
+  } else if (PyUnicode_Check(group)) {
+    return 0;
+  }
+  c.pg_name = PyObject_GetAttr(group, cnames[cGroupName]);
+  if (c.pg_name == nullptr || !PyUnicode_CheckExact(c.pg_name) || PyUnicode_GET_LENGTH(c.pg_name) == 0)
+    return 0;
+  PyObject *groups = cstate(ic, cGroups), *seqs = cstate(ic, cSeq), *written = cstate(st, cWrittenGroups);
+  if (groups == nullptr || seqs == nullptr || written == nullptr || !PyDict_CheckExact(groups) ||
+      !PyDict_CheckExact(seqs) || !PyAnySet_CheckExact(written))
+    return 0;
+  PyObject* entry = PyDict_GetItemWithError(groups, c.pg_name);
+  if (entry == nullptr || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) < 1) return 0;
+  c.gid = Py_NewRef(PyTuple_GET_ITEM(entry, 0));
+  if (PySet_Contains(written, c.gid) != 1) return 0;
+  PyObject* seq = PyDict_GetItemWithError(seqs, c.gid);
+  if (seq == nullptr || !PyLong_CheckExact(seq)) return 0;
+  PyObject *stack = nullptr, *count = nullptr;
+  if (tracing) {
     stack = cstate(st, cStack);
     count = cstate(st, cCollCount);
     PyObject* step = cstate(st, cStep);
