@@ -109,6 +109,8 @@ struct TracedCall {
   long long run_taken;
   Py_ssize_t run_extra;   // records queued there in runs beyond one an item (tracer/native_spans.py)
   ModuleTable* modules;   // what a call reads of its module, kept (tracer/native_modules.py)
+  uint64_t compiler_version;  // torch.compiler's __dict__ version when `compiling_now` was read
+  bool compiling_now;
   PyObject* spare[kSpareFrames];  // frames no one else holds, items cleared, to open calls with
   int n_spare;
   bool cache_state;       // the tracer's class counts its assignments in state_version
@@ -252,6 +254,7 @@ struct OpenCall {
 PyObject* module_entry(TracedCall* self, PyObject* ids, PyObject* module, Py_ssize_t* slot, uint64_t* epoch);
 PyObject* module_layout(TracedCall* self, Py_ssize_t slot, uint64_t epoch, PyObject* one);
 void keep_layout(TracedCall* self, Py_ssize_t slot, uint64_t epoch, PyObject* one, PyObject* layout);
+bool compiling(TracedCall* self);  // torch.compiler's _is_compiling_flag is True
 
 // The input's fingerprint index, as the Python wrapper's inline path takes it: the previous
 // call's output, deferred, is its index; else StepFingerprints.add_one(a, False). New reference,
@@ -293,7 +296,7 @@ PyObject* fingerprint_output(TracedCall* self, PyObject* result) {
 // plain tensor only.
 int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssize_t n, bool keywords,
               PyObject* arg_tuple, OpenCall& c) {
-  if (PyDict_GetItemWithError(self->compiler, names[kCompilingFlag]) == Py_True) return 0;
+  if (compiling(self)) return 0;
   PyObject* at = state_item(self, kActiveThread);
   if (at == nullptr || !PyLong_CheckExact(at) || PyLong_AsUnsignedLongMask(at) != PyThread_get_thread_ident())
     return 0;

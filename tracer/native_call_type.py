@@ -226,6 +226,8 @@ PyObject* traced_call_new(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   self->one_offset = self->by_call_key_offset = -1;
   self->n_spare = 0;
   self->modules = nullptr;
+  self->compiler_version = 0;
+  self->compiling_now = false;
   self->run = self->run_pending = nullptr;
   self->run_taken = -1;
   self->run_extra = 0;

@@ -18,8 +18,9 @@ It is never the source of truth, only a copy kept while that is provably unchang
 - a layout, while the rank file's ``SpanLayouts.one`` is the same dict at the same version and
   the call's metadata are those it was found for.
 
-Where the version tag is not there (Python 3.14 on), nothing is kept: every call looks up
-as before.
+The same tag keeps torch.compiler's ``_is_compiling_flag`` (read at every call) while that
+module's globals are unchanged. Where the version tag is not there (Python 3.14 on), nothing is
+kept: every call looks up as before.
 """
 
 SOURCE = r"""
@@ -141,6 +142,19 @@ PyObject* module_layout(TracedCall* self, Py_ssize_t slot, uint64_t epoch, PyObj
   return s.layout;
 #else
   return nullptr;
+#endif
+}
+
+// torch.compiler's _is_compiling_flag is True: read again once the module's globals changed.
+bool compiling(TracedCall* self) {
+#ifdef TT_DICT_VERSIONS
+  uint64_t version = dict_version(self->compiler);
+  if (version == self->compiler_version && version != 0) return self->compiling_now;
+  self->compiler_version = version;
+  self->compiling_now = PyDict_GetItemWithError(self->compiler, names[kCompilingFlag]) == Py_True;
+  return self->compiling_now;
+#else
+  return PyDict_GetItemWithError(self->compiler, names[kCompilingFlag]) == Py_True;
 #endif
 }
 

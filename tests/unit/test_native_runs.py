@@ -95,10 +95,11 @@ def test_c_wrapper_queues_runs_and_flushes_at_the_bound_in_records(tmp_path, mon
         assert [s.path for s in sorted(step.spans, key=lambda s: s.index)][1:] == [f"leaves.{i}" for i in range(60)]
 
 
-def _layouts_and_new_modules(out):
-    """Steps of one model: other layouts, then a module replaced (the old one dies and its entry
-    in Tracer.ids with it; the new one may take its address); the spans' paths and shapes a step,
-    and the tracer's C wrapper."""
+def _layouts_and_new_modules(out, monkeypatch):
+    """Steps of one model: other layouts, a step while torch compiles (traced by neither wrapper),
+    then a module replaced (the old one dies and its entry in Tracer.ids with it; the new one may
+    take its address); the spans' paths and shapes a step, the spans whose layout the C wrapper
+    kept (0 without it) and those it recorded while torch compiled."""
     torch.manual_seed(0)
     model = Chain(5)
     with torch.inference_mode():
@@ -106,8 +107,13 @@ def _layouts_and_new_modules(out):
         try:
             for batch in (2, 2, 2, 2, 3, 3):
                 model(torch.randn(batch, 4))
-            kept = tr.global_handles[0].native_call
-            kept = kept.kept_layouts if kept is not None else 0
+            call = tr.global_handles[0].native_call
+            kept = call.kept_layouts if call is not None else 0
+            recorded = call.recorded if call is not None else 0
+            with monkeypatch.context() as m:
+                m.setattr(torch.compiler, "_is_compiling_flag", True)
+                model(torch.randn(3, 4))
+            compiling = (call.recorded if call is not None else 0) - recorded
             model.leaves[2] = torch.nn.Linear(4, 4)
             gc.collect()
             for batch in (3, 3, 2):
@@ -118,17 +124,17 @@ def _layouts_and_new_modules(out):
     rt = load_rank_file(path)
     assert not rt.errors
     return [[(s.path, [t.shape for t in s.tensors]) for s in sorted(step.spans, key=lambda s: s.index)]
-            for _, step in sorted(rt.steps.items())], kept
+            for _, step in sorted(rt.steps.items())], kept, compiling
 
 
 def test_what_c_keeps_of_a_module_follows_new_layouts_and_new_modules(tmp_path, monkeypatch):
     from native_loaded import load_native_in_process
 
     load_native_in_process(monkeypatch)
-    got, kept = _layouts_and_new_modules(tmp_path / "c")
-    assert kept >= 5  # (the fourth step's at least) from the modules' slots
+    got, kept, compiling = _layouts_and_new_modules(tmp_path / "c", monkeypatch)
+    assert kept >= 5 and compiling == 0  # (the fourth step's at least) from the modules' slots
     monkeypatch.setenv("TENSOR_TRACE_NATIVE", "0")
-    want, kept = _layouts_and_new_modules(tmp_path / "python")
+    want, kept, _ = _layouts_and_new_modules(tmp_path / "python", monkeypatch)
     assert kept == 0
     assert got == want
-    assert len(got) == 9 and {tuple(shape) for _, shapes in got[4][1:] for shape in shapes} == {(3, 4)}
+    assert len(got) == 10 and {tuple(shape) for _, shapes in got[4][1:] for shape in shapes} == {(3, 4)}
