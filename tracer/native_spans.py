@@ -1,6 +1,7 @@
-"""C++ for the spans that tracer/native_call.py's ``TracedCall`` records: ``SpanRun``, a run of
-packed span records queued as one item of the writer's ``pending`` list, and ``append_span``,
-which packs a span and adds it there.
+"""C++ for the spans that tracer/native_call.py's ``TracedCall`` records: ``record_one`` and
+``record_known``, the span of a call after it returned; ``SpanRun``, a run of packed span
+records queued as one item of the writer's ``pending`` list, and ``append_span``, which packs a
+span and adds it there.
 
 Why a run: a GPU step is host-bound, and the host's cost of a call is mostly memory touched. A
 span queued as its own object (a tuple, then the bytes of one) was one allocation a call, a list
@@ -274,5 +275,77 @@ int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyO
   int r = queue_span(self, writer, nullptr, 0, rec);
   Py_DECREF(rec);
   return r;
+}
+
+// One plain tensor in and one out: spans.span_one_tensor, here while the layout is known to
+// this rank file by tracer/native.py's pair_key; there otherwise. 0, or -1 with an exception.
+int record_one(TracedCall* self, OpenCall& c, PyObject* a, PyObject* result) {
+  int64_t t1 = now_ns();
+  if (pop_frame(self, c) < 0) return -1;
+  key_buf.clear();  // (pair_id's key: the module's slot keeps the layout it was found for)
+  PyObject* layout = nullptr;
+  if (put_meta(a) && put_meta(result)) {
+    PyObject* holder = state_item(self, kLayouts);
+    PyObject* layouts = holder == nullptr ? nullptr : layouts_dict(self, holder, kOne);
+    layout = layouts == nullptr ? nullptr : module_layout(self, c.slot, c.epoch, layouts);
+    if (layout != nullptr) {
+      ++self->kept_layouts;
+    } else if (layouts != nullptr) {
+      PyObject* key = PyLong_FromLongLong(id_of(pair_ids));
+      layout = key == nullptr ? nullptr : PyDict_GetItemWithError(layouts, key);
+      Py_XDECREF(key);  // (layout borrowed: the tracer's dict keeps it)
+      if (layout != nullptr) keep_layout(self, c.slot, c.epoch, layouts, layout);
+    }
+    if (PyErr_Occurred()) return -1;
+  }
+  if (layout != nullptr) {  // (else: span_one_tensor keys it in Python, and interns its layout)
+    Py_INCREF(layout);  // (add_one is Python code)
+    PyObject* fp_post = c.fp ? fingerprint_output(self, result) : PyLong_FromLong(-1);
+    PyObject* one = PyLong_FromLong(1);
+    int r = fp_post == nullptr ? -1 : append_span(self, c, t1, layout, fp_post, one);
+    Py_DECREF(one);
+    Py_XDECREF(fp_post);
+    Py_DECREF(layout);
+    if (r == 0) ++self->recorded;
+    return r;
+  }
+  PyObject* t0 = PyLong_FromLongLong(c.t0);
+  PyObject* t1_ = PyLong_FromLongLong(t1);
+  PyObject* r = nullptr;
+  if (t0 != nullptr && t1_ != nullptr) {
+    PyObject* argv[11] = {self->tracer, c.index, c.parent, c.path_id, c.call, t0, t1_, a, result,
+                          c.fp_pre, c.fp ? Py_True : Py_False};
+    r = PyObject_Vectorcall(self->span_one, argv, 11, nullptr);
+  }
+  Py_XDECREF(t0); Py_XDECREF(t1_);
+  if (r == nullptr) return -1;
+  Py_DECREF(r);
+  return 0;
+}
+
+// A call of tensors and plain values whose layout this rank file knows by call_key
+// (spans.record_tensors' first branch): 1 recorded, 0 not such a call, -1 an exception.
+int record_known(TracedCall* self, OpenCall& c, PyObject* kwargs, PyObject* result) {
+  if (c.fp) return 0;  // (its outputs' fingerprints: record_tensors)
+  int64_t id = call_id(c.args, kwargs, result, self->context);
+  if (id == -2) return -1;
+  if (id < 0) return 0;
+  PyObject* holder = state_item(self, kLayouts);
+  PyObject* layouts = holder == nullptr ? nullptr : layouts_dict(self, holder, kByCallKey);
+  if (layouts == nullptr) return PyErr_Occurred() ? -1 : 0;
+  PyObject* key = PyLong_FromLongLong(id);
+  PyObject* known = key == nullptr ? nullptr : PyDict_GetItemWithError(layouts, key);
+  Py_XDECREF(key);
+  if (known == nullptr) return PyErr_Occurred() ? -1 : 0;
+  if (!PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 2) return 0;
+  Py_INCREF(known);  // (the dict may be cleared by a flush below)
+  ++self->recorded;
+  int64_t t1 = now_ns();
+  int r = pop_frame(self, c);
+  PyObject* minus_one = PyLong_FromLong(-1);
+  if (r == 0) r = append_span(self, c, t1, PyTuple_GET_ITEM(known, 0), minus_one, PyTuple_GET_ITEM(known, 1));
+  Py_DECREF(minus_one);
+  Py_DECREF(known);
+  return r < 0 ? -1 : 1;
 }
 """
