@@ -3,8 +3,9 @@ builds it with the rest of the extension; tracer/intercept.py installs it).
 
 ``TracedCall`` does in C what tracer/intercept.py's Python wrapper does for the common calls of
 a traced step without lineage: it opens the call's frame on ``Tracer.stack``
-(the same list, item for item), calls torch's own ``Module.__call__``, and appends the same
-SPAN tuple to the writer's ``pending`` list that tracer/spans.py would, for a call of one plain
+(the same list, item for item), calls torch's own ``Module.__call__``, and queues the same
+SPAN record in the writer's ``pending`` list that tracer/spans.py would (packed, in a run of
+them: tracer/native_spans.py, which records it), for a call of one plain
 tensor in and one out (``span_one_tensor``) and for a call whose layout tracer/native.py's
 ``call_key`` already knows (``record_tensors``, without fingerprints). With fingerprints on it
 takes calls of one plain tensor in, and calls ``StepFingerprints.add_one`` as the Python wrapper
@@ -31,8 +32,12 @@ changed), since a GPU step is host-bound and every call's microsecond shows in i
   of its own keeps the look-ups at every call. (Code that writes the tracer's ``__dict__``
   directly would go unseen: nothing does.)
 - the writer's ``__dict__`` (the writer held while it is the tracer's), where ``generation``,
-  ``pending`` and ``max_buffered`` are read as Python finds them; ``SpanLayouts``' dicts read at
+  ``pending``, ``max_buffered`` and ``taken`` are read as Python finds them, and kept until an
+  attribute of the writer is assigned: its class counts its assignments as the tracer's does
+  (they come at a flush, once a second or so, not at a call); ``SpanLayouts``' dicts read at
   their slots' offsets;
+- the run of packed spans at the end of the writer's queue, which spans are added to
+  (tracer/native_spans.py);
 - frames no one else holds once popped (their items let go of, out of the collector's sight),
   to open later calls with; a call through the class slot keeps torch's argument tuple as the
   frame's slots instead of a copy.
@@ -52,18 +57,18 @@ enum Name {
   kActiveThread, kQuietHooks, kFpNow, kStepRoot, kIds, kWriter, kGeneration, kSpanCount,
   kMaxSpans, kStack, kCalls, kStep, kStepT0Raw, kSpanFlags, kLayouts, kOne, kByCallKey,
   kPending, kMaxBuffered, kFlush, kPostFn, kOnError, kCompilingFlag, kFps, kLast, kLastVersion,
-  kLastIdx, kAddOne, kNames
+  kLastIdx, kAddOne, kTaken, kNames
 };
 const char* const kNameText[kNames] = {
   "active_thread", "quiet_hooks", "fp_now", "step_root", "ids", "writer", "generation",
   "span_count", "max_spans", "stack", "calls", "step", "step_t0_raw", "span_flags", "layouts",
   "one", "by_call_key", "pending", "max_buffered", "flush", "post_fn", "on_error",
-  "_is_compiling_flag", "fps", "last", "last_version", "last_idx", "add_one"};
+  "_is_compiling_flag", "fps", "last", "last_version", "last_idx", "add_one", "taken"};
 PyObject* names[kNames];
 constexpr int kSpareFrames = 64;
-// Bumped by every attribute assignment or deletion on the tracer's class but span_count's
-// (tracer_setattr, tracer/native_call_type.py): the state a TracedCall read is the same while
-// it has not moved.
+// Bumped by every attribute assignment or deletion on the tracer's and its writer's classes but
+// span_count's (tracer_setattr, tracer/native_call_type.py): the state a TracedCall read is the
+// same while it has not moved.
 uint64_t state_version = 1;
 
 bool intern_names() {
@@ -73,6 +78,8 @@ bool intern_names() {
   }
   return true;
 }
+
+struct ModuleTable;  // (tracer/native_modules.py)
 
 struct TracedCall {
   PyObject_HEAD
@@ -89,11 +96,22 @@ struct TracedCall {
   PyObject* span_tag;     // schema.SPAN
   int active;
   long long recorded;     // spans recorded here (the rest: by the Python code)
+  long long kept_layouts; // ... of them, one-tensor calls whose layout the module's slot held
   // Caches (tracer/native_call.py's "What it keeps"), none of them a value of the tracer's:
   PyObject* writer;       // the writer last seen (a strong reference: its address is the key)
   PyObject* writer_dict;  // ... and its __dict__, where its attributes are read
+  bool writer_counts;     // its class counts its assignments in state_version
+  uint64_t writer_seen;   // state_version when writer_cached was read
+  PyObject* writer_cached[4];  // generation, pending, max_buffered, taken (borrowed)
   PyTypeObject* layouts_type;  // SpanLayouts as last seen, and its slots' offsets
   Py_ssize_t one_offset, by_call_key_offset;
+  PyObject* run;          // the SpanRun this appends spans to while it is the queue's last item
+  PyObject* run_pending;  // the writer's queue that run_extra counts, and its `taken` then
+  long long run_taken;
+  Py_ssize_t run_extra;   // records queued there in runs beyond one an item (tracer/native_spans.py)
+  ModuleTable* modules;   // what a call reads of its module, kept (tracer/native_modules.py)
+  uint64_t compiler_version;  // torch.compiler's __dict__ version when `compiling_now` was read
+  bool compiling_now;
   PyObject* spare[kSpareFrames];  // frames no one else holds, items cleared, to open calls with
   int n_spare;
   bool cache_state;       // the tracer's class counts its assignments in state_version
@@ -124,9 +142,18 @@ inline PyObject* state_item(TracedCall* self, Name n) {
   return self->cached[n];
 }
 
+bool count_assignments(PyTypeObject* type);  // (tracer/native_call_type.py)
+
+// Where writer_attr keeps a writer attribute it read (-1: read at every call).
+inline int writer_slot(Name n) {
+  return n == kGeneration ? 0 : n == kPending ? 1 : n == kMaxBuffered ? 2 : n == kTaken ? 3 : -1;
+}
+
 // An attribute of the tracer's writer (a new reference, or NULL with an exception): read from its
 // __dict__ (kept for as long as the writer is the tracer's), as Python's attribute look-up
-// finds it there; anywhere else, by that look-up.
+// finds it there; anywhere else, by that look-up. Where the writer's class counts its
+// assignments in state_version as the tracer's does (RankWriter, made so here: its attributes
+// change at a flush, not at a call), what was read is kept until the next assignment.
 PyObject* writer_attr(TracedCall* self, PyObject* writer, Name n) {
   if (writer != self->writer) {
     PyObject* d = PyObject_GenericGetDict(writer, nullptr);  // (AttributeError: it has none)
@@ -136,9 +163,22 @@ PyObject* writer_attr(TracedCall* self, PyObject* writer, Name n) {
     }
     Py_XSETREF(self->writer_dict, d);
     Py_XSETREF(self->writer, Py_NewRef(writer));
+    self->writer_counts = count_assignments(Py_TYPE(writer));
+    self->writer_seen = 0;
+  }
+  int slot = self->writer_counts ? writer_slot(n) : -1;
+  if (slot >= 0) {
+    if (self->writer_seen != state_version) {
+      for (PyObject*& v : self->writer_cached) v = nullptr;
+      self->writer_seen = state_version;
+    }
+    if (self->writer_cached[slot] != nullptr) return Py_NewRef(self->writer_cached[slot]);
   }
   PyObject* v = PyDict_GetItemWithError(self->writer_dict, names[n]);
-  if (v != nullptr) return Py_NewRef(v);
+  if (v != nullptr) {
+    if (slot >= 0) self->writer_cached[slot] = v;  // (borrowed: its __dict__ holds it)
+    return Py_NewRef(v);
+  }
   return PyErr_Occurred() ? nullptr : PyObject_GetAttr(writer, names[n]);
 }
 
@@ -202,11 +242,20 @@ struct OpenCall {
   PyObject* fp_pre = nullptr;  // its inputs' fingerprint index (-1: none)
   bool fp = false;             // a step with fingerprints
   int64_t t0 = 0;
+  Py_ssize_t slot = -1;        // the module's slot in self->modules, while its epoch is `epoch`
+  uint64_t epoch = 0;
   ~OpenCall() {
     Py_XDECREF(stack); Py_XDECREF(frame); Py_XDECREF(args); Py_XDECREF(index);
     Py_XDECREF(parent); Py_XDECREF(path_id); Py_XDECREF(call); Py_XDECREF(fp_pre);
   }
 };
+
+// tracer/native_modules.py: ids[id(module)] (borrowed; NULL: none, or an exception) and the
+// layout of the module's last one-tensor call, kept in C.
+PyObject* module_entry(TracedCall* self, PyObject* ids, PyObject* module, Py_ssize_t* slot, uint64_t* epoch);
+PyObject* module_layout(TracedCall* self, Py_ssize_t slot, uint64_t epoch, PyObject* one);
+void keep_layout(TracedCall* self, Py_ssize_t slot, uint64_t epoch, PyObject* one, PyObject* layout);
+bool compiling(TracedCall* self);  // torch.compiler's _is_compiling_flag is True
 
 // The input's fingerprint index, as the Python wrapper's inline path takes it: the previous
 // call's output, deferred, is its index; else StepFingerprints.add_one(a, False). New reference,
@@ -248,7 +297,7 @@ PyObject* fingerprint_output(TracedCall* self, PyObject* result) {
 // plain tensor only.
 int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssize_t n, bool keywords,
               PyObject* arg_tuple, OpenCall& c) {
-  if (PyDict_GetItemWithError(self->compiler, names[kCompilingFlag]) == Py_True) return 0;
+  if (compiling(self)) return 0;
   PyObject* at = state_item(self, kActiveThread);
   if (at == nullptr || !PyLong_CheckExact(at) || PyLong_AsUnsignedLongMask(at) != PyThread_get_thread_ident())
     return 0;
@@ -266,10 +315,7 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
       calls == nullptr || !PyDict_CheckExact(ids) || !PyList_CheckExact(stack) || !PyDict_CheckExact(calls) ||
       !PyLong_CheckExact(count) || !PyLong_CheckExact(most))
     return 0;
-  PyObject* key = PyLong_FromVoidPtr(module);  // id(module)
-  if (key == nullptr) return 0;
-  PyObject* entry = PyDict_GetItemWithError(ids, key);
-  Py_DECREF(key);
+  PyObject* entry = module_entry(self, ids, module, &c.slot, &c.epoch);  // (borrowed)
   if (entry == nullptr || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) < 5) return 0;
   PyObject* selected = PyTuple_GET_ITEM(entry, 2);
   if (selected != Py_True && PyObject_IsTrue(selected) != 1) return 0;  // not recorded: Python drops it
@@ -335,106 +381,8 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   return 1;
 }
 
-// One int as msgpack-python's Packer writes it (the shortest form): where p points; the end.
-inline uint8_t* pack_int(uint8_t* p, long long v) {
-  auto be = [&p](unsigned long long u, int bytes) {
-    for (int i = bytes - 1; i >= 0; --i) *p++ = static_cast<uint8_t>(u >> (8 * i));
-  };
-  if (v >= 0) {
-    if (v < 0x80) { *p++ = static_cast<uint8_t>(v); }
-    else if (v < 0x100) { *p++ = 0xcc; be(v, 1); }
-    else if (v < 0x10000) { *p++ = 0xcd; be(v, 2); }
-    else if (v < 0x100000000LL) { *p++ = 0xce; be(v, 4); }
-    else { *p++ = 0xcf; be(v, 8); }
-  } else {
-    unsigned long long u = static_cast<unsigned long long>(v);
-    if (v >= -32) { *p++ = static_cast<uint8_t>(v); }
-    else if (v >= -128) { *p++ = 0xd0; be(u, 1); }
-    else if (v >= -32768) { *p++ = 0xd1; be(u, 2); }
-    else if (v >= -2147483648LL) { *p++ = 0xd2; be(u, 4); }
-    else { *p++ = 0xd3; be(u, 8); }
-  }
-  return p;
-}
-
-// The SPAN record of spans.py, item for item, appended to the writer's pending list; the
-// writer flushed at its bound as spans.py does. 0, or -1 with an exception.
-// Appended as the bytes msgpack makes of its tuple (RankWriter.flush writes such items as they
-// are): one small object, where the tuple took three and a reference to each of its values;
-// a GPU step is host-bound, and on the H200 that memory traffic was a third of a call's cost.
-// A value that is no int of 64 bits takes the tuple.
-int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyObject* fp_post,
-                PyObject* n_pre) {
-  PyObject *step = state_item(self, kStep), *raw = state_item(self, kStepT0Raw);
-  PyObject *flags = state_item(self, kSpanFlags), *writer = state_item(self, kWriter);
-  if (step == nullptr || raw == nullptr || flags == nullptr || writer == nullptr) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "tracer state");
-    return -1;
-  }
-  long long t0_raw = as_long_long(raw);
-  if (t0_raw == -1 && PyErr_Occurred()) return -1;
-  PyObject* items[13] = {self->span_tag, step, c.index, c.parent, c.path_id, c.call, nullptr,
-                         nullptr, layout, c.fp_pre, fp_post, n_pre, flags};
-  uint8_t packed[1 + 13 * 9];
-  uint8_t* p = packed;
-  *p++ = 0x9d;  // an array of 13
-  for (int i = 0; i < 13 && p != nullptr; ++i) {
-    long long v;
-    if (i == 6) {
-      v = c.t0 - t0_raw;
-    } else if (i == 7) {
-      v = t1 - c.t0;
-    } else {
-      int overflow = 0;
-      v = PyLong_CheckExact(items[i]) ? PyLong_AsLongLongAndOverflow(items[i], &overflow) : 0;
-      if (!PyLong_CheckExact(items[i]) || overflow != 0 || (v == -1 && PyErr_Occurred())) {
-        PyErr_Clear();
-        p = nullptr;
-        break;
-      }
-    }
-    p = pack_int(p, v);
-  }
-  PyObject* rec;
-  if (p != nullptr) {
-    rec = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(packed), p - packed);
-    if (rec == nullptr) return -1;
-  } else {
-    rec = PyTuple_New(13);
-    if (rec == nullptr) return -1;
-    for (int i = 0; i < 13; ++i) {
-      if (i == 6 || i == 7) continue;
-      PyTuple_SET_ITEM(rec, i, Py_NewRef(items[i]));
-    }
-    PyObject* rel = PyLong_FromLongLong(c.t0 - t0_raw);
-    PyObject* dur = PyLong_FromLongLong(t1 - c.t0);
-    if (rel == nullptr || dur == nullptr) {
-      Py_XDECREF(rel); Py_XDECREF(dur); Py_DECREF(rec);
-      return -1;
-    }
-    PyTuple_SET_ITEM(rec, 6, rel);
-    PyTuple_SET_ITEM(rec, 7, dur);
-    PyObject_GC_UnTrack(rec);  // (ints only: never in a cycle, nothing for the collector to visit)
-  }
-  PyObject* pending = writer_attr(self, writer, kPending);
-  if (pending == nullptr) { Py_DECREF(rec); return -1; }
-  int r = PyList_Append(pending, rec);
-  Py_DECREF(rec);
-  if (r == 0) {
-    PyObject* max_buffered = writer_attr(self, writer, kMaxBuffered);
-    long long most = max_buffered == nullptr ? -1 : as_long_long(max_buffered);
-    Py_XDECREF(max_buffered);
-    if (PyErr_Occurred()) {
-      r = -1;
-    } else if (PyList_GET_SIZE(pending) >= most) {
-      PyObject* done = PyObject_CallMethodNoArgs(writer, names[kFlush]);
-      if (done == nullptr) r = -1;
-      Py_XDECREF(done);
-    }
-  }
-  Py_DECREF(pending);
-  return r;
-}
+// The SPAN record appended to the writer's queue: tracer/native_spans.py. 0, or -1 with an exception.
+int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyObject* fp_post, PyObject* n_pre);
 
 // The call's frame off the top of the stack (list.pop's work: the list keeps its allocation),
 // then kept to open a later call with when nothing else holds it: its items let go of now.
@@ -457,71 +405,11 @@ inline int pop_frame(TracedCall* self, OpenCall& c) {
   return 0;
 }
 
-// One plain tensor in and one out: spans.span_one_tensor, here while the layout is known to
-// this rank file by tracer/native.py's pair_key; there otherwise. 0, or -1 with an exception.
-int record_one(TracedCall* self, OpenCall& c, PyObject* a, PyObject* result) {
-  int64_t t1 = now_ns();
-  if (pop_frame(self, c) < 0) return -1;
-  int64_t id = pair_id(a, result);
-  PyObject* layout = nullptr;
-  if (id >= 0) {
-    PyObject* holder = state_item(self, kLayouts);
-    PyObject* layouts = holder == nullptr ? nullptr : layouts_dict(self, holder, kOne);
-    PyObject* key = layouts == nullptr ? nullptr : PyLong_FromLongLong(id);
-    layout = key == nullptr ? nullptr : PyDict_GetItemWithError(layouts, key);
-    Py_XDECREF(key);  // (layout borrowed: the tracer's dict keeps it)
-    if (PyErr_Occurred()) return -1;
-  }
-  if (layout != nullptr) {  // (else: span_one_tensor keys it in Python, and interns its layout)
-    Py_INCREF(layout);  // (add_one is Python code)
-    PyObject* fp_post = c.fp ? fingerprint_output(self, result) : PyLong_FromLong(-1);
-    PyObject* one = PyLong_FromLong(1);
-    int r = fp_post == nullptr ? -1 : append_span(self, c, t1, layout, fp_post, one);
-    Py_DECREF(one);
-    Py_XDECREF(fp_post);
-    Py_DECREF(layout);
-    if (r == 0) ++self->recorded;
-    return r;
-  }
-  PyObject* t0 = PyLong_FromLongLong(c.t0);
-  PyObject* t1_ = PyLong_FromLongLong(t1);
-  PyObject* r = nullptr;
-  if (t0 != nullptr && t1_ != nullptr) {
-    PyObject* argv[11] = {self->tracer, c.index, c.parent, c.path_id, c.call, t0, t1_, a, result,
-                          c.fp_pre, c.fp ? Py_True : Py_False};
-    r = PyObject_Vectorcall(self->span_one, argv, 11, nullptr);
-  }
-  Py_XDECREF(t0); Py_XDECREF(t1_);
-  if (r == nullptr) return -1;
-  Py_DECREF(r);
-  return 0;
-}
-
-// A call of tensors and plain values whose layout this rank file knows by call_key
-// (spans.record_tensors' first branch): 1 recorded, 0 not such a call, -1 an exception.
-int record_known(TracedCall* self, OpenCall& c, PyObject* kwargs, PyObject* result) {
-  if (c.fp) return 0;  // (its outputs' fingerprints: record_tensors)
-  int64_t id = call_id(c.args, kwargs, result, self->context);
-  if (id == -2) return -1;
-  if (id < 0) return 0;
-  PyObject* holder = state_item(self, kLayouts);
-  PyObject* layouts = holder == nullptr ? nullptr : layouts_dict(self, holder, kByCallKey);
-  if (layouts == nullptr) return PyErr_Occurred() ? -1 : 0;
-  PyObject* key = PyLong_FromLongLong(id);
-  PyObject* known = key == nullptr ? nullptr : PyDict_GetItemWithError(layouts, key);
-  Py_XDECREF(key);
-  if (known == nullptr) return PyErr_Occurred() ? -1 : 0;
-  if (!PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 2) return 0;
-  Py_INCREF(known);  // (the dict may be cleared by a flush below)
-  ++self->recorded;
-  int64_t t1 = now_ns();
-  int r = pop_frame(self, c);
-  PyObject* minus_one = PyLong_FromLong(-1);
-  if (r == 0) r = append_span(self, c, t1, PyTuple_GET_ITEM(known, 0), minus_one, PyTuple_GET_ITEM(known, 1));
-  Py_DECREF(minus_one);
-  Py_DECREF(known);
-  return r < 0 ? -1 : 1;
-}
+// After the call, its span where this records it (tracer/native_spans.py): record_one, one plain
+// tensor in and one out (0, or -1 with an exception); record_known, a call whose layout this
+// rank file knows by call_key (1 recorded, 0 not such a call, -1 an exception).
+int record_one(TracedCall* self, OpenCall& c, PyObject* a, PyObject* result);
+int record_known(TracedCall* self, OpenCall& c, PyObject* kwargs, PyObject* result);
 
 // An exception in the recording: Tracer.on_error, as the Python wrapper's except clauses; false
 // (the exception left raised) for a BaseException that is no Exception, which they let through.

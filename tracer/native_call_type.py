@@ -78,12 +78,15 @@ int traced_call_traverse(PyObject* self_, visitproc visit, void* arg) {
   Py_VISIT(self->tensor_type); Py_VISIT(self->compiler); Py_VISIT(self->span_one);
   Py_VISIT(self->finish); Py_VISIT(self->context); Py_VISIT(self->span_tag);
   Py_VISIT(self->writer); Py_VISIT(self->writer_dict); Py_VISIT(self->layouts_type);
+  Py_VISIT(self->run_pending);
   return 0;
 }
 
 // What a TracedCall keeps besides the tracer's references (tracer/native_call.py): let go.
 void drop_caches(TracedCall* self) {
   Py_CLEAR(self->writer); Py_CLEAR(self->writer_dict);
+  Py_CLEAR(self->run); Py_CLEAR(self->run_pending);
+  table_drop(self->modules);
   PyObject* type = reinterpret_cast<PyObject*>(self->layouts_type);
   self->layouts_type = nullptr;
   Py_XDECREF(type);
@@ -103,6 +106,7 @@ int traced_call_clear(PyObject* self_) {
 void traced_call_dealloc(PyObject* self) {
   PyObject_GC_UnTrack(self);
   traced_call_clear(self);
+  delete reinterpret_cast<TracedCall*>(self)->modules;
   PyObject_GC_Del(self);
 }
 
@@ -123,6 +127,8 @@ PyMemberDef traced_call_members[] = {
     {"__wrapped__", T_OBJECT, offsetof(TracedCall, inner), READONLY, "torch's own Module.__call__"},
     {"python_call", T_OBJECT, offsetof(TracedCall, python_call), READONLY, "the Python wrapper"},
     {"recorded", T_LONGLONG, offsetof(TracedCall, recorded), READONLY, "spans recorded in C"},
+    {"kept_layouts", T_LONGLONG, offsetof(TracedCall, kept_layouts), READONLY,
+     "of them, one-tensor calls whose layout was kept in C (tracer/native_modules.py)"},
     {nullptr, 0, 0, 0, nullptr}};
 
 
@@ -211,11 +217,20 @@ PyObject* traced_call_new(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   self->context = Py_NewRef(a[7]);
   self->span_tag = Py_NewRef(a[8]);
   self->active = 1;
-  self->recorded = 0;
+  self->recorded = self->kept_layouts = 0;
   self->writer = self->writer_dict = nullptr;
+  self->writer_counts = false;
+  self->writer_seen = 0;
+  for (PyObject*& v : self->writer_cached) v = nullptr;
   self->layouts_type = nullptr;
   self->one_offset = self->by_call_key_offset = -1;
   self->n_spare = 0;
+  self->modules = nullptr;
+  self->compiler_version = 0;
+  self->compiling_now = false;
+  self->run = self->run_pending = nullptr;
+  self->run_taken = -1;
+  self->run_extra = 0;
   self->cache_state = count_assignments(Py_TYPE(a[2]));
   self->seen_version = 0;  // (state_version starts at 1: read at the first call)
   for (int i = 0; i < kNames; ++i) self->cached[i] = nullptr;

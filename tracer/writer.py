@@ -1,7 +1,9 @@
 """RankWriter: the per-process, append-only, crash-safe rank file.
 
 Records are appended to an in-memory list by the hooks (a list append: the cheapest thing a
-hook can do; tracer/native_call.py appends a span as the msgpack bytes of its tuple) and written by a background thread at least once a second as one framed chunk
+hook can do; tracer/native_call.py adds a span's msgpack bytes to a run of them queued as one
+item, tracer/native_spans.py) and written by a background thread at least once a second as one
+framed chunk
 (see ``tensor_trace.schema``); exit, SIGTERM and SIGINT flush what is left.
 
 Idle flush. A server goes idle after its last request's last step, and may then be SIGKILLed
@@ -33,17 +35,61 @@ from tensor_trace.tracer import kinds
 CHUNK_RECORDS = 256
 
 
+def _array_head(n: int) -> bytes:
+    """The msgpack header of an array of ``n`` items."""
+    return bytes((0x90 | n,)) if n < 16 else b"\xdc" + n.to_bytes(2, "big") if n < 0x10000 \
+        else b"\xdd" + n.to_bytes(4, "big")
+
+
 def pack_records(packer, records: list) -> bytes:
     """The msgpack array of ``records`` (one chunk's payload): tuples packed here, and bytes
     taken as they are, the packed tuple that tracer/native_call.py appends in their stead (so
     the payload is the same whichever appended a record)."""
     if bytes not in set(map(type, records)):
         return packer.pack(records)
-    n = len(records)
-    head = bytes((0x90 | n,)) if n < 16 else b"\xdc" + n.to_bytes(2, "big") if n < 0x10000 \
-        else b"\xdd" + n.to_bytes(4, "big")
     pack = packer.pack
-    return head + b"".join([r if r.__class__ is bytes else pack(r) for r in records])
+    return _array_head(len(records)) + b"".join([r if r.__class__ is bytes else pack(r) for r in records])
+
+
+def is_run(record) -> bool:
+    """Whether a queued item is a run of packed spans (tracer/native_spans.py's ``SpanRun``: its
+    ``len`` records, ``pack(i, j)`` their bytes) rather than one record (a tuple, or its bytes)."""
+    return record.__class__ is not tuple and record.__class__ is not bytes
+
+
+def chunk_payloads(packer, items: list) -> list:
+    """The payloads of the chunks that ``items`` (queued records, some of them runs) make, each
+    of at most CHUNK_RECORDS records, a run counted by its records and cut between two of them:
+    the bytes that the same records queued one by one make (so the rank file is the same
+    whichever path queued a span)."""
+    if not any(map(is_run, items)):
+        return [pack_records(packer, items[i:i + CHUNK_RECORDS]) for i in range(0, len(items), CHUNK_RECORDS)]
+    payloads, parts, n = [], [], 0
+    pack = packer.pack
+    for r in items:
+        if r.__class__ is tuple:
+            parts.append(pack(r))
+            n += 1
+        elif r.__class__ is bytes:
+            parts.append(r)
+            n += 1
+        else:
+            i, size = 0, len(r)  # (read once: a run no longer queued takes no more records)
+            while i < size:
+                k = min(CHUNK_RECORDS - n, size - i)
+                parts.append(r.pack(i, i + k))
+                n += k
+                i += k
+                if n == CHUNK_RECORDS:
+                    payloads.append(_array_head(n) + b"".join(parts))
+                    parts, n = [], 0
+            continue
+        if n == CHUNK_RECORDS:
+            payloads.append(_array_head(n) + b"".join(parts))
+            parts, n = [], 0
+    if n:
+        payloads.append(_array_head(n) + b"".join(parts))
+    return payloads
 
 
 class RankWriter:
@@ -171,14 +217,20 @@ class RankWriter:
             start = self.bytes_written
             try:
                 # Chunks of bounded size: damage to one costs at most CHUNK_RECORDS records.
-                data = b"".join(schema.chunk(pack_records(self._packer, buf[i:i + CHUNK_RECORDS]))
-                                for i in range(0, len(buf), CHUNK_RECORDS))
-                self._write_all(data)
-                self.chunks_written += (len(buf) + CHUNK_RECORDS - 1) // CHUNK_RECORDS
+                payloads = chunk_payloads(self._packer, buf)
+                self._write_all(b"".join(map(schema.chunk, payloads)))
+                self.chunks_written += len(payloads)
             except Exception as exc:  # a full disk must not take the traced program down
                 self._write_failed(exc, start)
-            if self.listeners and bytes in set(map(type, buf)):
-                buf = [r if r.__class__ is not bytes else msgpack.unpackb(r, use_list=False) for r in buf]
+            if self.listeners and set(map(type, buf)) != {tuple}:  # (listeners take tuples)
+                flat = []
+                for r in buf:
+                    if r.__class__ is tuple:
+                        flat.append(r)
+                    else:
+                        flat.extend(msgpack.unpackb(b, use_list=False)
+                                    for b in ((r,) if r.__class__ is bytes else r.records()))
+                buf = flat
             for listener in self.listeners:
                 try:
                     listener(buf)
@@ -209,6 +261,15 @@ class RankWriter:
                                  "are lost until it can (the program goes on)\n")
             except Exception:
                 pass
+
+    def queued_mark(self) -> tuple:
+        """What moves with every record queued or taken: records taken so far, items queued,
+        and the records in the last one where it is a run (tracer/native_spans.py: spans are
+        added to the run at the queue's end, which the item count does not see)."""
+        pending = self.pending
+        n = len(pending)
+        last = pending[n - 1] if n else None
+        return self.taken, n, len(last) if n and is_run(last) else 0
 
     def flush_when_idle(self) -> None:
         """Ask the background thread to flush once no record has been added for
@@ -244,10 +305,11 @@ class RankWriter:
             idle_chunk = False
             if wake.wait(max(0.0, due - clock())) and not stop.is_set():
                 wake.clear()
-                taken, n = self.taken, len(self.pending)
+                mark = self.queued_mark()
                 if stop.wait(self.idle_flush_s):
                     return
-                idle = self.taken == taken and len(self.pending) == n  # no flush, no record
+                idle = self.queued_mark() == mark  # no flush, no record
+                n = mark[1]
                 if not idle and clock() < due:
                     continue  # records keep coming: the periodic flush takes them
                 idle_chunk = idle and n > 0

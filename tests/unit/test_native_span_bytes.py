@@ -1,5 +1,5 @@
-"""tracer/native_call.py appends a span as the msgpack bytes of its tuple; tracer/writer.py writes
-such items as they are among packed tuples. Both must give the bytes msgpack gives the tuple,
+"""tracer/native_call.py queues a span as the msgpack bytes of its tuple (in a run of them,
+tracer/native_spans.py); tracer/writer.py writes such items as they are among packed tuples. Both must give the bytes msgpack gives the tuple,
 for ints of every width and sign, and the rank file must read back the values recorded."""
 
 import msgpack
@@ -7,7 +7,7 @@ import torch
 
 from tensor_trace import schema, tracer
 from tensor_trace.exporters.store.reader import load_rank_file, rank_files
-from tensor_trace.tracer.writer import pack_records
+from tensor_trace.tracer.writer import is_run, pack_records
 
 # span indices and flags that take each msgpack int form (flags steered out of their meaning)
 INDICES = [0x7f, 0xab, 0xabcd, 0x12345678, 0x123456789]
@@ -67,7 +67,8 @@ def test_c_wrapper_appends_each_span_as_msgpacks_bytes_of_its_tuple(tmp_path, mo
             del pending[:]
             model(x)
             tr.span_flags = 0
-            packed = [r for r in pending if type(r) is bytes]
+            runs = [r for r in pending if is_run(r)]  # (tracer/native_spans.py: spans in runs)
+            packed = [b for r in runs for b in r.records()]
             assert packed and tr.global_handles[0].native_call.recorded > 0
             for r in packed:
                 assert r == msgpack.packb(msgpack.unpackb(r), use_bin_type=True)
