@@ -253,22 +253,8 @@ int coll_record(TracedCollective* self, CollCall& c) {
                            nullptr, PyTuple_GET_ITEM(hit, 1)};
     long long fixed[16] = {0};
     fixed[8] = c.t0 - t0_raw; fixed[9] = t1 - c.t0; fixed[11] = -1; fixed[12] = -1; fixed[13] = 1;
-    uint8_t packed[3 + 16 * 9];
-    uint8_t* p = packed;
-    *p++ = 0xdc; *p++ = 0; *p++ = 16;  // an array of 16 (msgpack's array 16: over 15 items)
-    for (int i = 0; i < 16 && p != nullptr; ++i) {
-      long long v = fixed[i];
-      if (items[i] != nullptr) {
-        int overflow = 0;
-        v = PyLong_CheckExact(items[i]) ? PyLong_AsLongLongAndOverflow(items[i], &overflow) : 0;
-        if (!PyLong_CheckExact(items[i]) || overflow != 0 || (v == -1 && PyErr_Occurred())) {
-          PyErr_Clear();
-          p = nullptr;
-          break;
-        }
-      }
-      p = pack_int(p, v);
-    }
+    uint8_t packed[3 + 16 * 9] = {0xdc, 0, 16};  // an array of 16 (msgpack's array 16: over 15 items)
+    uint8_t* p = pack_ints(packed + 3, items, fixed, 16);
     if (p != nullptr) {
       rec = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(packed), p - packed);
     } else {  // (a value that is no int of 64 bits: the tuple, as finish appends it)

@@ -220,6 +220,24 @@ inline uint8_t* pack_int(uint8_t* p, long long v) {
   return p;
 }
 
+// `n` ints packed after p: items[i] where it is given (nullptr: fixed[i]). nullptr where an item
+// is no int of 64 bits (the caller then queues the tuple, as msgpack-python would pack it).
+uint8_t* pack_ints(uint8_t* p, PyObject* const* items, const long long* fixed, int n) {
+  for (int i = 0; i < n; ++i) {
+    long long v = fixed[i];
+    if (items[i] != nullptr) {
+      int overflow = 0;
+      v = PyLong_CheckExact(items[i]) ? PyLong_AsLongLongAndOverflow(items[i], &overflow) : 0;
+      if (!PyLong_CheckExact(items[i]) || overflow != 0 || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return nullptr;
+      }
+    }
+    p = pack_int(p, v);
+  }
+  return p;
+}
+
 // The SPAN record of spans.py, item for item, queued in the writer's pending list as the bytes
 // msgpack makes of its tuple, added to the SpanRun at the queue's end; the writer flushed at
 // its bound as spans.py does. 0, or -1 with an exception. A value that is no int of 64 bits
@@ -236,26 +254,11 @@ int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyO
   if (t0_raw == -1 && PyErr_Occurred()) return -1;
   PyObject* items[13] = {self->span_tag, step, c.index, c.parent, c.path_id, c.call, nullptr,
                          nullptr, layout, c.fp_pre, fp_post, n_pre, flags};
+  long long fixed[13] = {0};
+  fixed[6] = c.t0 - t0_raw; fixed[7] = t1 - c.t0;
   uint8_t packed[1 + 13 * 9];
-  uint8_t* p = packed;
-  *p++ = 0x9d;  // an array of 13
-  for (int i = 0; i < 13 && p != nullptr; ++i) {
-    long long v;
-    if (i == 6) {
-      v = c.t0 - t0_raw;
-    } else if (i == 7) {
-      v = t1 - c.t0;
-    } else {
-      int overflow = 0;
-      v = PyLong_CheckExact(items[i]) ? PyLong_AsLongLongAndOverflow(items[i], &overflow) : 0;
-      if (!PyLong_CheckExact(items[i]) || overflow != 0 || (v == -1 && PyErr_Occurred())) {
-        PyErr_Clear();
-        p = nullptr;
-        break;
-      }
-    }
-    p = pack_int(p, v);
-  }
+  packed[0] = 0x9d;  // an array of 13
+  uint8_t* p = pack_ints(packed + 1, items, fixed, 13);
   if (p != nullptr) return queue_span(self, writer, packed, static_cast<size_t>(p - packed), nullptr);
   PyObject* rec = PyTuple_New(13);
   if (rec == nullptr) return -1;
