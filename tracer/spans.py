@@ -52,14 +52,47 @@ class SpanLayouts:
         self.coll.clear()
 
 
-def open_span(t, path_id) -> tuple:
-    """(call index of this module path in the step, span index) for a call being opened."""
-    calls = t.calls
-    call = calls.get(path_id, -1) + 1
-    calls[path_id] = call
-    index = t.span_count
-    t.span_count = index + 1
-    return call, index
+class StepCounters:
+    """A traced step's counters (``Tracer.counters``): the spans opened (``span_count``, the next
+    span's index) and each module path's calls (a call's number in the step). In Python until
+    tracer/native.py is built, then its C type of the same name (tracer/native_counters.py),
+    which the C call wrapper counts in: both wrappers open calls through ``open``."""
+
+    __slots__ = ("span_count", "calls")
+
+    def __init__(self):
+        self.span_count = 0
+        self.calls: dict = {}  # path id -> its last call's number in the step
+
+    def open(self, path_id) -> tuple:
+        """(call index of this module path in the step, span index) for a call being opened."""
+        calls = self.calls
+        call = calls.get(path_id, -1) + 1
+        calls[path_id] = call
+        index = self.span_count
+        self.span_count = index + 1
+        return call, index
+
+    def reset(self) -> None:
+        """A new step: no span and no call yet."""
+        self.span_count = 0
+        self.calls = {}
+
+    def set_call(self, path_id, call: int) -> None:
+        self.calls[path_id] = call
+
+    def last_call(self, path_id) -> int:
+        """The number of the path's last call in this step, -1 for none."""
+        return self.calls.get(path_id, -1)
+
+
+def counters_in(make, old):
+    """``make()`` (a StepCounters class) holding what ``old`` counted in this step."""
+    new = make()
+    new.span_count = old.span_count
+    for path_id, call in getattr(old, "calls", {}).items():
+        new.set_call(path_id, call)
+    return new
 
 
 def _py_pair_key(a, r):
@@ -266,8 +299,9 @@ def push_root(t, module, args, entry, t0) -> None:
     """Open the root's frame (the step's first call)."""
     path, cls, _selected = entry
     path_id = t.writer.module(path, cls)
-    t.calls[path_id] = 0
-    t.span_count = 1
+    counters = t.counters
+    counters.set_call(path_id, 0)
+    counters.span_count = 1
     slots: list = []
     flatten_args(args, slots, True)  # the root's inputs: a batch context object too
     fp_pre = -1

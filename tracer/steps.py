@@ -141,8 +141,8 @@ def open_traced_step(t, fingerprint: bool) -> int:
     clock (span times are offsets from it)."""
     t.stats["steps"] += 1
     t.step_thread = _get_ident()
-    t.span_count = t.coll_count = 0
-    t.calls = {}
+    t.counters.reset()
+    t.coll_count = 0
     t0 = _now()
     t.step_t0_raw = t0
     t.step_t0 = t.absolute(t0)
