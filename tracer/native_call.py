@@ -243,6 +243,7 @@ struct OpenCall {
   PyObject* call = nullptr;
   PyObject* fp_pre = nullptr;  // its inputs' fingerprint index (-1: none)
   PyObject* counters = nullptr;  // the tracer's StepCounters the call was counted in
+  long long index_v = 0, call_v = 0, path_v = 0;  // index, call and path_id as C ints (packed so)
   bool fp = false;             // a step with fingerprints
   int64_t t0 = 0;
   Py_ssize_t slot = -1;        // the module's slot in self->modules, while its epoch is `epoch`
@@ -344,7 +345,7 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   if (!PyLong_CheckExact(path_id) || !path_id_of(path_id, &id)) return 0;
   long long call = peek_call(count, id);
   c.call = PyLong_FromLongLong(call);
-  c.index = PyLong_FromLongLong(index);
+  c.index = index_int(index);
   c.args = arg_tuple != nullptr ? Py_NewRef(arg_tuple) : PyTuple_New(n);  // (the caller's, where it has one)
   if (self->n_spare > 0) {
     c.frame = self->spare[--self->n_spare];
@@ -357,6 +358,9 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   // open calls too: their numbers came first)
   if (peek_call(count, id) != call || count->span_count != index) return 0;
   commit_call(count, id, call);
+  c.index_v = index;
+  c.call_v = call;
+  c.path_v = id;
   // Own what is borrowed from the tracer's containers before fingerprint_input runs Python
   // (torch ops that may let go of the GIL), which may change them.
   c.stack = Py_NewRef(stack);
@@ -376,8 +380,9 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   return 1;
 }
 
-// The SPAN record appended to the writer's queue: tracer/native_spans.py. 0, or -1 with an exception.
-int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyObject* fp_post, PyObject* n_pre);
+// The SPAN record appended to the writer's queue: tracer/native_spans.py (fp_post NULL: -1). 0, or -1
+// with an exception.
+int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyObject* fp_post, long long n_pre);
 
 // The call's frame off the top of the stack (list.pop's work: the list keeps its allocation),
 // then kept to open a later call with when nothing else holds it: its items let go of now.

@@ -58,6 +58,19 @@ inline void commit_call(StepCounters* s, long long id, long long call) {
   ++s->span_count;
 }
 
+// Span indices as ints, made once for the process (ints are immutable: any holder may share
+// them): a call's frame holds its index, which most calls of a step would allocate and free.
+constexpr long long kIndexInts = 4096;
+PyObject* index_ints[kIndexInts];
+
+// The int `i` (a new reference, or NULL with an exception).
+inline PyObject* index_int(long long i) {
+  if (i < 0 || i >= kIndexInts) return PyLong_FromLongLong(i);
+  PyObject*& v = index_ints[i];
+  if (v == nullptr) v = PyLong_FromLongLong(i);  // (kept for the process)
+  return Py_XNewRef(v);
+}
+
 // A path id as a long long (false with an exception where it is no int, or too big).
 inline bool path_id_of(PyObject* v, long long* id) {
   if (!PyLong_Check(v)) {
@@ -78,7 +91,7 @@ PyObject* counters_open(PyObject* self_, PyObject* path_id) {
   long long call = peek_call(self, id), index = self->span_count;
   PyObject* r = PyTuple_New(2);
   PyObject* c = PyLong_FromLongLong(call);
-  PyObject* i = PyLong_FromLongLong(index);
+  PyObject* i = index_int(index);
   if (r == nullptr || c == nullptr || i == nullptr) {
     Py_XDECREF(r); Py_XDECREF(c); Py_XDECREF(i);
     return nullptr;
