@@ -320,7 +320,7 @@ def record_capture(t, name: str, tensor, info: dict | None) -> None:
         t.capture_info[path] = (writer.generation, dict(info))
         writer.add((schema.CAPTURE_INFO, path_id, dict(info)))
     parent = innermost_span(t)
-    call, index = open_span(t, path_id)
+    call, index = t.counters.open(path_id)
     now = _now()
     fp = t.fps.add([tensor]) if t.fp_now else -1
     layout = writer.layout((_slot(_OUT, tensor),))
