@@ -189,10 +189,11 @@ def global_pre(t, module, args):
 
 def pre_outside(t, module, args):
     """The pre-hook when no traced step runs on this thread, or the tracer is busy."""
-    if t.busy or not t.tracing_step:
+    busy = t._busy  # (Tracer.busy and .tracing_step without their descriptors' calls)
+    if busy or not t._tracing_step:
         # Once a framework delimits steps, a module called outside them (a sampler) is not
         # a step of its own.
-        if (not t.in_step and not t.busy and t.enabled and not t.external_steps
+        if (not t.in_step and not busy and t.enabled and not t.external_steps
                 and module not in t.roots):
             steps.discover_root(t, module, args)
     else:

@@ -320,10 +320,12 @@ def pop_record(t, module, kwargs, result, error) -> None:
         writer.flush()
 
 
-def push_root(t, module, args, entry, t0) -> None:
-    """Open the root's frame (the step's first call)."""
-    path, cls, _selected = entry
-    path_id = t.writer.module(path, cls)
+def push_root(t, module, args, entry, t0, path_id=None) -> None:
+    """Open the root's frame (the step's first call); ``path_id``, where the caller has it,
+    is its path's id in the rank file."""
+    if path_id is None:
+        path, cls, _selected = entry
+        path_id = t.writer.module(path, cls)
     t.calls[path_id] = 0
     t.span_count = 1
     slots: list = []
