@@ -282,6 +282,10 @@ def step_is_stale(t) -> bool:
 def end_untraced_step(t) -> None:
     """``end_step`` of a step outside the window: only the step state to reset (no lineage
     mode, quiet hooks, capture or open call is ever set up for such a step)."""
+    lineage = t.lineage
+    if lineage is not None and (lineage.mode is not None or t.quiet_hooks):  # (never, as said)
+        lineage.end_step()
+        t.set_quiet_hooks(False)
     if t.stack:
         t.stack.clear()
     t.step_root = None  # never keep the model alive past its step
