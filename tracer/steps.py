@@ -164,8 +164,8 @@ def begin_step(t, root, args) -> None:
     t.step_root = root
     if not t.config.in_window(t.step):
         # A step outside the window: no interception runs in it, so nothing looks for its
-        # root's frame (step_is_stale), and walking up to it costs the step more than the rest
-        # of this (frame objects made for the calls on the way)
+        # root's frame (step_is_stale); walking up to it makes frame objects for the calls on
+        # the way (about 12 us a step of the example in one A/B, 1 process, noisy)
         t.step_frame = None
         if t._tracing_step:
             t.tracing_step = False
