@@ -3,7 +3,8 @@
 Streaming: each file is read chunk by chunk and inserted in batches (``loader``); the merge holds
 only one file's intern tables and one batch in memory, whatever the size of the trace. With more than one
 core, worker processes load groups of files at the same time (``merge_workers``), one part store
-per file, and each part is copied in as soon as it is complete; the store is the same row for row. The store is built in a temporary file and
+per file (the first worker's first: the first chunks of a file whose rest this process loads),
+and each part is copied in as soon as it is complete; the store is the same row for row. The store is built in a temporary file and
 renamed, so a reader never sees half a store, and merging twice gives the same store (files are
 taken in sorted order; nothing depends on the time of the merge or on the number of workers).
 

@@ -9,7 +9,12 @@ part into the store as soon as it is complete and its turn has come, in file ord
 ``INSERT ... SELECT`` (SQLite does that in C), with the part's module, layout and group ids
 mapped to the store's and its span rowids shifted to follow the rows already there: copying
 overlaps the worker's loading of its next files, so after the last worker ends only its last
-file's part is left to copy. Ids are given in first-seen order across files in sorted order
+file's part is left to copy. Whole files would leave one process idle for up to a file's
+loading at the end, so the cut between the merging process and the first worker falls inside a
+file where both finish together (``plan``'s split): the worker loads that file's first chunks
+into its first part and hands over its loader as it stopped (the open step's rows, the file's
+intern tables, counts and digests); the merging process copies the part and goes on loading the
+file from there (``loader.FileLoader.resume``). Ids are given in first-seen order across files in sorted order
 and rows are copied in that order, so the store is the one a single process would build, row
 for row. Once a worker has loaded its first file it guesses the store's ids of its layouts
 (``_guess_layout_ids``): where ranks are alike, as in a TP run on GPUs, no id of its parts needs
