@@ -49,8 +49,10 @@ PARALLEL_MIN_BYTES = 8 << 20  # below this (about 150,000 span records) starting
 MAX_WORKERS = 3  # the copying of parts is serial: more workers help less and hold more memory
 # Copying a worker's part into the store, in bytes of rank files the merging process could have
 # loaded in the same time (per byte of the part's rank file; measured on the 61-layer synthetic
-# trace, bench/merge_bench.py: ~0.3 us a span record against ~2 us to load it).
-COPY_RATIO = 0.15
+# trace with parts copied as stored, bench/merge_path.py's CPU times: 0.43-0.47 s a part against
+# 3.4-3.8 s to load its file at 20M span records, 0.05 against 0.37 at 2M; was 0.15 when parts
+# were mapped, ~0.3 us a span record against ~2 us to load it).
+COPY_RATIO = 0.13
 # A file's share below which a cut inside it (plan's ``split``) is not worth a part of its own.
 MIN_SPLIT = 0.05
 
