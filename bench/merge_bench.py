@@ -357,6 +357,8 @@ def parse_args(argv=None):
                    help="per-rank fingerprint statistics of the large trace (see bench/synth.py)")
     p.add_argument("--dir", default=None, help="work folder (default: a temporary folder, removed at the end)")
     p.add_argument("--keep", action="store_true", help="keep the traces and stores")
+    p.add_argument("--reuse", action="store_true",
+                   help="with --dir: merge the traces an earlier run kept there (--keep) if made with these options")
     p.add_argument("--profile", choices=["auto", "always", "never"], default="auto",
                    help="cProfile merge_ranks on a smaller trace (auto: when the rate misses its target)")
     p.add_argument("--profile-steps", type=int, default=None,
@@ -408,8 +410,22 @@ def main(argv=None) -> int:
         sizes = [("small", small), ("large", steps)]
         for label, n in sizes:
             d = os.path.join(root, label)
-            log(f"generating {label} trace: {n} steps x {args.ranks} ranks -> {d}")
-            res["traces"][label] = generate_in_child(d, n, args.ranks, args.seed, args.fp_spread, repeat_after)
+            # --reuse: the traces of an earlier run with the same options (--keep), e.g. to merge
+            # them with another checkout's library (run this script with its interpreter).
+            info_path, key = os.path.join(root, f"{label}.info.json"), [n, args.ranks, args.seed, args.fp_spread,
+                                                                         repeat_after]
+            saved = None
+            if args.reuse and os.path.exists(info_path) and os.path.isdir(os.path.join(d, "ranks")):
+                with open(info_path) as f:
+                    saved = json.load(f)
+            if saved is not None and saved.get("key") == key:
+                log(f"reusing the {label} trace in {d} (--reuse)")
+                res["traces"][label] = saved["info"]
+            else:
+                log(f"generating {label} trace: {n} steps x {args.ranks} ranks -> {d}")
+                res["traces"][label] = generate_in_child(d, n, args.ranks, args.seed, args.fp_spread, repeat_after)
+                with open(info_path, "w") as f:
+                    json.dump(dict(key=key, info=res["traces"][label]), f)
             g = res["traces"][label]
             log(f"  {g['span_records']:,} span records, {_mb(g['bytes'])}, {g['seconds']:.1f} s")
         large = os.path.join(root, "large")

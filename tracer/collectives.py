@@ -477,11 +477,15 @@ class CollectiveInterceptor:
     def end_step(self) -> None:
         """Write the records of this step's waited functional collectives, and close the async
         collectives that were never waited on."""
-        self.functional.end_step()
-        for token in list(self.open_async.values()):
-            self.finish(token, unwaited=True)
-        self.open_async.clear()
-        self.rows_of.clear()
+        fc = self.functional
+        if fc.ready or fc.awaiting or fc.attrs is not None:  # (a step of none: no call)
+            fc.end_step()
+        if self.open_async:
+            for token in list(self.open_async.values()):
+                self.finish(token, unwaited=True)
+            self.open_async.clear()
+        if self.rows_of:
+            self.rows_of.clear()
 
 
 _T_ASYNC = 9

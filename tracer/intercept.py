@@ -23,7 +23,7 @@ from torch.nn.modules import module as _nn_module
 
 from tensor_trace import schema
 from tensor_trace.tracer import naming, native, spans, steps
-from tensor_trace.tracer.spans import (CONTEXT_TYPES, F_MODULE, PLAIN, flatten_args,
+from tensor_trace.tracer.spans import (CONTEXT_TYPES, F_MODULE, argument_tensors, flatten_args,
                                        pop_record, record_tensors, span_one_tensor)
 
 _now = time.monotonic_ns
@@ -168,17 +168,15 @@ def global_pre(t, module, args):
             else:
                 # Tensors and plain values only (None, numbers, a batch context object):
                 # kept as they came, like the one-tensor case; anything else is walked.
+                # (and tuples or lists of those, one level down, as record_tensors takes them)
                 slots = tensors = args
                 for a in args:
                     if not isinstance(a, _Tensor):  # not tensors only: a second look
-                        tensors = [x for x in args if isinstance(x, _Tensor)]
-                        for x in args:
-                            if not (x is None or isinstance(x, (_Tensor, *PLAIN))
-                                    or type(x) in CONTEXT_TYPES):
-                                slots = []
-                                flatten_args(args, slots)
-                                tensors = [s for _, s in slots]
-                                break
+                        tensors = argument_tensors(args)
+                        if tensors is None:
+                            slots = []
+                            flatten_args(args, slots)
+                            tensors = [s for _, s in slots]
                         break
                 fp_pre = t.fps.add(tensors, store=False) if tensors else -1
         except Exception as exc:
@@ -192,10 +190,11 @@ def global_pre(t, module, args):
 
 def pre_outside(t, module, args):
     """The pre-hook when no traced step runs on this thread, or the tracer is busy."""
-    if t.busy or not t.tracing_step:
+    busy = t._busy  # (Tracer.busy and .tracing_step without their descriptors' calls)
+    if busy or not t._tracing_step:
         # Once a framework delimits steps, a module called outside them (a sampler) is not
         # a step of its own.
-        if (not t.in_step and not t.busy and t.enabled and not t.external_steps
+        if (not t.in_step and not busy and t.enabled and not t.external_steps
                 and module not in t.roots):
             steps.discover_root(t, module, args)
     else:
@@ -400,11 +399,17 @@ def finish_call(t, module, args, kwargs, result) -> None:
     stack = t.stack
     if len(stack) > 1 and not t.quiet_hooks:
         frame = stack[-1]
-        if frame[F_MODULE] is module and frame[8] and type(frame[6]) is tuple:
+        if frame[F_MODULE] is module and frame[8]:
+            # global_post would only redo record_tensors before pop_record: straight there
             try:
-                if record_tensors(t, frame, frame[6], kwargs, result):
+                if type(frame[6]) is tuple and record_tensors(t, frame, frame[6], kwargs, result):
                     return
+                t.busy = True
+                try:
+                    pop_record(t, module, kwargs, result, False)
+                finally:
+                    t.busy = False
             except Exception as exc:
                 t.on_error("forward hook", exc)
-                return
+            return
     t.post_fn(module, args, kwargs, result)

@@ -136,13 +136,40 @@ int plain(PyObject* o, PyObject* context) {
 // tuple or list result.
 constexpr int64_t kKeyword = -(int64_t(1) << 40);
 
+// Items of a tuple or list one level down (an argument ``input.i.j``, an item of a result
+// ``output.j.k``, as tensor_slots.flatten names them): kNestedArg + (i << 20) + j, and
+// kNestedOut - (j << 20) - k. A longer sequence than kMaxNested, or a deeper one: the caller's
+// Python (whose walk caps a call's tensors at tensor_slots.MAX_TENSORS).
+constexpr int64_t kNestedArg = int64_t(1) << 44;
+constexpr int64_t kNestedOut = -(int64_t(1) << 46);
+constexpr Py_ssize_t kMaxNested = 64;
+
+// The items of the exact tuple or list `seq` at tags base + sign * j: tensors keyed, None and
+// numbers and strings no slot (what spans.record_tensors skips inside a sequence). 1 done, 0 not
+// such a sequence.
+int put_nested(int64_t base, int64_t sign, PyObject* seq) {
+  Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+  if (m > kMaxNested) return 0;
+  for (Py_ssize_t j = 0; j < m; ++j) {
+    PyObject* x = PySequence_Fast_GET_ITEM(seq, j);
+    key_buf.push_back(base + sign * j);
+    if (put_meta(x)) continue;
+    key_buf.pop_back();
+    if (!(x == Py_None || PyLong_Check(x) || PyFloat_Check(x) || PyUnicode_Check(x))) return 0;
+  }
+  return 1;
+}
+
 // One argument at slot `tag`: a tensor (its slot and metadata keyed), or a plain value (no
-// slot). 1 done, 0 neither (the caller's Python decides), -1 error (raised).
+// slot), or a tuple or list of those (put_nested). 1 done, 0 neither (the caller's Python
+// decides), -1 error (raised).
 int put_argument(int64_t tag, PyObject* x, PyObject* context) {
   key_buf.push_back(tag);
   if (put_meta(x)) return 1;
   key_buf.pop_back();
   int p = plain(x, context);
+  if (p == 0 && tag >= 0 && tag < (int64_t(1) << 20) && (PyTuple_CheckExact(x) || PyList_CheckExact(x)))
+    return put_nested(kNestedArg + (tag << 20), 1, x);
   return p < 0 ? -1 : p;
 }
 
@@ -201,6 +228,10 @@ int64_t call_id(PyObject* args, PyObject* kwargs, PyObject* result, PyObject* co
         key_buf.push_back(-2 - j);
         if (put_meta(r)) continue;
         key_buf.pop_back();
+        if ((PyTuple_CheckExact(r) || PyList_CheckExact(r)) && j < (Py_ssize_t(1) << 20)) {
+          if (!put_nested(kNestedOut - (static_cast<int64_t>(j) << 20), -1, r)) return -1;
+          continue;
+        }
         if (!(r == Py_None || PyLong_Check(r) || PyFloat_Check(r) || PyUnicode_Check(r)))
           return -1;
       }

@@ -16,7 +16,8 @@ import torch
 
 from tensor_trace import schema
 from tensor_trace.tracer import kinds
-from tensor_trace.tracer.tensor_slots import CONTEXT_TYPES, flatten_args, flatten_kwargs, flatten_output
+from tensor_trace.tracer.tensor_slots import (CONTEXT_TYPES, MAX_TENSORS, flatten_args, flatten_kwargs,
+                                             flatten_output)
 
 F_MODULE, F_INDEX, F_PARENT, F_PATH, F_CALL, F_T0, F_SLOTS, F_FP_PRE, F_SELECTED = range(9)
 
@@ -27,6 +28,9 @@ _IN0 = "input.0"
 _OUT = "output"
 _FLAG_ERROR = schema.FLAG_ERROR
 PLAIN = (int, float, str, bool)  # argument values that hold no tensor (and None)
+# record_tensors takes a tuple or list one level down (an argument, an item of a tuple result) up
+# to this long, as tracer/native.py's call_key does; a longer one is walked by pop_record.
+_MAX_NESTED = 64
 _slot = kinds.slot  # a layout entry for a tensor of any kind (the fast paths take plain ones only)
 
 
@@ -143,12 +147,36 @@ def span_one_tensor(t, index, parent, path_id, call, t0, t1, a, result, fp_pre, 
         writer.flush()
 
 
+def argument_tensors(args: tuple):
+    """The tensors of positional arguments that record_tensors takes as they are (tensors, plain
+    values, a batch context object, tuples or lists of tensors and plain values), in the order
+    tensor_slots.flatten_args finds them; None for arguments it walks."""
+    out = []
+    for x in args:
+        if isinstance(x, _Tensor):
+            out.append(x)
+        elif type(x) is tuple or type(x) is list:
+            if len(x) > _MAX_NESTED:
+                return None
+            for y in x:
+                if isinstance(y, _Tensor):
+                    out.append(y)
+                elif not (y is None or isinstance(y, PLAIN)):
+                    return None
+        elif not (x is None or isinstance(x, PLAIN) or type(x) in CONTEXT_TYPES):
+            return None
+    return out if len(out) <= MAX_TENSORS else None
+
+
 def record_tensors(t, frame, args, kwargs, result) -> bool:
     """Record a call whose arguments (positional and keyword) are tensors or plain values
     (None, numbers, a batch context object) and whose result is a tensor, or a tuple or
     list of tensors and plain values (SGLang's ``(output, bias)``, ``(x, residual)``,
     rotary ``(q, k)``), without walking structures: the slots are those ``pop_record``
-    would name. False (nothing done) for any other call."""
+    would name. A positional argument or an item of the result may itself be a tuple or
+    list of those, one level down (an EAGLE draft handed its captures as a list, a model
+    returning ``(hidden, [aux, ...])``): tracer/native.py's C call wrapper then records the
+    next such call by its known layout. False (nothing done) for any other call."""
     writer = t.writer
     layouts = t.layouts
     ckey = call_key(args, kwargs, result, CONTEXT_TYPES) if call_key is not None else -1
@@ -163,7 +191,11 @@ def record_tensors(t, frame, args, kwargs, result) -> bool:
             if isinstance(result, _Tensor):
                 post.append(result)
             elif result is not None:
-                post += [r for r in result if isinstance(r, _Tensor)]
+                for r in result:
+                    if isinstance(r, _Tensor):
+                        post.append(r)
+                    elif type(r) is tuple or type(r) is list:  # (one level down: call_key's)
+                        post += [x for x in r if isinstance(x, _Tensor)]
             if post:
                 fp_post = t.fps.add(post)
     else:
@@ -179,6 +211,17 @@ def record_tensors(t, frame, args, kwargs, result) -> bool:
                 if type(a) is _Tensor:
                     key += (i, a.shape, a.dtype, a.device)
                     n_pre += 1
+                elif type(a) is tuple or type(a) is list:  # input.i.j (an EAGLE draft's list)
+                    if len(a) > _MAX_NESTED:
+                        return False
+                    j = 0
+                    for x in a:
+                        if type(x) is _Tensor:
+                            key += ((i, j), x.shape, x.dtype, x.device)
+                            n_pre += 1
+                        elif not (x is None or isinstance(x, PLAIN)):
+                            return False
+                        j += 1
                 elif not (a is None or isinstance(a, PLAIN) or type(a) in CONTEXT_TYPES):
                     return False
                 i += 1
@@ -198,6 +241,17 @@ def record_tensors(t, frame, args, kwargs, result) -> bool:
                     if type(r) is _Tensor:
                         key += (j, r.shape, r.dtype, r.device)
                         post.append(r)
+                    elif type(r) is tuple or type(r) is list:  # output.j.k (a model's (hidden, aux))
+                        if len(r) > _MAX_NESTED:
+                            return False
+                        k = 0
+                        for x in r:
+                            if type(x) is _Tensor:
+                                key += ((j, k), x.shape, x.dtype, x.device)
+                                post.append(x)
+                            elif not (x is None or isinstance(x, PLAIN)):
+                                return False
+                            k += 1
                     elif not (r is None or isinstance(r, PLAIN)):
                         return False
                     j -= 1
@@ -213,8 +267,12 @@ def record_tensors(t, frame, args, kwargs, result) -> bool:
             slots = []
             for k in range(0, len(key), 4):
                 at = key[k]
-                name = (f"input.{at}" if type(at) is str or at >= 0 else
-                        _OUT if at == -1 else f"output.{-2 - at}")
+                if type(at) is tuple:  # an item one level down
+                    at, item = at
+                    name = f"input.{at}.{item}" if at >= 0 else f"output.{-2 - at}.{item}"
+                else:
+                    name = (f"input.{at}" if type(at) is str or at >= 0 else
+                            _OUT if at == -1 else f"output.{-2 - at}")
                 slots.append((name, key[k + 1], key[k + 2], key[k + 3]))
             layout = layouts.flat[key] = writer.layout(tuple(slots))
         if ckey >= 0:
@@ -295,10 +353,12 @@ def pop_record(t, module, kwargs, result, error) -> None:
         writer.flush()
 
 
-def push_root(t, module, args, entry, t0) -> None:
-    """Open the root's frame (the step's first call)."""
-    path, cls, _selected = entry
-    path_id = t.writer.module(path, cls)
+def push_root(t, module, args, entry, t0, path_id=None) -> None:
+    """Open the root's frame (the step's first call); ``path_id``, where the caller has it,
+    is its path's id in the rank file."""
+    if path_id is None:
+        path, cls, _selected = entry
+        path_id = t.writer.module(path, cls)
     counters = t.counters
     counters.set_call(path_id, 0)
     counters.span_count = 1

@@ -30,6 +30,7 @@ LINEAGE_FIRST = 2  # traced steps of each kind that always record lineage
 # padded rows a DP-attention rank fills with NaN (exporters/analysis/rules.py, non-finite-values).
 FINGERPRINT_FIRST = 4
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
+_CUDA_BUILT = torch.backends.cuda.is_built()  # (a CPU build of torch captures no CUDA graph)
 
 
 def adopt_root(t, module, hooks: bool = True) -> None:
@@ -60,7 +61,7 @@ def discover_root(t, module, args) -> None:
 
 
 def root_pre(t, module, args, kwargs):
-    if t.in_step or t.busy or not t.enabled:
+    if t.in_step or t._busy or not t.enabled:  # (_busy: Tracer.busy without its descriptor)
         return None
     try:
         begin_step(t, module, args)
@@ -70,13 +71,19 @@ def root_pre(t, module, args, kwargs):
 
 
 def root_post(t, module, args, *rest):
-    if not t.in_step or t.busy:
+    if not t.in_step or t._busy:
         return None
     stack = t.stack
-    if t.tracing_step:
+    if t._tracing_step:
         if len(stack) != 1 or stack[0][spans.F_MODULE] is not module:
             return None
-    elif t.step_root is not module:
+    else:
+        if t.step_root is module:
+            try:
+                end_untraced_step(t)
+            except Exception as exc:
+                t.on_error("step end", exc)
+                t.in_step = False
         return None
     t.busy = True  # the tracer's own tensor ops below are nobody's lineage
     try:
@@ -88,7 +95,8 @@ def root_post(t, module, args, *rest):
         t.in_step = False
     finally:
         t.busy = False
-        t.tracing_step = False
+        if t._tracing_step:  # (end_step's own, unless it failed first)
+            t.tracing_step = False
     return None
 
 
@@ -154,16 +162,22 @@ def begin_step(t, root, args) -> None:
     t.step += 1
     t.in_step = True
     t.step_root = root
-    t.step_frame = None if t.external_steps else _root_call_frame()
     if not t.config.in_window(t.step):
-        t.tracing_step = False
+        # A step outside the window: no interception runs in it, so nothing looks for its
+        # root's frame (step_is_stale); walking up to it makes frame objects for the calls on
+        # the way (about 12 us a step of the example in one A/B, 1 process, noisy)
+        t.step_frame = None
+        if t._tracing_step:
+            t.tracing_step = False
         t.stats["steps_skipped"] += 1
         if t.global_handles:
             t.remove_interception()
         return
+    t.step_frame = None if t.external_steps else _root_call_frame()
     if not t.global_handles:
         t.install_interception()
-    t.ensure_writer()
+    if t.writer is None:
+        t.ensure_writer()
     if t.native_pending:
         _poll_native(t)
     t.tracing_step = True
@@ -195,7 +209,7 @@ def begin_step(t, root, args) -> None:
             t.update_identity(device=dev)
     t.writer.add((schema.STEP_BEGIN, t.step, path_id, t.step_t0, attrs, fp_now))
     t.step_info = (entry[0], entry[1], attrs)
-    spans.push_root(t, root, args, entry, t0)
+    spans.push_root(t, root, args, entry, t0, path_id)
     if lineage_now:
         t.lineage.begin_step()
         t.set_quiet_hooks(True)
@@ -265,18 +279,35 @@ def step_is_stale(t) -> bool:
     return True
 
 
+def end_untraced_step(t) -> None:
+    """``end_step`` of a step outside the window: only the step state to reset (no lineage
+    mode, quiet hooks, capture or open call is ever set up for such a step)."""
+    lineage = t.lineage
+    if lineage is not None and (lineage.mode is not None or t.quiet_hooks):  # (never, as said)
+        lineage.end_step()
+        t.set_quiet_hooks(False)
+    if t.stack:
+        t.stack.clear()
+    t.step_root = None  # never keep the model alive past its step
+    t.in_step = False
+    if t.global_handles and not t.config.in_window(t.step + 1):
+        t.remove_interception()
+
+
 def end_step(t, error: bool = False, result=None, kwargs=None) -> None:
     step = t.step
     try:
-        if t.tracing_step:
+        if t._tracing_step:
             spans.close_open_calls(t, kwargs, result, error)
     finally:
-        if t.lineage is not None:  # after the root's record (its outputs may be nodes)
-            # also when recording it failed: a lineage mode left on would stay on the
-            # program's torch function stack for good, under the next step's
-            t.lineage.end_step()
+        lineage = t.lineage
+        if lineage is not None and (lineage.mode is not None or t.quiet_hooks):
+            # (after the root's record: its outputs may be nodes) also when recording it
+            # failed: a lineage mode left on would stay on the program's torch function stack
+            # for good, under the next step's
+            lineage.end_step()
             t.set_quiet_hooks(False)
-    if t.tracing_step:
+    if t._tracing_step:
         if t.collectives is not None:
             t.collectives.end_step()
         t.writer.add((schema.STEP_END, step, t.now(), t.span_count, t.coll_count))
@@ -327,7 +358,7 @@ def _root_call_frame():
 def is_capturing() -> bool:
     """Whether the current CUDA stream is being captured into a graph."""
     try:
-        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        return _CUDA_BUILT and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     except Exception:
         return False
 

@@ -14,8 +14,9 @@ import msgpack
 
 from tensor_trace import progress, schema
 from tensor_trace.errors import BadInput
-from tensor_trace.exporters.store.merge_align import SequenceDigest, text_code
+from tensor_trace.exporters.store.merge_align import SequenceDigest
 from tensor_trace.exporters.store.reader import ReadReport, iter_chunks, step_fingerprinted
+from tensor_trace.exporters.store.shared_ids import SharedIds  # noqa: F401  (merge and its workers import it here)
 from tensor_trace.exporters.store.tables import insert_rows
 from tensor_trace.format.lineage_refs import resolve_strings
 from tensor_trace.format.records import RecordResolver
@@ -69,6 +70,46 @@ class FileLoader:
         # Spans per (module id, call) of this file, counted as they are inserted when asked
         # (the merge's first file: the verdicts' steps seen per point, ``merge.CALLS_TABLE``).
         self.calls = Counter() if count_calls else None
+        self.offset = 0  # where in the file loading goes on (a load stopped at ``stop``: load())
+
+    def __getstate__(self):
+        # A load stopped part way (a merge worker's share of a file) goes to the merging process,
+        # which goes on with it on its own connection and ids (resume()).
+        state = dict(self.__dict__)
+        state["con"] = state["g"] = None
+        return state
+
+    def resume(self, con, g, maps: dict, offset: int) -> None:
+        """Go on here with a load that a merge worker stopped (``load(stop=...)``) and whose rows
+        are now in ``con``'s store: the worker's ids of modules, layouts and groups in what the
+        loader holds become the store's (``maps[kind][worker id]``, as ``copy_part`` mapped its
+        rows), and its span rowids move up by ``offset`` (the store's spans before them)."""
+        mod, lay, grp = maps["modules"], maps["layouts"], maps["groups"]
+
+        def m(x, table):
+            return None if x is None else table[x]
+
+        self.con, self.g = con, g
+        self.modules = {sid: mod[mid] for sid, mid in self.modules.items()}
+        self.layouts = {k: m(lid, lay) for k, lid in self.layouts.items()}
+        self.groups = {k: m(gid, grp) for k, gid in self.groups.items()}
+        self.span_module = {i: m(mid, mod) for i, mid in self.span_module.items()}
+        for c in self.step_colls:  # the open step's collectives: group at 6, layout at 10
+            c[6], c[10] = m(c[6], grp), m(c[10], lay)
+        self.summary = {(m(mid, mod), op, redop, m(gid, grp)): a
+                        for (mid, op, redop, gid), a in self.summary.items()}
+        self.digest = self.digest.remapped(grp)
+        self.params = [(p[0], m(p[1], mod), *p[2:]) for p in self.params]
+        if self.calls is not None:
+            self.calls = Counter({(m(mid, mod), call): n for (mid, call), n in self.calls.items()})
+        self.span_ranges = {k: (a + offset, b + offset) for k, (a, b) in self.span_ranges.items()}
+
+    def shift_layouts(self, k: int) -> None:
+        """The worker renumbered its layouts ``k`` higher (merge_workers._guess_layout_ids)."""
+        self.layouts = {key: lid + k for key, lid in self.layouts.items()}
+        for c in self.step_colls:
+            if c[10] is not None:
+                c[10] += k
 
     def module_id(self, sid):
         mid = self.modules.get(sid)
@@ -247,7 +288,11 @@ class FileLoader:
         elif kind == schema.END:
             self.end = dict(rec[1])
 
-    def load(self):
+    def load(self, stop: int | None = None) -> bool:
+        """Load the file from ``self.offset`` on; True once its end is reached. ``stop``: end
+        after the chunk that reaches that byte offset: rows of the steps closed so far are in the
+        store, the open step is kept (its collectives wait for their modules' spans), and False
+        is returned; ``resume`` and ``load`` again go on from there."""
         # The hot loop: spans and collectives are nearly every record, handled inline with
         # everything they touch in local variables; other kinds go to _record.
         proc = self.proc
@@ -267,11 +312,12 @@ class FileLoader:
         report = self.report
         S_SPAN, S_COLL, FLAG_ERROR = schema.SPAN, schema.COLLECTIVE, schema.FLAG_ERROR
         # The k-th row of spans will be stored at rowid base + k + 1 (rowids count up from the
-        # table's end).
-        start = self.con.execute("SELECT COALESCE(MAX(rowid), 0) FROM spans").fetchone()[0]
-        base = start
+        # table's end, which holds this file's spans so far, where the load goes on).
+        start = self.con.execute("SELECT COALESCE(MAX(rowid), 0) FROM spans").fetchone()[0] - self.span_rows
+        base = start + self.span_rows
         cur_step, cur_first = None, base + 1
-        for records in _chunks(self.path, report):
+        where = [self.offset, False]
+        for records in _chunks(self.path, report, self.offset, stop, where):
             for rec in records:
                 try:
                     kind = rec[0]
@@ -313,6 +359,12 @@ class FileLoader:
             if len(spans) // SPAN_COLUMNS + len(colls) // COLLECTIVE_VALUES + len(step_colls) >= BATCH:
                 self.flush(last=False)
                 base = start + self.span_rows
+        if where[1]:  # stopped before the file's end
+            if cur_step is not None:
+                self._add_range(cur_step, cur_first, base + len(spans) // SPAN_COLUMNS)
+            self.flush()
+            self.offset = where[0]
+            return False
         self._close_step()
         if cur_step is not None:
             self._add_range(cur_step, cur_first, base + len(spans) // SPAN_COLUMNS)
@@ -320,6 +372,7 @@ class FileLoader:
         if self.replays:
             self._expand_replays(start + self.span_rows)
         self._finish()
+        return True
 
     def _finish(self):
         """The file's per-step and per-file rows, once all its records are read."""
@@ -364,11 +417,12 @@ COLLECTIVE_COLUMNS = 19
 # (2 a row on the synthetic trace: a quarter of a collective's insert).
 COLLECTIVE_ROW = "(?,?,?,?,?,NULLIF(?,0),?,?,?,?,?,?,?,?,?,?,?,NULL,NULLIF(?,0))"
 COLLECTIVE_VALUES = COLLECTIVE_ROW.count("?")
-def _chunks(path, report):
+def _chunks(path, report, start=0, stop=None, where=None):
     """The records of every intact chunk of a rank file, one decoded chunk (a list) at a time
-    (iter_records without its per-record checks: a malformed record is caught by the loader)."""
+    (iter_records without its per-record checks: a malformed record is caught by the loader);
+    ``start``, ``stop``, ``where``: a range of the file (``reader.iter_chunks``)."""
     unpackb = msgpack.unpackb
-    for payload in iter_chunks(path, report):
+    for payload in iter_chunks(path, report, start, stop, where):
         try:
             records = unpackb(payload, raw=False, strict_map_key=False)
         except Exception:
@@ -381,65 +435,6 @@ def _chunks(path, report):
             report.corrupt_chunks += 1
 
 
-class SharedIds:
-    """Ids shared by all files of the store: modules, layouts, groups."""
-
-    def __init__(self, con):
-        self.con = con
-        self.modules: dict = {}
-        self.layouts: dict = {}
-        self.signature_codes: list = []  # layout id -> text_code of its signature (shapes, dtypes)
-        self.layout_base = 0  # the first layout id (shift_layouts)
-        self.groups: dict = {}
-
-    def module(self, path, cls):
-        entry = self.modules.get(path)
-        if entry is None:
-            mid = len(self.modules)
-            self.modules[path] = [mid, cls]
-            return mid
-        if cls and not entry[1]:
-            entry[1] = cls
-        return entry[0]
-
-    def layout(self, slots):
-        return self.layout_key(json.dumps(slots, separators=(",", ":")))
-
-    def layout_key(self, key):
-        lid = self.layouts.get(key)
-        if lid is None:
-            lid = len(self.layouts) + self.layout_base
-            self.layouts[key] = lid
-            self.signature_codes.append(text_code(_signature(key)))
-        return lid
-
-    def shift_layouts(self, k: int) -> None:
-        """Number every layout ``k`` higher, and new ones from there: a merge worker's guess of the
-        ids the store will give its layouts, so that its part can be copied as it is stored
-        (merge_workers). They are labels that the copy maps by key: a wrong guess costs only
-        that faster copy."""
-        if k > 0:
-            self.layouts = {key: lid + k for key, lid in self.layouts.items()}
-            self.layout_base += k
-            self.signature_codes[:0] = [-1] * k
-
-    def group(self, name, ranks, backend, pg_name):
-        key = (pg_name, json.dumps(ranks))
-        entry = self.groups.get(key)
-        if entry is None:
-            entry = (len(self.groups), name, json.dumps(ranks), backend, pg_name)
-            self.groups[key] = entry
-        return entry[0]
-
-    def write(self):
-        con = self.con
-        con.executemany("INSERT INTO modules VALUES (?,?,?)",
-                        [(mid, path, cls) for path, (mid, cls) in self.modules.items()])
-        con.executemany("INSERT INTO layouts VALUES (?,?,?)", [
-            (lid, k, _signature(k)) for k, lid in self.layouts.items()])
-        con.executemany("INSERT INTO groups VALUES (?,?,?,?,?)", list(self.groups.values()))
-
-
 def _per_step_json(per_step) -> str:
     """collective_summary.per_step: [[step, count], ...] in step order, from the loader's flat
     (step, count) pairs (in the order steps closed; replays' after them)."""
@@ -450,11 +445,6 @@ def _per_step_json(per_step) -> str:
             counts[step] = counts.get(step, 0) + n
         pairs = sorted(counts.items())
     return json.dumps(pairs)
-
-
-def _signature(layout_key: str) -> str:
-    """A layout's shapes and dtypes (layouts.signature): its slots without names and devices."""
-    return json.dumps([[s[1], s[2]] for s in json.loads(layout_key)], separators=(",", ":"))
 
 
 # Tables a rank file's rows go to (the loader's), in the order a worker's part is copied.
@@ -480,12 +470,22 @@ class FileResult:
         self.calls = loader.calls if loader and not loader.replays else None
 
 
-def load_file(con, proc: int, path: str, g, count_calls: bool = False) -> FileResult:
+def load_file(con, proc: int, path: str, g, count_calls: bool = False, stop: int | None = None,
+              resume: tuple | None = None):
     """Load one rank file into ``con``; a file that cannot be read leaves no rows.
-    ``count_calls``: the result's ``calls`` counts the file's spans per (module id, call)."""
-    loader = FileLoader(con, proc, path, g, count_calls)
+    ``count_calls``: the result's ``calls`` counts the file's spans per (module id, call).
+    ``stop`` (a byte offset): a merge worker's first part of the file, up to the chunk that
+    reaches it; where the file goes on after it, the FileLoader that stopped is returned (the
+    merging process goes on with it: ``resume`` = (that loader, the ids' maps, the store's spans
+    before its rows): ``FileLoader.resume``)."""
+    if resume is not None:
+        loader, maps, offset = resume
+        loader.resume(con, g, maps, offset)
+    else:
+        loader = FileLoader(con, proc, path, g, count_calls)
     try:
-        loader.load()
+        if not loader.load(stop):
+            return loader
     except BadInput as exc:
         for table in ("spans", "collectives", "fingerprints", "steps", "errors", "params", "lineage",
                       "slot_sources"):

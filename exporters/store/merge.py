@@ -3,7 +3,8 @@
 Streaming: each file is read chunk by chunk and inserted in batches (``loader``); the merge holds
 only one file's intern tables and one batch in memory, whatever the size of the trace. With more than one
 core, worker processes load groups of files at the same time (``merge_workers``), one part store
-per file, and each part is copied in as soon as it is complete; the store is the same row for row. The store is built in a temporary file and
+per file (the first worker's first: the first chunks of a file whose rest this process loads),
+and each part is copied in as soon as it is complete; the store is the same row for row. The store is built in a temporary file and
 renamed, so a reader never sees half a store, and merging twice gives the same store (files are
 taken in sorted order; nothing depends on the time of the merge or on the number of workers).
 
@@ -135,8 +136,10 @@ def _index_beside(con, path: str, sql: str, report: dict):
 def _load_rank_files(con, files, g, tmp, workers, report, warn):
     """Load every rank file into ``con``; yield their results in file order. The first group of
     files is loaded here while worker processes load the others (``merge_workers``), whose
-    parts are copied in as they complete; closing this generator stops them."""
-    groups = merge_workers.plan(files, workers)
+    parts are copied in as they complete; closing this generator stops them. Where the first
+    worker's group begins with a file's first chunks (``plan``'s split), the rest of that file
+    is loaded here once they are copied in."""
+    groups = merge_workers.plan(files, workers, split=True)
     first = groups[0][0][0]  # its spans are counted per (module, call) as they go in: CALLS_TABLE
     if len(groups) == 1:
         for proc, path in groups[0]:
@@ -155,7 +158,7 @@ def _load_rank_files(con, files, g, tmp, workers, report, warn):
                        f"{len(rest)} rank file(s) here")
                 warn(msg)
                 report["problems"].append(msg)
-                for proc, path in rest:
+                for proc, path, *_ in rest:
                     yield load_file(con, proc, path, g)
             else:
                 try:
@@ -164,13 +167,17 @@ def _load_rank_files(con, files, g, tmp, workers, report, warn):
                     msg = f"a merge worker's part store is unreadable ({exc}); loaded its rank file here"
                     warn(msg)
                     report["problems"].append(msg)
-                    proc, path = group[i]
+                    proc, path = group[i][:2]
                     yield load_file(con, proc, path, g)
                 else:
-                    merge_workers.copy_part(con, part, data, g, FILE_TABLES)
+                    offset = con.execute("SELECT COALESCE(MAX(rowid), 0) FROM spans").fetchone()[0]
+                    maps = merge_workers.copy_part(con, part, data, g, FILE_TABLES)
                     os.remove(part)  # copied: its disk is not needed until the store is complete
                     stats[id(group)] = data["stats"]
                     yield from data["results"]
+                    partial = data.get("partial")
+                    if partial is not None:  # the file's first chunks: the rest is loaded here
+                        yield load_file(con, partial.proc, partial.path, g, resume=(partial, maps, offset))
             if (i == len(group) - 1 or failure is not None) and id(group) in stats:
                 report["workers"].append(stats.pop(id(group)))
 

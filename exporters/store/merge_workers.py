@@ -9,7 +9,12 @@ part into the store as soon as it is complete and its turn has come, in file ord
 ``INSERT ... SELECT`` (SQLite does that in C), with the part's module, layout and group ids
 mapped to the store's and its span rowids shifted to follow the rows already there: copying
 overlaps the worker's loading of its next files, so after the last worker ends only its last
-file's part is left to copy. Ids are given in first-seen order across files in sorted order
+file's part is left to copy. Whole files would leave one process idle for up to a file's
+loading at the end, so the cut between the merging process and the first worker falls inside a
+file where both finish together (``plan``'s split): the worker loads that file's first chunks
+into its first part and hands over its loader as it stopped (the open step's rows, the file's
+intern tables, counts and digests); the merging process copies the part and goes on loading the
+file from there (``loader.FileLoader.resume``). Ids are given in first-seen order across files in sorted order
 and rows are copied in that order, so the store is the one a single process would build, row
 for row. Once a worker has loaded its first file it guesses the store's ids of its layouts
 (``_guess_layout_ids``): where ranks are alike, as in a TP run on GPUs, no id of its parts needs
@@ -36,7 +41,7 @@ import threading
 import time
 
 from tensor_trace import schema
-from tensor_trace.exporters.store.loader import SharedIds, load_file
+from tensor_trace.exporters.store.loader import FileLoader, SharedIds, load_file
 from tensor_trace.exporters.store.tables import open_new_store
 
 ENV_WORKERS = "TENSOR_TRACE_MERGE_WORKERS"  # worker processes besides the merging one; 0 = none
@@ -44,8 +49,12 @@ PARALLEL_MIN_BYTES = 8 << 20  # below this (about 150,000 span records) starting
 MAX_WORKERS = 3  # the copying of parts is serial: more workers help less and hold more memory
 # Copying a worker's part into the store, in bytes of rank files the merging process could have
 # loaded in the same time (per byte of the part's rank file; measured on the 61-layer synthetic
-# trace, bench/merge_bench.py: ~0.3 us a span record against ~2 us to load it).
-COPY_RATIO = 0.15
+# trace with parts copied as stored, bench/merge_path.py's CPU times: 0.43-0.47 s a part against
+# 3.4-3.8 s to load its file at 20M span records, 0.05 against 0.37 at 2M; was 0.15 when parts
+# were mapped, ~0.3 us a span record against ~2 us to load it).
+COPY_RATIO = 0.13
+# A file's share below which a cut inside it (plan's ``split``) is not worth a part of its own.
+MIN_SPLIT = 0.05
 
 # Columns holding ids that each process gives out on its own, by name wherever they occur, and
 # the SharedIds table each maps through.
@@ -67,11 +76,16 @@ def _usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def plan(files: list, workers: int | None) -> list:
+def plan(files: list, workers: int | None, split: bool = False) -> list:
     """Split the rank files into contiguous groups of ``(proc, path)``: the first for the merging
     process (it also copies the workers' parts in as they complete), one per worker after it.
     ``workers`` None: as many as the usable cores allow (at most MAX_WORKERS), and none for a
-    small trace or when ``TENSOR_TRACE_MERGE_WORKERS`` says 0."""
+    small trace or when ``TENSOR_TRACE_MERGE_WORKERS`` says 0.
+
+    ``split``: the cut between the merging process and the first worker may fall inside a file
+    (``_split``): that worker's group then begins with ``(proc, path, stop)``, the file's first
+    chunks up to byte ``stop``, and the merging process loads the rest of that file after
+    copying them in."""
     procs = list(enumerate(files))
     if workers is None:
         env = os.environ.get(ENV_WORKERS, "").strip()
@@ -117,7 +131,31 @@ def plan(files: list, workers: int | None) -> list:
         lo, hi = cuts[-1] + 1, len(files) - (n - 1 - k)
         cuts.append(min(range(lo, hi + 1), key=lambda j: abs(cum[j] - target)))
     cuts.append(len(files))
-    return [procs[cuts[k]:cuts[k + 1]] for k in range(n)]
+    groups = [procs[cuts[k]:cuts[k + 1]] for k in range(n)]
+    return _split(groups, weights, cum, n, cuts[2]) if split else groups
+
+
+def _split(groups: list, weights: list, cum: list, n: int, end: int) -> list:
+    """Move the cut between the merging process and the first worker to where both finish
+    together, inside a file: whole files leave one of them idle for up to a file's loading at
+    the end (of 8 equal files, the merging process finishes ~0.6 of a file after its worker,
+    copying the worker's parts; ``slowest`` in ``plan``). The merging process loads bytes
+    [0, x) of the trace and copies the rest: x + COPY_RATIO * (total - x); the workers load the
+    rest evenly, and the last part is copied after them. The file holding x: its first
+    ``cum[j + 1] - x`` bytes go to the first worker (its first part), the merging process loads
+    the rest. ``end``: the files before it are the first worker's; the first file stays whole
+    with the merging process (its spans are counted per call as they go in: merge.CALLS_TABLE)."""
+    total, r = cum[-1], COPY_RATIO
+    x = (total / (n - 1) + r * weights[-1] - r * total) / (1 - r + 1 / (n - 1))
+    j = next((k for k in range(len(weights)) if cum[k] <= x < cum[k + 1]), None)
+    if j is None or j < 1 or j >= end or not weights[j]:
+        return groups
+    head = cum[j + 1] - x  # bytes of file j for the worker
+    if not MIN_SPLIT <= head / weights[j] <= 1 - MIN_SPLIT:
+        return groups
+    procs = [pp for g in groups for pp in g]
+    proc, path = procs[j]
+    return [procs[:j], [(proc, path, int(head))] + procs[j + 1:end]] + groups[2:]
 
 
 def part_paths(store_tmp: str) -> list:
@@ -237,9 +275,10 @@ def read_part(part: str) -> dict:
         con.close()
 
 
-def copy_part(con, part: str, data: dict, g, tables) -> None:
+def copy_part(con, part: str, data: dict, g, tables) -> dict:
     """Copy a worker's part store into the store (``con``, whose ids ``g`` gives out), the
-    tables in the order given, rows in rowid order."""
+    tables in the order given, rows in rowid order; return the maps of the part's ids to the
+    store's (kind -> list: ``loader.FileLoader.resume``)."""
     con.commit()  # ATTACH is refused inside a transaction
     con.execute("ATTACH DATABASE ? AS part", (part,))
     try:
@@ -259,7 +298,8 @@ def copy_part(con, part: str, data: dict, g, tables) -> None:
         # given its rowid.
         offset = con.execute("SELECT COALESCE(MAX(rowid), 0) FROM main.spans").fetchone()[0]
         last = con.execute("SELECT COALESCE(MAX(rowid), 0) FROM part.spans").fetchone()[0]
-        dense = last == sum(r.span_rows for r in data["results"])
+        partial = data.get("partial")  # a file's first chunks: the merging process loads the rest
+        dense = last == sum(r.span_rows for r in data["results"]) + (partial.span_rows if partial else 0)
         for table in tables:
             cols = [r[1] for r in con.execute(f"PRAGMA main.table_info({table})")]
             sel = []
@@ -287,6 +327,7 @@ def copy_part(con, part: str, data: dict, g, tables) -> None:
         con.commit()
     finally:
         con.execute("DETACH DATABASE part")
+    return maps
 
 
 def _without_rowid(con, table: str) -> bool:
@@ -315,20 +356,23 @@ def _status_kb(key: str) -> int | None:
     return None
 
 
-def _guess_layout_ids(con, g, files_before: int) -> None:
+def _guess_layout_ids(con, g, k: int, partial=None) -> None:
     """Give the layouts of a worker's first part, and those it meets next, the ids the store will
     give them if each file before the worker's gave as many new layouts as its first (ranks
     alike, each tensor on its own device, as in a TP run on GPUs). Right, no part of this worker
     needs its layout ids mapped, and copy_part copies them as stored (~0.1 us a span row against
     ~0.3 mapped, in the merging process); renumbering this first part costs the worker ~0.3 us
     a span record, while the merging process is still loading its own files. Wrong, the parts
-    are mapped as before (the store is the same either way)."""
-    k = files_before * len(g.layouts)
+    are mapped as before (the store is the same either way). ``k``: files before the worker's
+    times the layouts of its first part (``worker_main``). ``partial``: the stopped loader of
+    a file's first part, whose layout ids move with its rows."""
     if k <= 0:
         return
     for table in ("spans", "collectives"):
         con.execute(f"UPDATE {table} SET layout_id = layout_id + {k} WHERE layout_id IS NOT NULL")
     g.shift_layouts(k)
+    if partial is not None:
+        partial.shift_layouts(k)
 
 
 def worker_main(spec: dict) -> None:
@@ -340,12 +384,21 @@ def worker_main(spec: dict) -> None:
     c0, rss0 = time.process_time(), _status_kb("VmRSS")
     g = SharedIds(None)  # its ids go back with each part (copy_part maps them): never written here
     out = sys.stdout.buffer
-    for i, (proc, path) in enumerate(spec["files"]):
+    before = spec.get("files_before", 0)
+    head_layouts = None  # after a file's first part (plan's split): the layouts it met
+    for i, (proc, path, *stop) in enumerate(spec["files"]):
         con = open_new_store(part_path(spec["part"], i))
-        result = load_file(con, proc, path, g)
+        # A file's first chunks only (plan's split): the loader stopped part way, which the
+        # merging process goes on with (``partial``); else the file's result.
+        result = load_file(con, proc, path, g, stop=stop[0] if stop else None)
+        partial = result if isinstance(result, FileLoader) else None
         if i == 0:
-            _guess_layout_ids(con, g, spec.get("files_before", 0))
-        data = dict(results=[result],
+            _guess_layout_ids(con, g, before * len(g.layouts), partial)
+        elif i == 1 and head_layouts is not None and len(g.layouts) > head_layouts:
+            # The first part met fewer layouts than this whole file gave (shapes that appear as
+            # the run goes): the store gives each file before this one as many more.
+            _guess_layout_ids(con, g, (before + 1) * (len(g.layouts) - head_layouts))
+        data = dict(results=[] if partial else [result], partial=partial,
                     modules=[(p, cls) for p, (_mid, cls) in sorted(g.modules.items(), key=lambda e: e[1][0])],
                     layouts=[key for key, _lid in sorted(g.layouts.items(), key=lambda e: e[1])],
                     layout_base=g.layout_base,
@@ -359,4 +412,12 @@ def worker_main(spec: dict) -> None:
         con.close()
         out.write(b"part %d\n" % i)
         out.flush()
+        if partial is not None:
+            # The rest of that file is the merging process's: the next files' ids come from a
+            # SharedIds of their own, whose layouts are numbered, before any is loaded, where the
+            # store gives them if the first part met all of its file's (as in the synthetic trace:
+            # no part renumbered); else corrected after the next file (above).
+            head_layouts = len(g.layouts)
+            g = SharedIds(None)
+            g.shift_layouts((before + 1) * head_layouts)
     os._exit(0)

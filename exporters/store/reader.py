@@ -56,27 +56,44 @@ def _check_prefix(path: str, data: bytes) -> None:
 READ_BLOCK = 4 << 20
 
 
-def iter_chunks(path: str, report: ReadReport):
+def iter_chunks(path: str, report: ReadReport, start: int = 0, stop: int | None = None,
+                where: list | None = None):
     """Yield the payload of every intact chunk (inflated where it was stored compressed);
     resynchronise on the sync marker after damage.
 
     Streams: memory holds one read block plus the chunk being decoded (chunks are at most
-    ``schema.MAX_CHUNK_BYTES``), whatever the size of the file."""
+    ``schema.MAX_CHUNK_BYTES``), whatever the size of the file.
+
+    A range of the file (a merge worker loads a file's first chunks, the merging process the
+    rest: ``merge_workers``): ``start``, a byte offset where a chunk begins (one that an earlier
+    read stopped at; 0: the file's beginning); ``stop``, end once a chunk ending at or after
+    this offset has been taken. ``where`` (a list), if given, holds the offset after the last
+    chunk taken (``where[0]``) and whether the read stopped there before the file's end
+    (``where[1]``). Reading on from ``where[0]`` meets what one read from the beginning meets."""
     head = schema.CHUNK_HEAD
     with open(path, "rb") as f:
-        buf = f.read(max(READ_BLOCK, len(schema.FILE_PREFIX)))
-        _check_prefix(path, buf)
-        pos = len(schema.FILE_PREFIX)
+        if start:
+            f.seek(start)
+            buf = f.read(READ_BLOCK)
+            pos = 0
+        else:
+            buf = f.read(max(READ_BLOCK, len(schema.FILE_PREFIX)))
+            _check_prefix(path, buf)
+            pos = len(schema.FILE_PREFIX)
+        base = start  # the file offset of buf[0]
         eof = len(buf) < READ_BLOCK
+        if where is not None:
+            where[:] = [base + pos, False]
 
         def need(n):
             """Make buf[pos:pos+n] available if the file has it; False at end of file."""
-            nonlocal buf, pos, eof
+            nonlocal buf, pos, eof, base
             while len(buf) - pos < n and not eof:
                 more = f.read(max(READ_BLOCK, n))
                 if not more:
                     eof = True
                     break
+                base += pos
                 buf = buf[pos:] + more
                 pos = 0
             return len(buf) - pos >= n
@@ -89,8 +106,8 @@ def iter_chunks(path: str, report: ReadReport):
             sync, length, crc = head.unpack_from(buf, pos)
             if (sync == schema.SYNC or sync == schema.SYNC_ZLIB) and length <= schema.MAX_CHUNK_BYTES:
                 if need(head.size + length):
-                    start = pos + head.size
-                    stored = buf[start:start + length]
+                    body = pos + head.size
+                    stored = buf[body:body + length]
                     if zlib.crc32(stored) == crc:
                         try:
                             payload = schema.chunk_payload(sync, stored)
@@ -98,8 +115,14 @@ def iter_chunks(path: str, report: ReadReport):
                             payload = None
                         if payload is not None:
                             report.chunks += 1
-                            pos = start + length
+                            pos = body + length
+                            if where is not None:
+                                where[0] = base + pos
                             yield payload
+                            if stop is not None and base + pos >= stop:
+                                if where is not None:
+                                    where[1] = need(1)  # stopped before the file's end
+                                return
                             continue
                 elif buf.find(schema.SYNC_STEM, pos + 1) == -1:
                     # The last chunk was cut short: the process died while writing it.

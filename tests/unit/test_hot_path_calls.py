@@ -114,3 +114,59 @@ def test_python_calls_per_traced_module_call(tmp_path, monkeypatch, intercept, f
     print(f"{intercept} fingerprint={fingerprint}: +{added:g} Python calls, "
           f"+{with_tracer['c_call'] - plain['c_call']:g} C calls per module call")
     assert added <= CEILING[(intercept, fingerprint)]
+
+
+# Python functions of the tracer's (tracer/) that one step of a root with one leaf runs: outside
+# the --steps window (root_pre, begin_step, in_window, root_post, end_untraced_step), and traced
+# without fingerprints or lineage on the Python path (measured 2026-12-03, CPU, Python keys; the
+# step's begin and end: 17 and 51 before then). Lower them when a change lowers the count.
+STEP_CEILING = {"outside": 5, "traced": 38}
+
+
+class _Root(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.leaf = Leaf()
+
+    def forward(self, x):
+        return self.leaf(x)
+
+
+@pytest.mark.parametrize("window", sorted(STEP_CEILING))
+def test_python_calls_of_the_tracer_per_step(tmp_path, monkeypatch, window):
+    import os
+
+    from tensor_trace.tracer import __file__ as package_file
+
+    monkeypatch.setenv("TENSOR_TRACE_NATIVE", "0")
+    folder = os.path.dirname(package_file) + os.sep
+    model, x = _Root(), torch.ones(2, 4)
+    counted = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(folder):
+            counted[-1] += 1
+
+    tr = tracer.start(out_dir=str(tmp_path), lineage=False, fingerprint=False,
+                      steps=(0, 1) if window == "outside" else (0, None))
+    try:
+        with torch.inference_mode():
+            for _ in range(3):
+                model(x)
+            gc.disable()
+            try:
+                for _ in range(5):
+                    counted.append(0)
+                    sys.setprofile(profile)
+                    try:
+                        model(x)
+                    finally:
+                        sys.setprofile(None)
+            finally:
+                gc.enable()
+        assert tr.errors == 0 and tr.stats["steps"] == (1 if window == "outside" else 8)
+        assert tr.stats["steps_skipped"] == (7 if window == "outside" else 0)
+    finally:
+        tracer.stop()
+    print(f"{window}: {min(counted)} Python calls of the tracer's per step")
+    assert min(counted) <= STEP_CEILING[window]

@@ -46,12 +46,12 @@ def sparse_files_of(tmp_path, sizes):
     return paths
 
 
-@pytest.mark.parametrize("size_mb, n_files, share", [(14, 8, 4), (140, 8, 4), (140, 16, 7)])
+@pytest.mark.parametrize("size_mb, n_files, share", [(14, 8, 4), (140, 8, 4), (140, 24, 11)])
 def test_the_merging_process_finishes_with_its_worker(tmp_path, size_mb, n_files, share):
     """Rank files of a 2M-record trace (14 MB each) and of a 20M-record one (140 MB): the merging
     process loads its files, then copies each of the worker's parts as it completes (COPY_RATIO
     of loading it), so it takes as many files as leave it done copying when the worker is done
-    loading: half of 8, and fewer than half of 16 (copying 9 parts weighs more than a file).
+    loading: half of 8, and fewer than half of 24 (copying 13 parts weighs more than a file).
     What follows the loading is the same for every cut: the size of the trace does not matter."""
     files = sparse_files_of(tmp_path, [size_mb << 20] * n_files)
     groups = merge_workers.plan(files, 1)
@@ -104,3 +104,23 @@ def test_part_paths_finds_only_this_stores_parts(tmp_path):
         (tmp_path / name).write_bytes(b"")
     assert sorted(os.path.basename(p) for p in merge_workers.part_paths(tmp)) == [
         "merged.sqlite.tmp.part1", "merged.sqlite.tmp.part1.log", "merged.sqlite.tmp.part2"]
+
+
+def test_split_cuts_inside_a_file_where_both_finish_together(tmp_path):
+    """8 equal files: the merging process loads x files and copies the other 8 - x (COPY_RATIO
+    each), the worker loads 8 - x and then its last file's part is copied: x = 3.79. The first
+    worker's first part is the head of file 3, the merging process loads its rest."""
+    files = sparse_files_of(tmp_path, [14 << 20] * 8)
+    groups = merge_workers.plan(files, 1, split=True)
+    assert groups[0] == list(enumerate(files[:3]))
+    proc, path, stop = groups[1][0]
+    assert (proc, path) == (3, files[3]) and 0.15 < stop / (14 << 20) < 0.3
+    assert groups[1][1:] == list(enumerate(files))[4:]
+    assert merge_workers.plan(files, 1) == [list(enumerate(files[:4])), list(enumerate(files))[4:]]
+
+
+def test_no_split_of_the_first_file_or_for_a_sliver(tmp_path):
+    files = files_of(tmp_path, [8000, 100, 100, 100, 100, 100, 100, 7000])
+    assert merge_workers.plan(files, 1, split=True) == merge_workers.plan(files, 1)  # x inside file 0
+    files = sparse_files_of(tmp_path, [1000] * 2)  # x = 1.0: the cut falls between the files
+    assert merge_workers.plan(files, 1, split=True) == [[(0, files[0])], [(1, files[1])]]

@@ -17,7 +17,7 @@ from tensor_trace.tracer.writer import RankWriter
 RANKS = 4
 
 
-def _rank_file(d, rank, steps, shared_device):
+def _rank_file(d, rank, steps, shared_device, shapes=3):
     """A TP rank: a root and two layers a step, an all_reduce in each; tensors on the rank's own
     device (a layout no other rank has), but the root's input on ``shared_device`` when given
     (a layout every rank has)."""
@@ -34,8 +34,8 @@ def _rank_file(d, rank, steps, shared_device):
         w.add((schema.STEP_BEGIN, step, root, 1000 * step, {}))
         for i, mod in enumerate(layers):
             # A new shape now and then: layouts keep appearing as the run goes, as batch sizes do.
-            lay = w.layout((("input.0", (step % 3 + 1, 8), "float32", dev), ("output.0", (step % 3 + 1, 8),
-                                                                             "float32", dev)))
+            n = step % shapes + 1
+            lay = w.layout((("input.0", (n, 8), "float32", dev), ("output.0", (n, 8), "float32", dev)))
             w.add((schema.COLLECTIVE, step, i, i + 1, w.string("all_reduce"), w.string("sum"), 0, seq, 10, 5, lay,
                    -1, -1, 1, 0, 32))
             seq += 1
@@ -46,12 +46,12 @@ def _rank_file(d, rank, steps, shared_device):
     w.close()
 
 
-def _trace(d, shared_device=None):
+def _trace(d, shared_device=None, steps=7, shapes=3):
     os.makedirs(os.path.join(d, "ranks"))
     with open(os.path.join(d, "run.json"), "w") as f:
         json.dump(dict(run_id="run1"), f)
     for rank in range(RANKS):
-        _rank_file(d, rank, 7, shared_device)
+        _rank_file(d, rank, steps, shared_device, shapes)
     return d
 
 
@@ -63,13 +63,17 @@ def _dump(d):
     return out
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("shared_device", [None, "cpu"])
-def test_parts_copied_as_stored_where_the_guess_holds(tmp_path, monkeypatch, shared_device):
-    d = _trace(str(tmp_path / "t"), shared_device)
+def test_parts_copied_as_stored_where_the_guess_holds(tmp_path, monkeypatch, shared_device, split):
+    # Split: files of many chunks (256 records each), with shapes that appear until the end.
+    d = _trace(str(tmp_path / "t"), shared_device, *((200, 150) if split else ()))
     merge_ranks(d, warn=lambda m: None, workers=0)
     one = _dump(d)
     copies = []  # per part copied: how its spans were copied
     copy = merge_workers.copy_part
+    plan = merge_workers.plan
+    worker_files = []
 
     def traced_copy(con, *a, **k):
         sql = []
@@ -80,11 +84,26 @@ def test_parts_copied_as_stored_where_the_guess_holds(tmp_path, monkeypatch, sha
             con.set_trace_callback(None)
             copies.append(next(s for s in sql if s.startswith("INSERT INTO main.spans")))
 
+    def planned(files, workers, split=False):
+        groups = plan(files, workers)
+        if not split_head:
+            return groups
+        # The worker's first part: the first half of the merging process's last file.
+        (proc, path), = groups[0][-1:]
+        worker_files[:] = [(proc, path, os.path.getsize(path) // 2)] + groups[1]
+        return [groups[0][:-1], worker_files]
+
+    split_head = split
     monkeypatch.setattr(merge_workers, "copy_part", traced_copy)
+    monkeypatch.setattr(merge_workers, "plan", planned)
     report = merge_ranks(d, warn=lambda m: None, workers=1)
     assert report["workers"] and len(copies) >= 2  # the worker loaded two files or more
     assert _dump(d) == one
     as_stored = [s.startswith("INSERT INTO main.spans SELECT * FROM part.spans") for s in copies]
     # No part needs its layouts mapped when every layout is the rank's own; they are mapped
-    # when some are shared.
-    assert as_stored == [shared_device is None] * len(copies)
+    # when some are shared. After a file's first half (whose layouts are fewer than the whole
+    # file's: shapes appear as the run goes), the worker's next parts are numbered right again.
+    if split:
+        assert len(copies) == len(worker_files) > 2  # the first part was half a file
+        as_stored = as_stored[1:]
+    assert as_stored == [shared_device is None] * len(as_stored)
