@@ -9,7 +9,7 @@ call with three dict operations (the path's last call number read from the trace
 dict and written back, ``span_count`` written into the tracer's ``__dict__``) and an int made for
 the next count. Here a call's number is a slot in a vector indexed by the path id (an int the
 writer interned: small, dense), stamped with the step it counts in, so a new step empties every
-path's count by moving one number (``reset``).
+path's count by moving one number (``calls = {}``).
 
 The Python wrapper (tracer/intercept.py) opens its calls through the same object (``open``), so
 the C path and the Python path number a step's calls as one sequence, whichever path each call
@@ -27,7 +27,7 @@ constexpr long long kDenseIds = 1 << 20;  // path ids kept in the vector (others
 struct StepCounters {
   PyObject_HEAD
   long long span_count;
-  uint64_t step;  // moved by reset (from 1: a zeroed CallCount counts in no step)
+  uint64_t step;  // moved when calls is assigned (from 1: a zeroed CallCount counts in no step)
   std::vector<CallCount>* dense;                     // by path id
   std::unordered_map<long long, CallCount>* sparse;  // ids outside [0, kDenseIds)
 };
@@ -102,36 +102,46 @@ PyObject* counters_open(PyObject* self_, PyObject* path_id) {
   return r;
 }
 
-PyObject* counters_reset(PyObject* self_, PyObject*) {  // a new step: no span, no call yet
+// calls: the paths' last call numbers in this step, as a dict (for tests and hand-overs: a copy).
+PyObject* counters_get_calls(PyObject* self_, void*) {
   auto* self = reinterpret_cast<StepCounters*>(self_);
-  self->span_count = 0;
-  ++self->step;
-  Py_RETURN_NONE;
+  PyObject* d = PyDict_New();
+  if (d == nullptr) return nullptr;
+  auto put = [&](long long id, const CallCount& c) {
+    if (c.step != self->step) return true;
+    PyObject* k = PyLong_FromLongLong(id);
+    PyObject* v = PyLong_FromLongLong(c.last);
+    bool ok = k != nullptr && v != nullptr && PyDict_SetItem(d, k, v) == 0;
+    Py_XDECREF(k); Py_XDECREF(v);
+    return ok;
+  };
+  for (size_t i = 0; i < self->dense->size(); ++i)
+    if (!put(static_cast<long long>(i), (*self->dense)[i])) { Py_DECREF(d); return nullptr; }
+  for (const auto& kv : *self->sparse)
+    if (!put(kv.first, kv.second)) { Py_DECREF(d); return nullptr; }
+  return d;
 }
 
-// set_call(path_id, call): the path's last call in this step is `call` (the root's, 0).
-PyObject* counters_set_call(PyObject* self_, PyObject* const* a, Py_ssize_t n) {
+// calls = {path_id: call, ...}: the step starts over from these counts (a new step: {}; its
+// root: {root's path id: 0}), every other path at no call yet. As assigning the Python
+// StepCounters' dict does, without a Python call on either path.
+int counters_set_calls(PyObject* self_, PyObject* value, void*) {
   auto* self = reinterpret_cast<StepCounters*>(self_);
-  long long id;
-  if (n != 2) {
-    PyErr_SetString(PyExc_TypeError, "set_call(path_id, call)");
-    return nullptr;
+  if (value == nullptr || !PyDict_Check(value)) {
+    PyErr_SetString(PyExc_TypeError, "calls = a dict of path id: call number");
+    return -1;
   }
-  if (!path_id_of(a[0], &id)) return nullptr;
-  long long call = PyLong_AsLongLong(a[1]);
-  if (call == -1 && PyErr_Occurred()) return nullptr;
-  CallCount& c = path_count(self, id);
-  c.step = self->step;
-  c.last = call;
-  Py_RETURN_NONE;
-}
-
-// last_call(path_id): the number of the path's last call in this step, -1 for none.
-PyObject* counters_last_call(PyObject* self_, PyObject* path_id) {
-  auto* self = reinterpret_cast<StepCounters*>(self_);
-  long long id;
-  if (!path_id_of(path_id, &id)) return nullptr;
-  return PyLong_FromLongLong(peek_call(self, id) - 1);
+  ++self->step;
+  PyObject *k, *v;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(value, &pos, &k, &v)) {
+    long long id, call = PyLong_AsLongLong(v);
+    if ((call == -1 && PyErr_Occurred()) || !path_id_of(k, &id)) return -1;
+    CallCount& c = path_count(self, id);
+    c.step = self->step;
+    c.last = call;
+  }
+  return 0;
 }
 
 PyObject* counters_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
@@ -157,11 +167,12 @@ void counters_dealloc(PyObject* self_) {
 
 PyMethodDef counters_methods[] = {
     {"open", counters_open, METH_O, "open(path_id) -> (call, index): a call of the path opened"},
-    {"reset", counters_reset, METH_NOARGS, "a new step: no span and no call yet"},
-    {"set_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(counters_set_call)),
-     METH_FASTCALL, "set_call(path_id, call): the path's last call in this step"},
-    {"last_call", counters_last_call, METH_O, "last_call(path_id): its last call's number in this step, -1: none"},
     {nullptr, nullptr, 0, nullptr}};
+
+PyGetSetDef counters_getset[] = {
+    {"calls", counters_get_calls, counters_set_calls,
+     "this step's calls: path id -> its last call's number (assigned: the step starts over from them)", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
 PyMemberDef counters_members[] = {
     {"span_count", T_LONGLONG, offsetof(StepCounters, span_count), 0, "spans opened in this step"},
@@ -176,6 +187,7 @@ bool ready_step_counters() {
   t.tp_dealloc = counters_dealloc;
   t.tp_methods = counters_methods;
   t.tp_members = counters_members;
+  t.tp_getset = counters_getset;
   t.tp_doc = "a traced step's span and call counters: see tracer/native_counters.py";
   return PyType_Ready(&t) == 0;
 }

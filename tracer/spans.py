@@ -62,7 +62,7 @@ class StepCounters:
     tracer/native.py is built, then its C type of the same name (tracer/native_counters.py),
     which the C call wrapper counts in: both wrappers open calls through ``open``."""
 
-    __slots__ = ("span_count", "calls")
+    __slots__ = ("span_count", "calls")  # (calls assigned: the step starts over from them)
 
     def __init__(self):
         self.span_count = 0
@@ -77,25 +77,13 @@ class StepCounters:
         self.span_count = index + 1
         return call, index
 
-    def reset(self) -> None:
-        """A new step: no span and no call yet."""
-        self.span_count = 0
-        self.calls = {}
-
-    def set_call(self, path_id, call: int) -> None:
-        self.calls[path_id] = call
-
-    def last_call(self, path_id) -> int:
-        """The number of the path's last call in this step, -1 for none."""
-        return self.calls.get(path_id, -1)
 
 
 def counters_in(make, old):
     """``make()`` (a StepCounters class) holding what ``old`` counted in this step."""
     new = make()
+    new.calls = dict(old.calls)
     new.span_count = old.span_count
-    for path_id, call in getattr(old, "calls", {}).items():
-        new.set_call(path_id, call)
     return new
 
 
@@ -359,8 +347,8 @@ def push_root(t, module, args, entry, t0, path_id=None) -> None:
     if path_id is None:
         path, cls, _selected = entry
         path_id = t.writer.module(path, cls)
-    counters = t.counters
-    counters.set_call(path_id, 0)
+    counters = t.counters  # (no method called: the step's own Python calls are counted)
+    counters.calls = {path_id: 0}
     counters.span_count = 1
     slots: list = []
     flatten_args(args, slots, True)  # the root's inputs: a batch context object too

@@ -71,12 +71,14 @@ def _recorded(tr) -> int:
 def _drive(counters) -> list:
     seen = []
     for step in range(3):
-        counters.reset()
-        counters.set_call(7, 0)  # the root
+        counters.calls = {}  # a new step (tracer/steps.py), then its root (spans.push_root)
+        counters.span_count = 0
+        seen.append((dict(counters.calls), counters.span_count))
+        counters.calls = {7: 0}
         counters.span_count = 1
         for path in (3, 7, 3, 1 << 40, -2, 3, 1 << 40, 5 + step):
             seen.append(counters.open(path))
-        seen.append([counters.last_call(p) for p in (3, 7, 1 << 40, -2, 9, 5)])
+        seen.append(dict(counters.calls))
         counters.span_count = 0x123456789
         seen.append((counters.open(3), counters.span_count))
     return seen
@@ -88,14 +90,9 @@ def test_the_c_counters_count_as_the_python_ones(monkeypatch):
     make = load_native_in_process(monkeypatch).step_counters_class()
     want = _drive(spans.StepCounters())
     assert _drive(make()) == want
-    assert want[8] == [2, 1, 1, 0, -1, 0]  # (after step 0's calls)
-    moved = spans.counters_in(make, _counted())
-    assert (moved.span_count, moved.last_call(4), moved.open(4), moved.open(6)) == (3, 1, (2, 3), (0, 4))
-
-
-def _counted():
-    c = spans.StepCounters()
-    c.reset()
+    assert want[9] == {3: 2, 7: 1, 1 << 40: 1, -2: 0, 5: 0}  # (after step 0's calls)
+    old = spans.StepCounters()
     for path in (4, 4, 5):
-        c.open(path)
-    return c
+        old.open(path)
+    moved = spans.counters_in(make, old)
+    assert (moved.span_count, moved.calls, moved.open(4), moved.open(6)) == (3, {4: 1, 5: 0}, (2, 3), (0, 4))
