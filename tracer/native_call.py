@@ -119,6 +119,9 @@ struct TracedCall {
   bool cache_state;       // the tracer's class counts its assignments in state_version
   uint64_t seen_version;  // state_version when `cached` was read
   PyObject* cached[kNames];  // the tracer's attributes then (borrowed: its __dict__ holds them)
+  uint64_t ints_seen;     // seen_version when `ints` was read (tracer/native_modules.py: state_int)
+  uint32_t ints_ok;       // which of them are read
+  long long ints[kNames]; // the ints among `cached`, as C ints
 };
 
 PyTypeObject TracedCallType = {PyVarObject_HEAD_INIT(nullptr, 0)};
@@ -260,6 +263,7 @@ PyObject* module_entry(TracedCall* self, PyObject* ids, PyObject* module, Py_ssi
 PyObject* module_layout(TracedCall* self, Py_ssize_t slot, uint64_t epoch, PyObject* one);
 void keep_layout(TracedCall* self, Py_ssize_t slot, uint64_t epoch, PyObject* one, PyObject* layout);
 bool compiling(TracedCall* self);  // torch.compiler's _is_compiling_flag is True
+bool state_int(TracedCall* self, Name n, long long* v);  // an int attribute of the tracer's, as a C int
 
 // The input's fingerprint index, as the Python wrapper's inline path takes it: the previous
 // call's output, deferred, is its index; else StepFingerprints.add_one(a, False). New reference,
@@ -302,8 +306,8 @@ PyObject* fingerprint_output(TracedCall* self, PyObject* result) {
 int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssize_t n, bool keywords,
               PyObject* arg_tuple, OpenCall& c) {
   if (compiling(self)) return 0;
-  PyObject* at = state_item(self, kActiveThread);
-  if (at == nullptr || !PyLong_CheckExact(at) || PyLong_AsUnsignedLongMask(at) != PyThread_get_thread_ident())
+  long long at;  // (an ident past 2**63: no C int, never the step's thread here)
+  if (!state_int(self, kActiveThread, &at) || static_cast<unsigned long>(at) != PyThread_get_thread_ident())
     return 0;
   PyObject* fp_now = state_item(self, kFpNow);
   if (state_item(self, kQuietHooks) != Py_False || (fp_now != Py_False && fp_now != Py_True) ||
@@ -316,8 +320,7 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   PyObject *most = state_item(self, kMaxSpans), *stack = state_item(self, kStack);
   PyObject* counters = state_item(self, kCounters);  // (the Python ones: the Python wrapper's calls)
   if (ids == nullptr || writer == nullptr || most == nullptr || stack == nullptr || counters == nullptr ||
-      !PyDict_CheckExact(ids) || !PyList_CheckExact(stack) || !Py_IS_TYPE(counters, &StepCountersType) ||
-      !PyLong_CheckExact(most))
+      !PyDict_CheckExact(ids) || !PyList_CheckExact(stack) || !Py_IS_TYPE(counters, &StepCountersType))
     return 0;
   c.counters = Py_NewRef(counters);  // (held: a __del__ run by an allocation below may replace it)
   auto* count = reinterpret_cast<StepCounters*>(counters);
@@ -329,9 +332,8 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   if (generation == nullptr) return 0;
   Py_DECREF(generation);  // (the writer holds it: only its identity is compared)
   if (PyTuple_GET_ITEM(entry, 3) != generation) return 0;
-  long long index = count->span_count;
-  long long bound = as_long_long(most);
-  if (PyErr_Occurred() || index >= bound) return 0;
+  long long index = count->span_count, bound;
+  if (!state_int(self, kMaxSpans, &bound) || index >= bound) return 0;
   Py_ssize_t depth = PyList_GET_SIZE(stack);
   if (depth == 0) return 0;
   PyObject* top = PyList_GET_ITEM(stack, depth - 1);

@@ -233,6 +233,8 @@ PyObject* traced_call_new(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   self->run_extra = 0;
   self->cache_state = count_assignments(Py_TYPE(a[2]));
   self->seen_version = 0;  // (state_version starts at 1: read at the first call)
+  self->ints_seen = 0;
+  self->ints_ok = 0;
   for (int i = 0; i < kNames; ++i) self->cached[i] = nullptr;
   PyObject_GC_Track(reinterpret_cast<PyObject*>(self));
   return reinterpret_cast<PyObject*>(self);

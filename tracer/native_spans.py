@@ -250,12 +250,18 @@ int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyO
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "tracer state");
     return -1;
   }
-  long long t0_raw = as_long_long(raw);
-  if (t0_raw == -1 && PyErr_Occurred()) return -1;
+  long long t0_raw, step_v = 0, flags_v = 0;
+  if (!state_int(self, kStepT0Raw, &t0_raw)) {
+    t0_raw = as_long_long(raw);
+    if (t0_raw == -1 && PyErr_Occurred()) return -1;
+  }
   // (what this holds as C ints is packed from them: fixed where items has NULL)
+  if (state_int(self, kStep, &step_v)) step = nullptr;
+  if (state_int(self, kSpanFlags, &flags_v)) flags = nullptr;
   PyObject* items[13] = {self->span_tag, step, nullptr, c.parent, nullptr, nullptr, nullptr,
                          nullptr, layout, c.fp ? c.fp_pre : nullptr, fp_post, nullptr, flags};
-  long long fixed[13] = {0, 0, c.index_v, 0, c.path_v, c.call_v, c.t0 - t0_raw, t1 - c.t0, 0, -1, -1, n_pre, 0};
+  long long fixed[13] = {0, step_v, c.index_v, 0, c.path_v, c.call_v, c.t0 - t0_raw, t1 - c.t0, 0, -1, -1,
+                         n_pre, flags_v};
   uint8_t packed[1 + 13 * 9];
   packed[0] = 0x9d;  // an array of 13
   uint8_t* p = pack_ints(packed + 1, items, fixed, 13);
