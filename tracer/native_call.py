@@ -27,12 +27,11 @@ Python wrapper: a call opened here writes no Python value.
 What it keeps between calls (none of it a value of its own; each read again where it may have
 changed), since a GPU step is host-bound and every call's microsecond shows in it:
 
-- what it read of the tracer's ``__dict__`` (borrowed: the dict holds it), until an attribute of
-  the tracer is assigned or deleted: the tracer's class gets object's ``__setattr__`` and
-  ``__delattr__`` in C plus a counter (``state_version``), which every assignment moves
-  (none at a call). A tracer class with a ``__setattr__``
-  of its own keeps the look-ups at every call. (Code that writes the tracer's ``__dict__``
-  directly would go unseen: nothing does.)
+- what it read of the tracer's ``__dict__`` (borrowed: the dict holds it; its ints as C ints),
+  until an attribute of the tracer is assigned or deleted: the tracer's class gets object's
+  ``__setattr__`` and ``__delattr__`` in C plus a counter (``state_version``), which every
+  assignment moves (none comes at a call). A tracer class with a ``__setattr__`` of its own keeps
+  the look-ups at every call. (Code that writes the tracer's ``__dict__`` directly: unseen.)
 - the writer's ``__dict__`` (the writer held while it is the tracer's), where ``generation``,
   ``pending``, ``max_buffered`` and ``taken`` are read as Python finds them, and kept until an
   attribute of the writer is assigned: its class counts its assignments as the tracer's does
@@ -245,8 +244,8 @@ struct OpenCall {
   PyObject* path_id = nullptr;
   PyObject* call = nullptr;
   PyObject* fp_pre = nullptr;  // its inputs' fingerprint index (-1: none)
-  PyObject* counters = nullptr;  // the tracer's StepCounters the call was counted in
-  long long index_v = 0, call_v = 0, path_v = 0;  // index, call and path_id as C ints (packed so)
+  PyObject* counters = nullptr;  // the tracer's StepCounters it was counted in; index, call, path_id:
+  long long index_v = 0, call_v = 0, path_v = 0;
   bool fp = false;             // a step with fingerprints
   int64_t t0 = 0;
   Py_ssize_t slot = -1;        // the module's slot in self->modules, while its epoch is `epoch`
@@ -360,9 +359,7 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   // open calls too: their numbers came first)
   if (peek_call(count, id) != call || count->span_count != index) return 0;
   commit_call(count, id, call);
-  c.index_v = index;
-  c.call_v = call;
-  c.path_v = id;
+  c.index_v = index, c.call_v = call, c.path_v = id;
   // Own what is borrowed from the tracer's containers before fingerprint_input runs Python
   // (torch ops that may let go of the GIL), which may change them.
   c.stack = Py_NewRef(stack);
