@@ -59,6 +59,16 @@ class Tracer:
     tracing_step = _ActiveThreadInput()
     step_thread = _ActiveThreadInput()
 
+    @property
+    def span_count(self) -> int:
+        """Spans opened in this step (the next span's index): ``counters``' count, which the hot
+        paths read there (tracer/native_counters.py)."""
+        return self.counters.span_count
+
+    @span_count.setter
+    def span_count(self, value: int) -> None:
+        self.counters.span_count = value
+
     def __init__(self, config: TraceConfig):
         self._busy = self._tracing_step = False
         self._step_thread = 0
@@ -81,9 +91,8 @@ class Tracer:
         self.span_flags = 0
         self.max_spans = config.max_spans_per_step
         self.stack: list = []  # the open calls of the current step (tracer/spans.py: F_*)
-        self.span_count = 0
+        self.counters = spans.StepCounters()  # span_count and each path's calls in the step
         self.coll_count = 0
-        self.calls: dict = {}
         self.fps = self._new_fingerprints()
         self.device_times = CollectiveDeviceTimes()
         self.lineage = None  # LineageRecorder, when config.lineage
@@ -285,6 +294,9 @@ class Tracer:
     def use_native_call(self) -> None:
         """tracer/native.py is ready: modules called through the call wrapper's C version, and
         collectives through theirs."""
+        make = native.step_counters_class()
+        if make is not None and type(self.counters) is not make:  # (what the C wrapper counts in)
+            self.counters = spans.counters_in(make, self.counters)
         intercept.use_native_call(self)
         if self.collectives is not None:
             self.collectives.use_native()

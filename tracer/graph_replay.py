@@ -82,8 +82,8 @@ def _record_replays(t, captured, started, t0, t1) -> None:
         t.device_times.end(step, -1, started)
     writer = t.writer
     for c in captured:
-        span_base, coll_base = t.span_count, t.coll_count
-        t.span_count += c.n_spans
+        span_base, coll_base = t.counters.span_count, t.coll_count
+        t.counters.span_count += c.n_spans
         t.coll_count += c.n_colls
         fp_base = -1
         if c.fps is not None and t.fp_now:

@@ -24,7 +24,7 @@ from torch.nn.modules import module as _nn_module
 from tensor_trace import schema
 from tensor_trace.tracer import naming, native, spans, steps
 from tensor_trace.tracer.spans import (CONTEXT_TYPES, F_MODULE, argument_tensors, flatten_args,
-                                       open_span, pop_record, record_tensors, span_one_tensor)
+                                       pop_record, record_tensors, span_one_tensor)
 
 _now = time.monotonic_ns
 _get_ident = threading.get_ident
@@ -144,13 +144,14 @@ def global_pre(t, module, args):
             entry = naming.entry_slow(t, module)
         top = stack[-1]
         parent = top[1] if top[8] else top[2]
-        if not entry[2] or t.span_count >= t.max_spans:
+        counters = t.counters
+        if not entry[2] or counters.span_count >= t.max_spans:
             if entry[2]:
                 t.stats["dropped_spans"] += 1
             stack.append([module, -1, parent, entry[4], 0, 0, None, -1, False])
             return None
         path_id = entry[4]
-        call, index = open_span(t, path_id)
+        call, index = counters.open(path_id)
     except Exception as exc:
         t.on_error("forward pre-hook", exc)
         if stack:  # an unrecorded frame, so that this call's post-hook finds its own
@@ -293,13 +294,14 @@ class CallWrapper:
                 a = args[0]
                 try:
                     entry = t.ids.get(id(module))
+                    counters = t.counters
                     if (entry is not None and entry[2] and entry[3] is t.writer.generation
-                            and t.span_count < t.max_spans):
+                            and counters.span_count < t.max_spans):
                         stack = t.stack
                         top = stack[-1]
                         parent = top[1] if top[8] else top[2]
                         path_id = entry[4]
-                        call, index = open_span(t, path_id)
+                        call, index = counters.open(path_id)
                         fp_now = t.fp_now
                         if fp_now:
                             fps = t.fps

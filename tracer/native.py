@@ -50,6 +50,7 @@ import sys
 import threading
 
 from tensor_trace.tracer import native_call, native_call_type, native_coll, native_coll_type, native_modules, native_spans, native_table
+from tensor_trace.tracer import native_counters
 from tensor_trace.tracer import native_build
 from tensor_trace.tracer.native_build import build_directory, missing_toolchain
 
@@ -245,13 +246,14 @@ PyMethodDef call_key_def = {"call_key", reinterpret_cast<PyCFunction>(reinterpre
                             METH_FASTCALL, "call_key(args, kwargs, result, context) -> int: see tracer/native.py"};
 
 
-"""  # the source goes on with tracer/native_table.py's, native_call.py's, native_modules.py's,
-# native_spans.py's and native_call_type.py's
+"""  # the source goes on with tracer/native_table.py's, native_counters.py's, native_call.py's,
+# native_modules.py's, native_spans.py's and native_call_type.py's
 _SOURCE_END = r"""
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  if (!ready_traced_call() || !ready_span_run() || !ready_traced_collective()) throw py::error_already_set();
+  if (!ready_traced_call() || !ready_span_run() || !ready_traced_collective() || !ready_step_counters())
+    throw py::error_already_set();
   py::class_<Table>(m, "Table")
       .def(py::init<int64_t, c10::Device>())
       .def("hold", &Table::hold)
@@ -267,13 +269,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("traced_call") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&traced_call_def, nullptr, nullptr));
   m.attr("traced_collective") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&traced_collective_def, nullptr, nullptr));
   m.attr("SpanRun") = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(&SpanRunType));
+  m.attr("StepCounters") = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(&StepCountersType));
   m.attr("patch_call_slots") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&patch_call_slots_def, nullptr, nullptr));
 }
 """
-SOURCE = (SOURCE + native_table.SOURCE + native_call.SOURCE + native_modules.SOURCE + native_spans.SOURCE
+SOURCE = (SOURCE + native_table.SOURCE + native_counters.SOURCE + native_call.SOURCE + native_modules.SOURCE + native_spans.SOURCE
           + native_call_type.SOURCE + native_coll.SOURCE + native_coll_type.SOURCE + _SOURCE_END)
 
-_state: dict = {"span_run": None, "table": None, "hold_in": None, "pair_key": None, "call_key": None,
+_state: dict = {"span_run": None, "step_counters": None, "table": None, "hold_in": None, "pair_key": None, "call_key": None,
                 "traced_call": None, "patch_call_slots": None, "traced_collective": None, "started": False,
                 "error": None}
 _lock = threading.Lock()
@@ -365,6 +368,12 @@ def span_run_class():
     return _state["span_run"]
 
 
+def step_counters_class():
+    """The compiled ``StepCounters`` (tracer/native_counters.py: a step's span and call counters,
+    which the C call wrapper counts in), or None."""
+    return _state["step_counters"]
+
+
 def patch_call_slots():
     """The compiled ``patch_call_slots(traced_call, base, classes)`` (tracer/native_call.py), or None."""
     return _state["patch_call_slots"]
@@ -423,6 +432,7 @@ def _build() -> None:
                 raise _Unavailable(f"the build failed: {os.path.join(folder, 'tensor_trace.build.log')}")
         module = native_build.load(folder, SOURCE)
         _state["span_run"] = module.SpanRun
+        _state["step_counters"] = module.StepCounters
         _state["call_key"] = module.call_key
         _state["traced_call"] = module.traced_call
         _state["patch_call_slots"] = module.patch_call_slots

@@ -20,17 +20,18 @@ of every other case:
   the Python wrapper calls it.
 
 It reads the tracer's state from its ``__dict__`` (interned names, no attribute look-up
-machinery), so the Python code that sets those attributes needs no change.
+machinery), so the Python code that sets those attributes needs no change. The step's span and
+call counters are a C object the tracer holds (tracer/native_counters.py), shared with the
+Python wrapper: a call opened here writes no Python value.
 
 What it keeps between calls (none of it a value of its own; each read again where it may have
 changed), since a GPU step is host-bound and every call's microsecond shows in it:
 
-- what it read of the tracer's ``__dict__`` (borrowed: the dict holds it), until an attribute of
-  the tracer is assigned or deleted: the tracer's class gets object's ``__setattr__`` and
-  ``__delattr__`` in C plus a counter (``state_version``), which every assignment but
-  ``span_count``'s (set at every call, never kept) moves. A tracer class with a ``__setattr__``
-  of its own keeps the look-ups at every call. (Code that writes the tracer's ``__dict__``
-  directly would go unseen: nothing does.)
+- what it read of the tracer's ``__dict__`` (borrowed: the dict holds it; its ints as C ints),
+  until an attribute of the tracer is assigned or deleted: the tracer's class gets object's
+  ``__setattr__`` and ``__delattr__`` in C plus a counter (``state_version``), which every
+  assignment moves (none comes at a call). A tracer class with a ``__setattr__`` of its own keeps
+  the look-ups at every call. (Code that writes the tracer's ``__dict__`` directly: unseen.)
 - the writer's ``__dict__`` (the writer held while it is the tracer's), where ``generation``,
   ``pending``, ``max_buffered`` and ``taken`` are read as Python finds them, and kept until an
   attribute of the writer is assigned: its class counts its assignments as the tracer's does
@@ -54,21 +55,21 @@ the Python wrapper, which records the same.
 SOURCE = r"""
 // ---------------------------------------------------------------- TracedCall: see tracer/native_call.py
 enum Name {
-  kActiveThread, kQuietHooks, kFpNow, kStepRoot, kIds, kWriter, kGeneration, kSpanCount,
-  kMaxSpans, kStack, kCalls, kStep, kStepT0Raw, kSpanFlags, kLayouts, kOne, kByCallKey,
+  kActiveThread, kQuietHooks, kFpNow, kStepRoot, kIds, kWriter, kGeneration,
+  kMaxSpans, kStack, kCounters, kStep, kStepT0Raw, kSpanFlags, kLayouts, kOne, kByCallKey,
   kPending, kMaxBuffered, kFlush, kPostFn, kOnError, kCompilingFlag, kFps, kLast, kLastVersion,
   kLastIdx, kAddOne, kTaken, kNames
 };
 const char* const kNameText[kNames] = {
   "active_thread", "quiet_hooks", "fp_now", "step_root", "ids", "writer", "generation",
-  "span_count", "max_spans", "stack", "calls", "step", "step_t0_raw", "span_flags", "layouts",
+  "max_spans", "stack", "counters", "step", "step_t0_raw", "span_flags", "layouts",
   "one", "by_call_key", "pending", "max_buffered", "flush", "post_fn", "on_error",
   "_is_compiling_flag", "fps", "last", "last_version", "last_idx", "add_one", "taken"};
 PyObject* names[kNames];
 constexpr int kSpareFrames = 64;
-// Bumped by every attribute assignment or deletion on the tracer's and its writer's classes but
-// span_count's (tracer_setattr, tracer/native_call_type.py): the state a TracedCall read is the
-// same while it has not moved.
+// Bumped by every attribute assignment or deletion on the tracer's and its writer's classes
+// (tracer_setattr, tracer/native_call_type.py): the state a TracedCall read is the same while it
+// has not moved.
 uint64_t state_version = 1;
 
 bool intern_names() {
@@ -117,13 +118,16 @@ struct TracedCall {
   bool cache_state;       // the tracer's class counts its assignments in state_version
   uint64_t seen_version;  // state_version when `cached` was read
   PyObject* cached[kNames];  // the tracer's attributes then (borrowed: its __dict__ holds them)
+  uint64_t ints_seen;     // seen_version when `ints` was read (tracer/native_modules.py: state_int)
+  uint32_t ints_ok;       // which of them are read
+  long long ints[kNames]; // the ints among `cached`, as C ints
 };
 
 PyTypeObject TracedCallType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
-// Which attributes of the tracer are kept in `cached`: all this reads but span_count, which
-// changes at every call.
-inline bool cacheable(Name n) { return n != kSpanCount && n != kCompilingFlag; }
+// Which attributes of the tracer are kept in `cached`: all this reads of its __dict__
+// (_is_compiling_flag is torch.compiler's: compiling()).
+inline bool cacheable(Name n) { return n != kCompilingFlag; }
 
 void read_state(TracedCall* self) {
   for (int i = 0; i < kNames; ++i) {
@@ -240,13 +244,15 @@ struct OpenCall {
   PyObject* path_id = nullptr;
   PyObject* call = nullptr;
   PyObject* fp_pre = nullptr;  // its inputs' fingerprint index (-1: none)
+  PyObject* counters = nullptr;  // the tracer's StepCounters it was counted in; index, call, path_id:
+  long long index_v = 0, call_v = 0, path_v = 0;
   bool fp = false;             // a step with fingerprints
   int64_t t0 = 0;
   Py_ssize_t slot = -1;        // the module's slot in self->modules, while its epoch is `epoch`
   uint64_t epoch = 0;
   ~OpenCall() {
     Py_XDECREF(stack); Py_XDECREF(frame); Py_XDECREF(args); Py_XDECREF(index);
-    Py_XDECREF(parent); Py_XDECREF(path_id); Py_XDECREF(call); Py_XDECREF(fp_pre);
+    Py_XDECREF(parent); Py_XDECREF(path_id); Py_XDECREF(call); Py_XDECREF(fp_pre); Py_XDECREF(counters);
   }
 };
 
@@ -256,6 +262,7 @@ PyObject* module_entry(TracedCall* self, PyObject* ids, PyObject* module, Py_ssi
 PyObject* module_layout(TracedCall* self, Py_ssize_t slot, uint64_t epoch, PyObject* one);
 void keep_layout(TracedCall* self, Py_ssize_t slot, uint64_t epoch, PyObject* one, PyObject* layout);
 bool compiling(TracedCall* self);  // torch.compiler's _is_compiling_flag is True
+bool state_int(TracedCall* self, Name n, long long* v);  // an int attribute of the tracer's, as a C int
 
 // The input's fingerprint index, as the Python wrapper's inline path takes it: the previous
 // call's output, deferred, is its index; else StepFingerprints.add_one(a, False). New reference,
@@ -298,8 +305,8 @@ PyObject* fingerprint_output(TracedCall* self, PyObject* result) {
 int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssize_t n, bool keywords,
               PyObject* arg_tuple, OpenCall& c) {
   if (compiling(self)) return 0;
-  PyObject* at = state_item(self, kActiveThread);
-  if (at == nullptr || !PyLong_CheckExact(at) || PyLong_AsUnsignedLongMask(at) != PyThread_get_thread_ident())
+  long long at;  // (an ident past 2**63: no C int, never the step's thread here)
+  if (!state_int(self, kActiveThread, &at) || static_cast<unsigned long>(at) != PyThread_get_thread_ident())
     return 0;
   PyObject* fp_now = state_item(self, kFpNow);
   if (state_item(self, kQuietHooks) != Py_False || (fp_now != Py_False && fp_now != Py_True) ||
@@ -309,12 +316,13 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   if (c.fp && (n != 1 || keywords || Py_TYPE(args[0]) != reinterpret_cast<PyTypeObject*>(self->tensor_type)))
     return 0;
   PyObject *ids = state_item(self, kIds), *writer = state_item(self, kWriter);
-  PyObject *count = state_item(self, kSpanCount), *most = state_item(self, kMaxSpans);
-  PyObject *stack = state_item(self, kStack), *calls = state_item(self, kCalls);
-  if (ids == nullptr || writer == nullptr || count == nullptr || most == nullptr || stack == nullptr ||
-      calls == nullptr || !PyDict_CheckExact(ids) || !PyList_CheckExact(stack) || !PyDict_CheckExact(calls) ||
-      !PyLong_CheckExact(count) || !PyLong_CheckExact(most))
+  PyObject *most = state_item(self, kMaxSpans), *stack = state_item(self, kStack);
+  PyObject* counters = state_item(self, kCounters);  // (the Python ones: the Python wrapper's calls)
+  if (ids == nullptr || writer == nullptr || most == nullptr || stack == nullptr || counters == nullptr ||
+      !PyDict_CheckExact(ids) || !PyList_CheckExact(stack) || !Py_IS_TYPE(counters, &StepCountersType))
     return 0;
+  c.counters = Py_NewRef(counters);  // (held: a __del__ run by an allocation below may replace it)
+  auto* count = reinterpret_cast<StepCounters*>(counters);
   PyObject* entry = module_entry(self, ids, module, &c.slot, &c.epoch);  // (borrowed)
   if (entry == nullptr || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) < 5) return 0;
   PyObject* selected = PyTuple_GET_ITEM(entry, 2);
@@ -323,9 +331,8 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   if (generation == nullptr) return 0;
   Py_DECREF(generation);  // (the writer holds it: only its identity is compared)
   if (PyTuple_GET_ITEM(entry, 3) != generation) return 0;
-  long long index = as_long_long(count);
-  long long bound = as_long_long(most);
-  if (PyErr_Occurred() || index >= bound) return 0;
+  long long index = count->span_count, bound;
+  if (!state_int(self, kMaxSpans, &bound) || index >= bound) return 0;
   Py_ssize_t depth = PyList_GET_SIZE(stack);
   if (depth == 0) return 0;
   PyObject* top = PyList_GET_ITEM(stack, depth - 1);
@@ -334,17 +341,12 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   int top_selected = top_flag == Py_True ? 1 : top_flag == Py_False ? 0 : PyObject_IsTrue(top_flag);
   if (top_selected < 0) return 0;
   PyObject* path_id = PyTuple_GET_ITEM(entry, 4);
-  // open_span: this path's call number in the step, and the span's index
-  PyObject* prev = PyDict_GetItemWithError(calls, path_id);
-  long long call = 0;
-  if (prev != nullptr) {
-    call = as_long_long(prev) + 1;
-    if (PyErr_Occurred()) return 0;
-  } else if (PyErr_Occurred()) {
-    return 0;
-  }
+  // StepCounters.open: this path's call number in the step, and the span's index
+  long long id;
+  if (!PyLong_CheckExact(path_id) || !path_id_of(path_id, &id)) return 0;
+  long long call = peek_call(count, id);
   c.call = PyLong_FromLongLong(call);
-  PyObject* next = PyLong_FromLongLong(index + 1);
+  c.index = index_int(index);
   c.args = arg_tuple != nullptr ? Py_NewRef(arg_tuple) : PyTuple_New(n);  // (the caller's, where it has one)
   if (self->n_spare > 0) {
     c.frame = self->spare[--self->n_spare];
@@ -352,16 +354,12 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   } else {
     c.frame = PyList_New(9);
   }
-  if (c.call == nullptr || next == nullptr || c.args == nullptr || c.frame == nullptr) {
-    Py_XDECREF(next);
-    return 0;
-  }
-  c.index = Py_NewRef(count);  // (before span_count is replaced: the dict may hold its only reference)
-  if (PyDict_SetItem(calls, path_id, c.call) < 0 || PyDict_SetItem(self->state, names[kSpanCount], next) < 0) {
-    Py_DECREF(next);
-    return 0;
-  }
-  Py_DECREF(next);
+  if (c.call == nullptr || c.index == nullptr || c.args == nullptr || c.frame == nullptr) return 0;
+  // Opened: counted where the Python wrapper counts (allocations may run a __del__, which may
+  // open calls too: their numbers came first)
+  if (peek_call(count, id) != call || count->span_count != index) return 0;
+  commit_call(count, id, call);
+  c.index_v = index, c.call_v = call, c.path_v = id;
   // Own what is borrowed from the tracer's containers before fingerprint_input runs Python
   // (torch ops that may let go of the GIL), which may change them.
   c.stack = Py_NewRef(stack);
@@ -381,8 +379,9 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   return 1;
 }
 
-// The SPAN record appended to the writer's queue: tracer/native_spans.py. 0, or -1 with an exception.
-int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyObject* fp_post, PyObject* n_pre);
+// The SPAN record appended to the writer's queue: tracer/native_spans.py (fp_post NULL: -1). 0, or -1
+// with an exception.
+int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyObject* fp_post, long long n_pre);
 
 // The call's frame off the top of the stack (list.pop's work: the list keeps its allocation),
 // then kept to open a later call with when nothing else holds it: its items let go of now.

@@ -134,7 +134,7 @@ PyMemberDef traced_call_members[] = {
 
 // The tracer's class gets these as __setattr__ and __delattr__ (count_assignments): object's own,
 // plus state_version moved, so that a TracedCall knows whether what it read of the tracer's
-// __dict__ is still there (span_count, set at every call, moves nothing: it is never kept).
+// __dict__ is still there.
 PyObject* tracer_setattr(PyObject* self, PyObject* const* a, Py_ssize_t n) {
   if (n != 2) {
     PyErr_SetString(PyExc_TypeError, "__setattr__(name, value)");
@@ -142,7 +142,7 @@ PyObject* tracer_setattr(PyObject* self, PyObject* const* a, Py_ssize_t n) {
   }
   // Moved first: the value replaced may die inside the assignment and run Python (a __del__)
   // that reaches a TracedCall, which must not find its borrowed pointer current then.
-  if (a[0] != names[kSpanCount]) ++state_version;
+  ++state_version;
   if (PyObject_GenericSetAttr(self, a[0], a[1]) < 0) return nullptr;
   Py_RETURN_NONE;
 }
@@ -233,6 +233,8 @@ PyObject* traced_call_new(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   self->run_extra = 0;
   self->cache_state = count_assignments(Py_TYPE(a[2]));
   self->seen_version = 0;  // (state_version starts at 1: read at the first call)
+  self->ints_seen = 0;
+  self->ints_ok = 0;
   for (int i = 0; i < kNames; ++i) self->cached[i] = nullptr;
   PyObject_GC_Track(reinterpret_cast<PyObject*>(self));
   return reinterpret_cast<PyObject*>(self);

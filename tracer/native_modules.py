@@ -158,6 +158,37 @@ bool compiling(TracedCall* self) {
 #endif
 }
 
+// An attribute of the tracer that is an exact int of 64 bits, as a C int: false where it is
+// missing or another value (the caller's own way then). Decoded once while what was read of the
+// tracer's __dict__ stands (state_item), else at every call.
+static_assert(kNames <= 32, "state_int keeps a bit per name");
+bool state_int(TracedCall* self, Name n, long long* v) {
+  PyObject* o = state_item(self, n);
+  if (o == nullptr || !PyLong_CheckExact(o)) return false;
+  bool kept = self->cache_state && cacheable(n);
+  if (kept && self->ints_seen != self->seen_version) {
+    self->ints_ok = 0;
+    self->ints_seen = self->seen_version;
+  }
+  uint32_t bit = 1u << n;
+  if (kept && (self->ints_ok & bit)) {
+    *v = self->ints[n];
+    return true;
+  }
+  int overflow = 0;
+  long long x = PyLong_AsLongLongAndOverflow(o, &overflow);
+  if (overflow != 0 || (x == -1 && PyErr_Occurred())) {
+    PyErr_Clear();
+    return false;
+  }
+  if (kept) {
+    self->ints[n] = x;
+    self->ints_ok |= bit;
+  }
+  *v = x;
+  return true;
+}
+
 // Keeps `layout`, found in `one` for the metadata in key_buf, in the module's slot.
 void keep_layout(TracedCall* self, Py_ssize_t slot, uint64_t epoch, PyObject* one, PyObject* layout) {
 #ifdef TT_DICT_VERSIONS

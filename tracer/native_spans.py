@@ -243,19 +243,25 @@ uint8_t* pack_ints(uint8_t* p, PyObject* const* items, const long long* fixed, i
 // its bound as spans.py does. 0, or -1 with an exception. A value that is no int of 64 bits
 // takes the tuple.
 int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyObject* fp_post,
-                PyObject* n_pre) {
+                long long n_pre) {
   PyObject *step = state_item(self, kStep), *raw = state_item(self, kStepT0Raw);
   PyObject *flags = state_item(self, kSpanFlags), *writer = state_item(self, kWriter);
   if (step == nullptr || raw == nullptr || flags == nullptr || writer == nullptr) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "tracer state");
     return -1;
   }
-  long long t0_raw = as_long_long(raw);
-  if (t0_raw == -1 && PyErr_Occurred()) return -1;
-  PyObject* items[13] = {self->span_tag, step, c.index, c.parent, c.path_id, c.call, nullptr,
-                         nullptr, layout, c.fp_pre, fp_post, n_pre, flags};
-  long long fixed[13] = {0};
-  fixed[6] = c.t0 - t0_raw; fixed[7] = t1 - c.t0;
+  long long t0_raw, step_v = 0, flags_v = 0;
+  if (!state_int(self, kStepT0Raw, &t0_raw)) {
+    t0_raw = as_long_long(raw);
+    if (t0_raw == -1 && PyErr_Occurred()) return -1;
+  }
+  // (what this holds as C ints is packed from them: fixed where items has NULL)
+  if (state_int(self, kStep, &step_v)) step = nullptr;
+  if (state_int(self, kSpanFlags, &flags_v)) flags = nullptr;
+  PyObject* items[13] = {self->span_tag, step, nullptr, c.parent, nullptr, nullptr, nullptr,
+                         nullptr, layout, c.fp ? c.fp_pre : nullptr, fp_post, nullptr, flags};
+  long long fixed[13] = {0, step_v, c.index_v, 0, c.path_v, c.call_v, c.t0 - t0_raw, t1 - c.t0, 0, -1, -1,
+                         n_pre, flags_v};
   uint8_t packed[1 + 13 * 9];
   packed[0] = 0x9d;  // an array of 13
   uint8_t* p = pack_ints(packed + 1, items, fixed, 13);
@@ -263,17 +269,13 @@ int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyO
   PyObject* rec = PyTuple_New(13);
   if (rec == nullptr) return -1;
   for (int i = 0; i < 13; ++i) {
-    if (i == 6 || i == 7) continue;
-    PyTuple_SET_ITEM(rec, i, Py_NewRef(items[i]));
+    PyObject* v = items[i] != nullptr ? Py_NewRef(items[i]) : PyLong_FromLongLong(fixed[i]);
+    if (v == nullptr) {
+      Py_DECREF(rec);
+      return -1;
+    }
+    PyTuple_SET_ITEM(rec, i, v);
   }
-  PyObject* rel = PyLong_FromLongLong(c.t0 - t0_raw);
-  PyObject* dur = PyLong_FromLongLong(t1 - c.t0);
-  if (rel == nullptr || dur == nullptr) {
-    Py_XDECREF(rel); Py_XDECREF(dur); Py_DECREF(rec);
-    return -1;
-  }
-  PyTuple_SET_ITEM(rec, 6, rel);
-  PyTuple_SET_ITEM(rec, 7, dur);
   PyObject_GC_UnTrack(rec);  // (ints only: never in a cycle, nothing for the collector to visit)
   int r = queue_span(self, writer, nullptr, 0, rec);
   Py_DECREF(rec);
@@ -303,10 +305,8 @@ int record_one(TracedCall* self, OpenCall& c, PyObject* a, PyObject* result) {
   }
   if (layout != nullptr) {  // (else: span_one_tensor keys it in Python, and interns its layout)
     Py_INCREF(layout);  // (add_one is Python code)
-    PyObject* fp_post = c.fp ? fingerprint_output(self, result) : PyLong_FromLong(-1);
-    PyObject* one = PyLong_FromLong(1);
-    int r = fp_post == nullptr ? -1 : append_span(self, c, t1, layout, fp_post, one);
-    Py_DECREF(one);
+    PyObject* fp_post = c.fp ? fingerprint_output(self, result) : nullptr;
+    int r = c.fp && fp_post == nullptr ? -1 : append_span(self, c, t1, layout, fp_post, 1);
     Py_XDECREF(fp_post);
     Py_DECREF(layout);
     if (r == 0) ++self->recorded;
@@ -341,13 +341,15 @@ int record_known(TracedCall* self, OpenCall& c, PyObject* kwargs, PyObject* resu
   Py_XDECREF(key);
   if (known == nullptr) return PyErr_Occurred() ? -1 : 0;
   if (!PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 2) return 0;
+  PyObject* n_pre = PyTuple_GET_ITEM(known, 1);  // (the inputs' count: a small int)
+  int overflow = 0;
+  long long n = PyLong_CheckExact(n_pre) ? PyLong_AsLongLongAndOverflow(n_pre, &overflow) : -1;
+  if (n < 0 || overflow != 0) return 0;  // (never: spans.record_tensors then records it)
   Py_INCREF(known);  // (the dict may be cleared by a flush below)
   ++self->recorded;
   int64_t t1 = now_ns();
   int r = pop_frame(self, c);
-  PyObject* minus_one = PyLong_FromLong(-1);
-  if (r == 0) r = append_span(self, c, t1, PyTuple_GET_ITEM(known, 0), minus_one, PyTuple_GET_ITEM(known, 1));
-  Py_DECREF(minus_one);
+  if (r == 0) r = append_span(self, c, t1, PyTuple_GET_ITEM(known, 0), nullptr, n);
   Py_DECREF(known);
   return r < 0 ? -1 : 1;
 }

@@ -56,14 +56,35 @@ class SpanLayouts:
         self.coll.clear()
 
 
-def open_span(t, path_id) -> tuple:
-    """(call index of this module path in the step, span index) for a call being opened."""
-    calls = t.calls
-    call = calls.get(path_id, -1) + 1
-    calls[path_id] = call
-    index = t.span_count
-    t.span_count = index + 1
-    return call, index
+class StepCounters:
+    """A traced step's counters (``Tracer.counters``): the spans opened (``span_count``, the next
+    span's index) and each module path's calls (a call's number in the step). In Python until
+    tracer/native.py is built, then its C type of the same name (tracer/native_counters.py),
+    which the C call wrapper counts in: both wrappers open calls through ``open``."""
+
+    __slots__ = ("span_count", "calls")  # (calls assigned: the step starts over from them)
+
+    def __init__(self):
+        self.span_count = 0
+        self.calls: dict = {}  # path id -> its last call's number in the step
+
+    def open(self, path_id) -> tuple:
+        """(call index of this module path in the step, span index) for a call being opened."""
+        calls = self.calls
+        call = calls.get(path_id, -1) + 1
+        calls[path_id] = call
+        index = self.span_count
+        self.span_count = index + 1
+        return call, index
+
+
+
+def counters_in(make, old):
+    """``make()`` (a StepCounters class) holding what ``old`` counted in this step."""
+    new = make()
+    new.calls = dict(old.calls)
+    new.span_count = old.span_count
+    return new
 
 
 def _py_pair_key(a, r):
@@ -326,8 +347,9 @@ def push_root(t, module, args, entry, t0, path_id=None) -> None:
     if path_id is None:
         path, cls, _selected = entry
         path_id = t.writer.module(path, cls)
-    t.calls[path_id] = 0
-    t.span_count = 1
+    counters = t.counters  # (no method called: the step's own Python calls are counted)
+    counters.calls = {path_id: 0}
+    counters.span_count = 1
     slots: list = []
     flatten_args(args, slots, True)  # the root's inputs: a batch context object too
     fp_pre = -1
@@ -346,7 +368,7 @@ def record_capture(t, name: str, tensor, info: dict | None) -> None:
         t.capture_info[path] = (writer.generation, dict(info))
         writer.add((schema.CAPTURE_INFO, path_id, dict(info)))
     parent = innermost_span(t)
-    call, index = open_span(t, path_id)
+    call, index = t.counters.open(path_id)
     now = _now()
     fp = t.fps.add([tensor]) if t.fp_now else -1
     layout = writer.layout((_slot(_OUT, tensor),))

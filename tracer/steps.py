@@ -149,8 +149,9 @@ def open_traced_step(t, fingerprint: bool) -> int:
     clock (span times are offsets from it)."""
     t.stats["steps"] += 1
     t.step_thread = _get_ident()
-    t.span_count = t.coll_count = 0
-    t.calls = {}
+    counters = t.counters
+    counters.calls = {}
+    counters.span_count = t.coll_count = 0
     t0 = _now()
     t.step_t0_raw = t0
     t.step_t0 = t.absolute(t0)
@@ -310,7 +311,7 @@ def end_step(t, error: bool = False, result=None, kwargs=None) -> None:
     if t._tracing_step:
         if t.collectives is not None:
             t.collectives.end_step()
-        t.writer.add((schema.STEP_END, step, t.now(), t.span_count, t.coll_count))
+        t.writer.add((schema.STEP_END, step, t.now(), t.counters.span_count, t.coll_count))
         if t.capturing:
             _end_captured_step(t, step)
         elif t.fp_now:
@@ -322,7 +323,7 @@ def end_step(t, error: bool = False, result=None, kwargs=None) -> None:
             for source in (t.fps, t.device_times):
                 for rec in source.collect():
                     t.writer.add(rec)
-        t.stats["spans"] += t.span_count
+        t.stats["spans"] += t.counters.span_count
         t.stats["collectives"] += t.coll_count
         t.writer.flush_when_idle()  # on disk soon if no step follows (never written here)
     t.stack.clear()
@@ -345,7 +346,7 @@ def _end_captured_step(t, step: int) -> None:
         fps = None
     if t.graphs is not None and t.graphs.capturing is not None:
         path, cls, attrs = t.step_info
-        t.graphs.add_captured(CapturedStep(step, (path, cls), attrs, t.span_count, t.coll_count, fps))
+        t.graphs.add_captured(CapturedStep(step, (path, cls), attrs, t.counters.span_count, t.coll_count, fps))
 
 
 def _root_call_frame():
