@@ -309,7 +309,7 @@ def end_step(t, error: bool = False, result=None, kwargs=None) -> None:
     if t._tracing_step:
         if t.collectives is not None:
             t.collectives.end_step()
-        t.writer.add((schema.STEP_END, step, t.now(), t.counters.span_count, t.coll_count))
+        t.writer.add((schema.STEP_END, step, t.absolute(_now()), t.counters.span_count, t.coll_count))
         fps = t.fps
         if t.capturing:
             _end_captured_step(t, step)
