@@ -320,10 +320,10 @@ def end_step(t, error: bool = False, result=None, kwargs=None) -> None:
         if not t.capturing:  # no event may be queried while a stream is being captured
             # (an earlier step's deferred values too, when this one took none; each source's
             # queue read first, as its collect would, without a call when it is empty)
-            if fps._copies._pending:
+            if fps.copies.pending:
                 for rec in fps.collect():
                     t.writer.add(rec)
-            if t.device_times._pending:
+            if t.device_times.pending:
                 for rec in t.device_times.collect():
                     t.writer.add(rec)
         t.stats["spans"] += t.counters.span_count
