@@ -54,8 +54,7 @@ the Python wrapper, which records the same.
 
 SOURCE = r"""
 // ---------------------------------------------------------------- TracedCall: see tracer/native_call.py
-// (the ints and objects every call reads first: kept side by side in TracedCall's ints and cached)
-enum Name {
+enum Name {  // (those every call reads first: side by side in TracedCall's ints and cached)
   kActiveThread, kMaxSpans, kStep, kStepT0Raw, kSpanFlags, kQuietHooks, kFpNow, kStepRoot, kIds, kWriter,
   kStack, kCounters, kLayouts, kGeneration, kOne, kByCallKey, kPending, kMaxBuffered, kFlush, kPostFn,
   kOnError, kCompilingFlag, kFps, kLast, kLastVersion, kLastIdx, kAddOne, kTaken, kNames
@@ -83,7 +82,6 @@ bool intern_names() {
 struct ModuleTable;  // (tracer/native_modules.py)
 
 constexpr int kInts = kSpanFlags + 1;  // the names state_int keeps as C ints: the first ones
-
 // What a call reads first, side by side (on a GPU host the model's own work between calls evicts
 // it: a call's cost there is mostly the cache lines it touches); what it holds for Python after.
 struct TracedCall {
@@ -94,9 +92,7 @@ struct TracedCall {
   PyObject* compiler;     // torch.compiler's module __dict__
   uint64_t compiler_version;  // its version when `compiling_now` was read
   int active;
-  bool compiling_now;
-  bool cache_state;       // the tracer's class counts its assignments in state_version
-  bool writer_counts;     // the writer's class does
+  bool compiling_now, cache_state, writer_counts;  // the tracer's, the writer's class counts assignments
   int n_spare;            // (spare, last: frames no one else holds, items cleared, to open calls with)
   // Caches (tracer/native_call.py's "What it keeps"), none of them a value of the tracer's:
   uint64_t seen_version;  // state_version when `cached` was read
@@ -106,10 +102,9 @@ struct TracedCall {
   PyObject* cached[kNames];  // the tracer's attributes then (borrowed: its __dict__ holds them)
   ModuleTable* modules;   // what a call reads of its module, kept (tracer/native_modules.py)
   PyObject* writer;       // the writer last seen (a strong reference: its address is the key)
-  uint64_t writer_seen;   // state_version when writer_cached was read
+  uint64_t writer_seen, most_seen;  // state_version when writer_cached, writer_most were read
   PyObject* writer_cached[4];  // generation, pending, max_buffered, taken (borrowed)
-  long long writer_most;  // max_buffered as a C int, where most_seen is writer_seen
-  uint64_t most_seen;
+  long long writer_most;  // max_buffered as a C int
   PyObject* run;          // the SpanRun this appends spans to while it is the queue's last item
   PyObject* run_pending;  // the writer's queue that run_extra counts, and its `taken` then
   long long run_taken;
@@ -122,8 +117,7 @@ struct TracedCall {
   PyObject* python_call;  // the Python wrapper: every other call, and what __get__ hands out
   PyObject* tracer;
   PyObject* state;        // tracer.__dict__
-  PyObject* span_one;     // spans.span_one_tensor
-  PyObject* finish;       // intercept.finish_call
+  PyObject *span_one, *finish;  // spans.span_one_tensor, intercept.finish_call
   PyObject* context;      // tensor_slots.CONTEXT_TYPES (a set)
   PyObject* span_tag;     // schema.SPAN
   PyObject* spare[kSpareFrames];
@@ -265,13 +259,11 @@ struct OpenCall {
 // tracer/native_modules.py: a module's entry in ids as a call reads it (module_entry), kept in C
 // with the layout of its last one-tensor call (module_layout, keep_layout).
 struct ModuleInfo {
-  PyObject* path_id;     // entry[4] (borrowed: the entry holds it)
-  long long path_v;      // ... its value
-  PyObject* generation;  // entry[3] (borrowed: only its identity is compared)
-  int selected;          // entry[2] is true
+  PyObject *path_id, *generation;  // entry[4], entry[3] (borrowed: the entry holds them)
+  long long path_v;                // the path id's value
+  int selected;                    // entry[2] is true
 };
-bool module_entry(TracedCall* self, PyObject* ids, PyObject* module, ModuleInfo* info, Py_ssize_t* slot,
-                  uint64_t* epoch);
+bool module_entry(TracedCall* self, PyObject* ids, PyObject* module, ModuleInfo* info, Py_ssize_t* slot, uint64_t* epoch);
 bool module_layout(TracedCall* self, Py_ssize_t slot, uint64_t epoch, PyObject* one, long long* layout_v);
 void keep_layout(TracedCall* self, Py_ssize_t slot, uint64_t epoch, PyObject* one, PyObject* layout);
 bool compiling(TracedCall* self);  // torch.compiler's _is_compiling_flag is True
@@ -351,9 +343,8 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   PyObject* top_flag = PyList_GET_ITEM(top, 8);
   int top_selected = top_flag == Py_True ? 1 : top_flag == Py_False ? 0 : PyObject_IsTrue(top_flag);
   if (top_selected < 0) return 0;
-  // Owned before the allocations below, whose collection may run a __del__ that changes the
-  // tracer's containers or the module table (which holds the path id), and before
-  // fingerprint_input runs Python (torch ops that may let go of the GIL).
+  // Owned before the allocations below (a collection's __del__ may change the tracer's containers or
+  // the module table, which holds the path id) and fingerprint_input's Python (may drop the GIL).
   c.stack = Py_NewRef(stack);
   c.parent = Py_NewRef(PyList_GET_ITEM(top, top_selected ? 1 : 2));
   c.path_id = Py_NewRef(m.path_id);
@@ -390,8 +381,7 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
 
 // The SPAN record appended to the writer's queue: tracer/native_spans.py (layout NULL: layout_v;
 // fp_post NULL: -1). 0, or -1 with an exception.
-int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, long long layout_v, PyObject* fp_post,
-                long long n_pre);
+int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, long long layout_v, PyObject* fp_post, long long n_pre);
 
 // The call's frame off the top of the stack (list.pop's work: the list keeps its allocation),
 // then kept to open a later call with when nothing else holds it: its items let go of now.

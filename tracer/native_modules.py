@@ -6,8 +6,11 @@ one-tensor call with the metadata it was keyed by.
 Why: a GPU step is host-bound and a call's host cost is mostly memory touched. Found in Python's
 containers, each call made an int of the module's address and looked it up in ``ids``, then
 hashed its tensors' metadata into the process's layout-id map and looked the id up in the rank
-file's layout dict: three hash tables, cold by the next call of the module. A slot here is one
-cache line or two, with the metadata compared in place.
+file's layout dict: three hash tables, cold by the next call of the module. A slot here is two
+cache lines, all a call reads of its module: the entry's path id (and its value), writer
+generation and whether it is recorded, decoded once (an entry is a tuple, never changed in
+place, and bools only are kept), the layout's value as a C int, and the call's metadata packed
+into 32-bit words (a tensor's ndim, dtype and device in one; longer metadata: not kept).
 
 It is never the source of truth, only a copy kept while that is provably unchanged:
 
