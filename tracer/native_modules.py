@@ -66,9 +66,9 @@ int pack_key(uint32_t* out) {
     if (nd < 0 || nd > 0xff || i + nd + 3 > n || k + nd + 1 > kKeyMax) return -1;
     int64_t dtype = key_buf[i + nd + 1], dev = key_buf[i + nd + 2];
     int64_t dev_type = dev >> 16, dev_index = dev & 0xffff;  // (index -1, a CPU's: 0xffff, here 0xff)
-    if (dev_index == 0xffff) dev_index = 0xff;
-    if (dtype < 0 || dtype > 0xff || dev_type < 0 || dev_type > 0xff || dev_index >= 0xff && (dev & 0xffff) != 0xffff)
+    if (dtype < 0 || dtype > 0xff || dev_type < 0 || dev_type > 0xff || (dev_index >= 0xff && dev_index != 0xffff))
       return -1;
+    if (dev_index == 0xffff) dev_index = 0xff;
     out[k++] = static_cast<uint32_t>(nd | dtype << 8 | dev_type << 16 | dev_index << 24);
     for (int64_t j = 1; j <= nd; ++j) {
       int64_t v = key_buf[i + j];
