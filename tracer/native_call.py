@@ -266,6 +266,7 @@ struct ModuleInfo {
 bool module_entry(TracedCall* self, PyObject* ids, PyObject* module, ModuleInfo* info, Py_ssize_t* slot, uint64_t* epoch);
 bool module_layout(TracedCall* self, Py_ssize_t slot, uint64_t epoch, PyObject* one, long long* layout_v);
 void keep_layout(TracedCall* self, Py_ssize_t slot, uint64_t epoch, PyObject* one, PyObject* layout);
+PyObject* writer_kept(TracedCall* self, PyObject* writer, Name n);  // writer_attr's, borrowed
 bool compiling(TracedCall* self);  // torch.compiler's _is_compiling_flag is True
 bool state_int(TracedCall* self, Name n, long long* v);  // an int attribute of the tracer's, as a C int
 
@@ -330,10 +331,8 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   auto* count = reinterpret_cast<StepCounters*>(counters);
   ModuleInfo m;
   if (!module_entry(self, ids, module, &m, &c.slot, &c.epoch) || m.selected != 1) return 0;  // (not recorded: Python drops it)
-  PyObject* generation = writer_attr(self, writer, kGeneration);
-  if (generation == nullptr) return 0;
-  Py_DECREF(generation);  // (the writer holds it: only its identity is compared)
-  if (m.generation != generation) return 0;
+  PyObject* generation = writer_kept(self, writer, kGeneration);  // (only its identity is compared)
+  if (generation == nullptr || m.generation != generation) return 0;
   long long index = count->span_count, bound;
   if (!state_int(self, kMaxSpans, &bound) || index >= bound) return 0;
   Py_ssize_t depth = PyList_GET_SIZE(stack);

@@ -178,7 +178,7 @@ bool module_entry(TracedCall* self, PyObject* ids, PyObject* module, ModuleInfo*
   Py_DECREF(key);
   if (entry == nullptr) return false;
   // (kept: an entry whose truth decode_entry reads without running Python, that may move the table)
-  bool plain = PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) >= 5 && PyBool_Check(PyTuple_GET_ITEM(entry, 2));
+  [[maybe_unused]] bool plain = PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) >= 5 && PyBool_Check(PyTuple_GET_ITEM(entry, 2));
   if (!decode_entry(entry, info)) return false;
 #ifdef TT_DICT_VERSIONS
   if (plain && t->epoch == *epoch) {
@@ -208,6 +208,17 @@ bool module_layout(TracedCall* self, Py_ssize_t slot, uint64_t epoch, PyObject* 
 #else
   return false;
 #endif
+}
+
+// A writer attribute as writer_attr reads it, borrowed (the writer's __dict__ holds it, or NULL):
+// what it keeps taken without a reference, so the object itself is not read (a cache line a call).
+PyObject* writer_kept(TracedCall* self, PyObject* writer, Name n) {
+  int slot = writer_slot(n);
+  if (slot >= 0 && writer == self->writer && self->writer_seen == state_version && self->writer_cached[slot] != nullptr)
+    return self->writer_cached[slot];
+  PyObject* v = writer_attr(self, writer, n);
+  Py_XDECREF(v);  // (the writer holds it)
+  return v;
 }
 
 // torch.compiler's _is_compiling_flag is True: read again once the module's globals changed.

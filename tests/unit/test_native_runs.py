@@ -176,3 +176,30 @@ def test_what_c_keeps_of_a_layout_follows_the_dtype(tmp_path, monkeypatch):
     assert got == want
     assert [{d for _, ds in step[1:] for d in ds} for step in got] == [
         {"float32"}, {"float32"}, {"float32"}, {"float64"}, {"float64"}, {"float32"}, {"int64"}]
+
+
+def test_c_wrapper_follows_the_writer_forgetting_its_ids(tmp_path, monkeypatch):
+    """The writer forgets its interned ids (a new generation) between steps: what the C wrapper
+    kept of the writer and of the modules' entries is dropped, the modules named again."""
+    from native_loaded import load_native_in_process
+
+    load_native_in_process(monkeypatch)
+    model = Chain(6)
+    with torch.inference_mode():
+        tr = tracer.start(out_dir=str(tmp_path), fingerprint=False, lineage=False, flush_interval_s=3600)
+        try:
+            for _ in range(3):
+                model(torch.randn(2, 4))
+            recorded = tr.global_handles[0].native_call.recorded
+            for _ in range(2):
+                tr.writer._forget_ids()
+                for _ in range(2):
+                    model(torch.randn(2, 4))
+            assert tr.global_handles[0].native_call.recorded >= recorded + 2 * 5  # (a step after each: in C)
+        finally:
+            tracer.stop()
+    (path,) = rank_files(str(tmp_path))
+    rt = load_rank_file(path)
+    assert sorted(rt.steps) == list(range(7)) and not rt.errors
+    for step in rt.steps.values():
+        assert [s.path for s in sorted(step.spans, key=lambda s: s.index)][1:] == [f"leaves.{i}" for i in range(6)]
