@@ -21,7 +21,12 @@ Variants (``--variants``):
 - ``record-nofp``   ``fingerprint=False``;
 - ``record-0:1``    ``steps=(0, 1)``: the block's first warm-up step traced, every timed step
                     outside the window (what an untraced step costs with the tracer installed);
-- ``empty-hooks``   two empty global forward hooks (pre and post), no tracer: a floor.
+- ``empty-hooks``   two empty global forward hooks (pre and post), no tracer: a floor;
+- ``profiler``      ``torch.profiler.profile(activities=[CPU], record_shapes=True)`` entered at
+                    the block's start and exited at its end, no tracer: what a user would run
+                    instead (issue #22 target 1: ``record`` below it in the same runs). Its
+                    trace stays in memory (events are collected when the block exits, after the
+                    timed steps; nothing is exported); the block checks it recorded events.
 
     OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc-per-node 2 bench/example_tp2_ab.py --rounds 5
 """
@@ -44,7 +49,8 @@ import torch.distributed as dist
 from common import header, header_line  # bench/ is first on sys.path
 from models import load_example
 
-VARIANTS = ("untraced", "untraced-b", "record", "record-nocoll", "record-nowake", "record-nofp", "record-0:1", "empty-hooks")
+VARIANTS = ("untraced", "untraced-b", "record", "record-nocoll", "record-nowake", "record-nofp", "record-0:1", "empty-hooks",
+            "profiler")
 
 
 def _start(variant: str, out_dir: str):
@@ -59,6 +65,16 @@ def _start(variant: str, out_dir: str):
         handles = [nn_module.register_module_forward_pre_hook(lambda m, a: None),
                    nn_module.register_module_forward_hook(lambda m, a, o: None, always_call=True)]
         return lambda: [h.remove() for h in handles]
+    if variant == "profiler":
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                      record_shapes=True)
+        prof.__enter__()
+
+        def stop():
+            prof.__exit__(None, None, None)
+            if not prof.events():  # a profiler that recorded nothing would be a false floor
+                raise RuntimeError("torch.profiler recorded no events")
+        return stop
     tr = tracer.start(out_dir=out_dir, fingerprint=variant != "record-nofp",
                       steps=(0, 1) if variant == "record-0:1" else (0, None))
     if variant == "record-nocoll" and tr.collectives is not None:

@@ -40,7 +40,8 @@ class CollectiveDeviceTimes:
         self._new_event = event_factory or _cuda_event
         self._stream_of = stream_of or _current_stream
         self._free: list = []
-        self._pending: list = []  # (step, collective index, start event, end event)
+        self.pending: list = []  # (step, collective index, start event, end event); public: the
+        # step end skips an empty collect() by reading it (tracer/steps.py)
         self.dropped = 0
 
     @staticmethod
@@ -57,7 +58,7 @@ class CollectiveDeviceTimes:
 
     def start(self, device):
         """Record and return a start event on ``device``'s current stream (None: untimed)."""
-        if len(self._pending) >= MAX_PENDING:
+        if len(self.pending) >= MAX_PENDING:
             self.dropped += 1
             return None
         ev = self._event()
@@ -69,7 +70,7 @@ class CollectiveDeviceTimes:
         device, start = started
         end = self._event()
         end.record(self._stream_of(device))
-        self._pending.append((step, index, start, end))
+        self.pending.append((step, index, start, end))
 
     def discard(self, started) -> None:
         if started is not None:
@@ -78,10 +79,10 @@ class CollectiveDeviceTimes:
     def collect(self, wait: bool = False) -> list:
         """``COLL_DEVICE`` records of the pairs whose end event has completed (all of them, after
         waiting, if ``wait``: only at stop, outside any step)."""
-        if not self._pending:
+        if not self.pending:
             return []
         records, keep = [], []
-        for item in self._pending:
+        for item in self.pending:
             step, index, start, end = item
             if not end.query():
                 if not wait:
@@ -96,10 +97,10 @@ class CollectiveDeviceTimes:
                 records.append((schema.COLL_DEVICE, step, index, ns))
             self._free.append(start)
             self._free.append(end)
-        self._pending = keep
+        self.pending = keep
         return records
 
     def reset(self) -> None:
         """Forget pending pairs (a forked child: its parent's events are not its own)."""
-        self._pending = []
+        self.pending = []
         self._free = []

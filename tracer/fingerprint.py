@@ -104,7 +104,7 @@ class StepFingerprints:
         self.defer_cuda = defer_cuda
         self.defer_cpu = defer_cpu  # for tests: the deferred path without a GPU
         self.stale = 0  # deferred tensors updated in place before they could be reduced
-        self._copies = PendingCopies()  # finished steps, their values on the way to the host
+        self.copies = PendingCopies()  # finished steps, their values on the way to the host
         self.hold_bytes = hold_bytes  # TraceConfig.fp_hold_mib
         self.defer_bytes = hold_bytes
         self.capturing = False  # between begin_capture and finish_capture
@@ -620,7 +620,7 @@ class StepFingerprints:
     def add_replay(self, step: int, base: int, captured: CapturedFingerprints) -> None:
         """After a replay: copy the graph's static buffer to pinned host memory without waiting,
         as fingerprints ``base + i`` of ``step``; collected like any step's."""
-        self._copies.add_replay(step, base, captured)
+        self.copies.add_replay(step, base, captured)
 
     def _flush_native(self, nt) -> None:
         """The C++ table's tensors: one launch over the buffer it built; its held memory is let
@@ -651,14 +651,14 @@ class StepFingerprints:
 
     def _finish_step(self, step: int) -> None:
         self._reduce_rest()
-        self._copies.add_step(step, self._blocks, self._dups)
+        self.copies.add_step(step, self._blocks, self._dups)
         self.reset()
 
     def adopt_pending(self, other: "StepFingerprints") -> None:
         """Take ``other``'s finished steps (module parameters' fingerprints): they are written
         with this instance's next ones."""
-        self._copies.adopt(other._copies)
+        self.copies.adopt(other.copies)
 
     def collect(self, wait: bool = False) -> list:
         """Return FINGERPRINTS records whose copies have completed (all of them if ``wait``)."""
-        return self._copies.collect(wait)
+        return self.copies.collect(wait)

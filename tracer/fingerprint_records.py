@@ -27,17 +27,18 @@ class PendingCopies:
     ``StepFingerprints`` hands each step over at its end), until ``collect`` turns them into
     records. Nothing here waits unless ``collect(wait=True)``."""
 
-    __slots__ = ("_pending",)
+    __slots__ = ("pending",)
 
     def __init__(self):
-        self._pending: list = []  # (step, blocks, dups) waiting for their copies to finish
+        self.pending: list = []  # (step, blocks, dups) waiting for their copies to finish; public: the step end skips
+        # an empty collect() by reading it (tracer/steps.py)
 
     def add_step(self, step: int, blocks, dups) -> None:
         """Start the copies of a step's ``blocks`` ((indices, values, squared) each); ``dups``
         are its repeats, (index, index it repeats)."""
         out = [to_host(idx, vals, squared) for idx, vals, squared in blocks]
         if out or dups:
-            self._pending.append((step, out, dups))
+            self.pending.append((step, out, dups))
 
     def add_replay(self, step: int, base: int, captured) -> None:
         """A replay of ``captured`` (tracer/fingerprint_capture.py's ``CapturedFingerprints``):
@@ -47,18 +48,18 @@ class PendingCopies:
             return
         # A CPU buffer is rewritten by the next "replay": copy it (a CUDA one is copied anyway).
         _, host, event, _ = to_host(None, static if static.is_cuda else static.clone(), False)
-        self._pending.append((step, None, (captured.plan(base), host, event)))
+        self.pending.append((step, None, (captured.plan(base), host, event)))
 
     def adopt(self, other: "PendingCopies") -> None:
         """Take ``other``'s steps: they are collected with this one's next ones."""
-        self._pending.extend(other._pending)
-        other._pending = []
+        self.pending.extend(other.pending)
+        other.pending = []
 
     def collect(self, wait: bool = False) -> list:
         """Return FINGERPRINTS records whose copies have completed (all of them if ``wait``)."""
         records = []
         keep = []
-        for step, blocks, dups in self._pending:
+        for step, blocks, dups in self.pending:
             if blocks is None:  # a replay: (plan, host buffer, event)
                 plan, host, event = dups
                 if event is not None and not event.query():
@@ -93,7 +94,7 @@ class PendingCopies:
                 continue
             data = datas[0] if len(datas) == 1 else b"".join(datas)
             records += step_records(step, idx_all, data, dups)
-        self._pending = keep
+        self.pending = keep
         return records
 
 

@@ -54,17 +54,16 @@ the Python wrapper, which records the same.
 
 SOURCE = r"""
 // ---------------------------------------------------------------- TracedCall: see tracer/native_call.py
-enum Name {
-  kActiveThread, kQuietHooks, kFpNow, kStepRoot, kIds, kWriter, kGeneration,
-  kMaxSpans, kStack, kCounters, kStep, kStepT0Raw, kSpanFlags, kLayouts, kOne, kByCallKey,
-  kPending, kMaxBuffered, kFlush, kPostFn, kOnError, kCompilingFlag, kFps, kLast, kLastVersion,
-  kLastIdx, kAddOne, kTaken, kNames
+enum Name {  // (those every call reads first: side by side in TracedCall's ints and cached)
+  kActiveThread, kMaxSpans, kStep, kStepT0Raw, kSpanFlags, kQuietHooks, kFpNow, kStepRoot, kIds, kWriter,
+  kStack, kCounters, kLayouts, kGeneration, kOne, kByCallKey, kPending, kMaxBuffered, kFlush, kPostFn,
+  kOnError, kCompilingFlag, kFps, kLast, kLastVersion, kLastIdx, kAddOne, kTaken, kNames
 };
 const char* const kNameText[kNames] = {
-  "active_thread", "quiet_hooks", "fp_now", "step_root", "ids", "writer", "generation",
-  "max_spans", "stack", "counters", "step", "step_t0_raw", "span_flags", "layouts",
-  "one", "by_call_key", "pending", "max_buffered", "flush", "post_fn", "on_error",
-  "_is_compiling_flag", "fps", "last", "last_version", "last_idx", "add_one", "taken"};
+  "active_thread", "max_spans", "step", "step_t0_raw", "span_flags", "quiet_hooks", "fp_now", "step_root",
+  "ids", "writer", "stack", "counters", "layouts", "generation", "one", "by_call_key", "pending",
+  "max_buffered", "flush", "post_fn", "on_error", "_is_compiling_flag", "fps", "last", "last_version",
+  "last_idx", "add_one", "taken"};
 PyObject* names[kNames];
 constexpr int kSpareFrames = 64;
 // Bumped by every attribute assignment or deletion on the tracer's and its writer's classes
@@ -82,45 +81,46 @@ bool intern_names() {
 
 struct ModuleTable;  // (tracer/native_modules.py)
 
+constexpr int kInts = kSpanFlags + 1;  // the names state_int keeps as C ints: the first ones
+// What a call reads first, side by side (on a GPU host the model's own work between calls evicts
+// it: a call's cost there is mostly the cache lines it touches); what it holds for Python after.
 struct TracedCall {
   PyObject_HEAD
   vectorcallfunc vectorcall;
-  PyObject* python_call;  // the Python wrapper: every other call, and what __get__ hands out
   PyObject* inner;        // torch's own Module.__call__
-  PyObject* tracer;
-  PyObject* state;        // tracer.__dict__
   PyObject* tensor_type;  // torch.Tensor (a call's tensors must be exactly that)
   PyObject* compiler;     // torch.compiler's module __dict__
-  PyObject* span_one;     // spans.span_one_tensor
-  PyObject* finish;       // intercept.finish_call
-  PyObject* context;      // tensor_slots.CONTEXT_TYPES (a set)
-  PyObject* span_tag;     // schema.SPAN
+  uint64_t compiler_version;  // its version when `compiling_now` was read
   int active;
-  long long recorded;     // spans recorded here (the rest: by the Python code)
-  long long kept_layouts; // ... of them, one-tensor calls whose layout the module's slot held
+  bool compiling_now, cache_state, writer_counts;  // the tracer's, the writer's class counts assignments
+  int n_spare;            // (spare, last: frames no one else holds, items cleared, to open calls with)
   // Caches (tracer/native_call.py's "What it keeps"), none of them a value of the tracer's:
+  uint64_t seen_version;  // state_version when `cached` was read
+  uint64_t ints_seen;     // seen_version when `ints` was read (tracer/native_modules.py: state_int)
+  uint32_t ints_ok;       // which of them are read
+  long long ints[kInts];  // the ints among `cached`, as C ints
+  PyObject* cached[kNames];  // the tracer's attributes then (borrowed: its __dict__ holds them)
+  ModuleTable* modules;   // what a call reads of its module, kept (tracer/native_modules.py)
   PyObject* writer;       // the writer last seen (a strong reference: its address is the key)
-  PyObject* writer_dict;  // ... and its __dict__, where its attributes are read
-  bool writer_counts;     // its class counts its assignments in state_version
-  uint64_t writer_seen;   // state_version when writer_cached was read
+  uint64_t writer_seen, most_seen;  // state_version when writer_cached, writer_most were read
   PyObject* writer_cached[4];  // generation, pending, max_buffered, taken (borrowed)
-  PyTypeObject* layouts_type;  // SpanLayouts as last seen, and its slots' offsets
-  Py_ssize_t one_offset, by_call_key_offset;
+  long long writer_most;  // max_buffered as a C int
   PyObject* run;          // the SpanRun this appends spans to while it is the queue's last item
   PyObject* run_pending;  // the writer's queue that run_extra counts, and its `taken` then
   long long run_taken;
   Py_ssize_t run_extra;   // records queued there in runs beyond one an item (tracer/native_spans.py)
-  ModuleTable* modules;   // what a call reads of its module, kept (tracer/native_modules.py)
-  uint64_t compiler_version;  // torch.compiler's __dict__ version when `compiling_now` was read
-  bool compiling_now;
-  PyObject* spare[kSpareFrames];  // frames no one else holds, items cleared, to open calls with
-  int n_spare;
-  bool cache_state;       // the tracer's class counts its assignments in state_version
-  uint64_t seen_version;  // state_version when `cached` was read
-  PyObject* cached[kNames];  // the tracer's attributes then (borrowed: its __dict__ holds them)
-  uint64_t ints_seen;     // seen_version when `ints` was read (tracer/native_modules.py: state_int)
-  uint32_t ints_ok;       // which of them are read
-  long long ints[kNames]; // the ints among `cached`, as C ints
+  long long recorded;     // spans recorded here (the rest: by the Python code)
+  long long kept_layouts; // ... of them, one-tensor calls whose layout the module's slot held
+  PyTypeObject* layouts_type;  // SpanLayouts as last seen, and its slots' offsets
+  Py_ssize_t one_offset, by_call_key_offset;
+  PyObject* writer_dict;  // the writer's __dict__, where its attributes are read
+  PyObject* python_call;  // the Python wrapper: every other call, and what __get__ hands out
+  PyObject* tracer;
+  PyObject* state;        // tracer.__dict__
+  PyObject *span_one, *finish;  // spans.span_one_tensor, intercept.finish_call
+  PyObject* context;      // tensor_slots.CONTEXT_TYPES (a set)
+  PyObject* span_tag;     // schema.SPAN
+  PyObject* spare[kSpareFrames];
 };
 
 PyTypeObject TracedCallType = {PyVarObject_HEAD_INIT(nullptr, 0)};
@@ -168,7 +168,7 @@ PyObject* writer_attr(TracedCall* self, PyObject* writer, Name n) {
     Py_XSETREF(self->writer_dict, d);
     Py_XSETREF(self->writer, Py_NewRef(writer));
     self->writer_counts = count_assignments(Py_TYPE(writer));
-    self->writer_seen = 0;
+    self->writer_seen = self->most_seen = 0;
   }
   int slot = self->writer_counts ? writer_slot(n) : -1;
   if (slot >= 0) {
@@ -256,11 +256,17 @@ struct OpenCall {
   }
 };
 
-// tracer/native_modules.py: ids[id(module)] (borrowed; NULL: none, or an exception) and the
-// layout of the module's last one-tensor call, kept in C.
-PyObject* module_entry(TracedCall* self, PyObject* ids, PyObject* module, Py_ssize_t* slot, uint64_t* epoch);
-PyObject* module_layout(TracedCall* self, Py_ssize_t slot, uint64_t epoch, PyObject* one);
+// tracer/native_modules.py: a module's entry in ids as a call reads it (module_entry), kept in C
+// with the layout of its last one-tensor call (module_layout, keep_layout).
+struct ModuleInfo {
+  PyObject *path_id, *generation;  // entry[4], entry[3] (borrowed: the entry holds them)
+  long long path_v;                // the path id's value
+  int selected;                    // entry[2] is true
+};
+bool module_entry(TracedCall* self, PyObject* ids, PyObject* module, ModuleInfo* info, Py_ssize_t* slot, uint64_t* epoch);
+bool module_layout(TracedCall* self, Py_ssize_t slot, uint64_t epoch, PyObject* one, long long* layout_v);
 void keep_layout(TracedCall* self, Py_ssize_t slot, uint64_t epoch, PyObject* one, PyObject* layout);
+PyObject* writer_kept(TracedCall* self, PyObject* writer, Name n);  // writer_attr's, borrowed
 bool compiling(TracedCall* self);  // torch.compiler's _is_compiling_flag is True
 bool state_int(TracedCall* self, Name n, long long* v);  // an int attribute of the tracer's, as a C int
 
@@ -323,14 +329,10 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
     return 0;
   c.counters = Py_NewRef(counters);  // (held: a __del__ run by an allocation below may replace it)
   auto* count = reinterpret_cast<StepCounters*>(counters);
-  PyObject* entry = module_entry(self, ids, module, &c.slot, &c.epoch);  // (borrowed)
-  if (entry == nullptr || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) < 5) return 0;
-  PyObject* selected = PyTuple_GET_ITEM(entry, 2);
-  if (selected != Py_True && PyObject_IsTrue(selected) != 1) return 0;  // not recorded: Python drops it
-  PyObject* generation = writer_attr(self, writer, kGeneration);
-  if (generation == nullptr) return 0;
-  Py_DECREF(generation);  // (the writer holds it: only its identity is compared)
-  if (PyTuple_GET_ITEM(entry, 3) != generation) return 0;
+  ModuleInfo m;
+  if (!module_entry(self, ids, module, &m, &c.slot, &c.epoch) || m.selected != 1) return 0;  // (not recorded: Python drops it)
+  PyObject* generation = writer_kept(self, writer, kGeneration);  // (only its identity is compared)
+  if (generation == nullptr || m.generation != generation) return 0;
   long long index = count->span_count, bound;
   if (!state_int(self, kMaxSpans, &bound) || index >= bound) return 0;
   Py_ssize_t depth = PyList_GET_SIZE(stack);
@@ -340,11 +342,13 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   PyObject* top_flag = PyList_GET_ITEM(top, 8);
   int top_selected = top_flag == Py_True ? 1 : top_flag == Py_False ? 0 : PyObject_IsTrue(top_flag);
   if (top_selected < 0) return 0;
-  PyObject* path_id = PyTuple_GET_ITEM(entry, 4);
+  // Owned before the allocations below (a collection's __del__ may change the tracer's containers or
+  // the module table, which holds the path id) and fingerprint_input's Python (may drop the GIL).
+  c.stack = Py_NewRef(stack);
+  c.parent = Py_NewRef(PyList_GET_ITEM(top, top_selected ? 1 : 2));
+  c.path_id = Py_NewRef(m.path_id);
   // StepCounters.open: this path's call number in the step, and the span's index
-  long long id;
-  if (!PyLong_CheckExact(path_id) || !path_id_of(path_id, &id)) return 0;
-  long long call = peek_call(count, id);
+  long long id = m.path_v, call = peek_call(count, id);
   c.call = PyLong_FromLongLong(call);
   c.index = index_int(index);
   c.args = arg_tuple != nullptr ? Py_NewRef(arg_tuple) : PyTuple_New(n);  // (the caller's, where it has one)
@@ -360,11 +364,6 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   if (peek_call(count, id) != call || count->span_count != index) return 0;
   commit_call(count, id, call);
   c.index_v = index, c.call_v = call, c.path_v = id;
-  // Own what is borrowed from the tracer's containers before fingerprint_input runs Python
-  // (torch ops that may let go of the GIL), which may change them.
-  c.stack = Py_NewRef(stack);
-  c.parent = Py_NewRef(PyList_GET_ITEM(top, top_selected ? 1 : 2));
-  c.path_id = Py_NewRef(path_id);
   c.fp_pre = c.fp ? fingerprint_input(self, args[0]) : PyLong_FromLong(-1);
   if (c.fp_pre == nullptr) return -1;
   if (arg_tuple == nullptr)
@@ -379,9 +378,9 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   return 1;
 }
 
-// The SPAN record appended to the writer's queue: tracer/native_spans.py (fp_post NULL: -1). 0, or -1
-// with an exception.
-int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyObject* fp_post, long long n_pre);
+// The SPAN record appended to the writer's queue: tracer/native_spans.py (layout NULL: layout_v;
+// fp_post NULL: -1). 0, or -1 with an exception.
+int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, long long layout_v, PyObject* fp_post, long long n_pre);
 
 // The call's frame off the top of the stack (list.pop's work: the list keeps its allocation),
 // then kept to open a later call with when nothing else holds it: its items let go of now.

@@ -220,7 +220,8 @@ PyObject* traced_call_new(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   self->recorded = self->kept_layouts = 0;
   self->writer = self->writer_dict = nullptr;
   self->writer_counts = false;
-  self->writer_seen = 0;
+  self->writer_seen = self->most_seen = 0;
+  self->writer_most = -1;
   for (PyObject*& v : self->writer_cached) v = nullptr;
   self->layouts_type = nullptr;
   self->one_offset = self->by_call_key_offset = -1;

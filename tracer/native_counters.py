@@ -28,7 +28,7 @@ struct StepCounters {
   PyObject_HEAD
   long long span_count;
   uint64_t step;  // moved when calls is assigned (from 1: a zeroed CallCount counts in no step)
-  std::vector<CallCount>* dense;                     // by path id
+  std::vector<CallCount> dense;  // by path id (in the object: a call reads no pointer to it first)
   std::unordered_map<long long, CallCount>* sparse;  // ids outside [0, kDenseIds)
 };
 
@@ -36,7 +36,7 @@ PyTypeObject StepCountersType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 inline CallCount& path_count(StepCounters* s, long long id) {
   if (id >= 0 && id < kDenseIds) {
-    std::vector<CallCount>& v = *s->dense;
+    std::vector<CallCount>& v = s->dense;
     size_t i = static_cast<size_t>(id);
     if (i >= v.size()) v.resize(std::max<size_t>(i + 1, 2 * v.size()), CallCount{0, -1});
     return v[i];
@@ -115,8 +115,8 @@ PyObject* counters_get_calls(PyObject* self_, void*) {
     Py_XDECREF(k); Py_XDECREF(v);
     return ok;
   };
-  for (size_t i = 0; i < self->dense->size(); ++i)
-    if (!put(static_cast<long long>(i), (*self->dense)[i])) { Py_DECREF(d); return nullptr; }
+  for (size_t i = 0; i < self->dense.size(); ++i)
+    if (!put(static_cast<long long>(i), self->dense[i])) { Py_DECREF(d); return nullptr; }
   for (const auto& kv : *self->sparse)
     if (!put(kv.first, kv.second)) { Py_DECREF(d); return nullptr; }
   return d;
@@ -153,14 +153,14 @@ PyObject* counters_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   if (self == nullptr) return nullptr;
   self->span_count = 0;
   self->step = 1;
-  self->dense = new std::vector<CallCount>();
+  new (&self->dense) std::vector<CallCount>();  // (tp_alloc zeroed the object: constructed here)
   self->sparse = new std::unordered_map<long long, CallCount>();
   return reinterpret_cast<PyObject*>(self);
 }
 
 void counters_dealloc(PyObject* self_) {
   auto* self = reinterpret_cast<StepCounters*>(self_);
-  delete self->dense;
+  self->dense.~vector();
   delete self->sparse;
   Py_TYPE(self_)->tp_free(self_);
 }

@@ -182,9 +182,20 @@ int queue_span(TracedCall* self, PyObject* writer, const uint8_t* bytes, size_t 
     else Py_XDECREF(fresh);
   }
   if (r == 0) {
-    PyObject* max_buffered = writer_attr(self, writer, kMaxBuffered);
-    long long most = max_buffered == nullptr ? -1 : as_long_long(max_buffered);
-    Py_XDECREF(max_buffered);
+    long long most;
+    if (writer == self->writer && self->most_seen == state_version) {
+      most = self->writer_most;  // (its int object not read: a cache line a call)
+    } else {
+      PyObject* max_buffered = writer_attr(self, writer, kMaxBuffered);
+      most = max_buffered == nullptr ? -1 : as_long_long(max_buffered);
+      Py_XDECREF(max_buffered);
+      // kept as writer_cached keeps it: found in the __dict__ of a writer whose class counts assignments
+      if (!PyErr_Occurred() && writer == self->writer && self->writer_counts && self->writer_seen == state_version &&
+          self->writer_cached[writer_slot(kMaxBuffered)] == max_buffered) {
+        self->writer_most = most;
+        self->most_seen = state_version;
+      }
+    }
     Py_ssize_t queued = PyList_GET_SIZE(pending) + (pending == self->run_pending ? self->run_extra : 0);
     if (PyErr_Occurred()) {
       r = -1;
@@ -242,43 +253,50 @@ uint8_t* pack_ints(uint8_t* p, PyObject* const* items, const long long* fixed, i
 // msgpack makes of its tuple, added to the SpanRun at the queue's end; the writer flushed at
 // its bound as spans.py does. 0, or -1 with an exception. A value that is no int of 64 bits
 // takes the tuple.
-int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, PyObject* fp_post,
-                long long n_pre) {
-  PyObject *step = state_item(self, kStep), *raw = state_item(self, kStepT0Raw);
-  PyObject *flags = state_item(self, kSpanFlags), *writer = state_item(self, kWriter);
-  if (step == nullptr || raw == nullptr || flags == nullptr || writer == nullptr) {
+int append_span(TracedCall* self, OpenCall& c, int64_t t1, PyObject* layout, long long layout_v,
+                PyObject* fp_post, long long n_pre) {
+  // (the tracer's ints as C ints where state_int holds them, packed from `fixed`: items has NULL)
+  long long t0_raw, step_v = 0, flags_v = 0;
+  bool step_c = state_int(self, kStep, &step_v), flags_c = state_int(self, kSpanFlags, &flags_v);
+  PyObject* step = step_c ? nullptr : state_item(self, kStep);
+  PyObject* flags = flags_c ? nullptr : state_item(self, kSpanFlags);
+  PyObject* writer = state_item(self, kWriter);
+  PyObject* raw = state_int(self, kStepT0Raw, &t0_raw) ? Py_None : state_item(self, kStepT0Raw);
+  if ((!step_c && step == nullptr) || (!flags_c && flags == nullptr) || writer == nullptr || raw == nullptr) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "tracer state");
     return -1;
   }
-  long long t0_raw, step_v = 0, flags_v = 0;
-  if (!state_int(self, kStepT0Raw, &t0_raw)) {
+  if (raw != Py_None) {
     t0_raw = as_long_long(raw);
     if (t0_raw == -1 && PyErr_Occurred()) return -1;
   }
-  // (what this holds as C ints is packed from them: fixed where items has NULL)
-  if (state_int(self, kStep, &step_v)) step = nullptr;
-  if (state_int(self, kSpanFlags, &flags_v)) flags = nullptr;
   PyObject* items[13] = {self->span_tag, step, nullptr, c.parent, nullptr, nullptr, nullptr,
                          nullptr, layout, c.fp ? c.fp_pre : nullptr, fp_post, nullptr, flags};
-  long long fixed[13] = {0, step_v, c.index_v, 0, c.path_v, c.call_v, c.t0 - t0_raw, t1 - c.t0, 0, -1, -1,
+  long long fixed[13] = {0, step_v, c.index_v, 0, c.path_v, c.call_v, c.t0 - t0_raw, t1 - c.t0, layout_v, -1, -1,
                          n_pre, flags_v};
   uint8_t packed[1 + 13 * 9];
   packed[0] = 0x9d;  // an array of 13
   uint8_t* p = pack_ints(packed + 1, items, fixed, 13);
   if (p != nullptr) return queue_span(self, writer, packed, static_cast<size_t>(p - packed), nullptr);
+  // The tuple: its items (and the writer) owned first, since its allocation may run a collection,
+  // whose __del__ may assign the tracer's attributes that held them.
+  PyObject* owned[13];
+  for (int i = 0; i < 13; ++i) owned[i] = items[i] != nullptr ? Py_NewRef(items[i]) : PyLong_FromLongLong(fixed[i]);
+  Py_INCREF(writer);
   PyObject* rec = PyTuple_New(13);
-  if (rec == nullptr) return -1;
-  for (int i = 0; i < 13; ++i) {
-    PyObject* v = items[i] != nullptr ? Py_NewRef(items[i]) : PyLong_FromLongLong(fixed[i]);
-    if (v == nullptr) {
-      Py_DECREF(rec);
-      return -1;
-    }
-    PyTuple_SET_ITEM(rec, i, v);
+  int r = rec == nullptr ? -1 : 0;
+  for (int i = 0; i < 13 && rec != nullptr; ++i) {
+    if (owned[i] == nullptr) r = -1;
+    PyTuple_SET_ITEM(rec, i, owned[i]);  // (NULL items: a tuple's dealloc skips them)
+    owned[i] = nullptr;
   }
-  PyObject_GC_UnTrack(rec);  // (ints only: never in a cycle, nothing for the collector to visit)
-  int r = queue_span(self, writer, nullptr, 0, rec);
-  Py_DECREF(rec);
+  for (PyObject* v : owned) Py_XDECREF(v);
+  if (rec != nullptr && r == 0) {
+    PyObject_GC_UnTrack(rec);  // (ints only: never in a cycle, nothing for the collector to visit)
+    r = queue_span(self, writer, nullptr, 0, rec);
+  }
+  Py_XDECREF(rec);
+  Py_DECREF(writer);
   return r;
 }
 
@@ -288,12 +306,14 @@ int record_one(TracedCall* self, OpenCall& c, PyObject* a, PyObject* result) {
   int64_t t1 = now_ns();
   if (pop_frame(self, c) < 0) return -1;
   key_buf.clear();  // (pair_id's key: the module's slot keeps the layout it was found for)
-  PyObject* layout = nullptr;
+  PyObject* layout = nullptr;  // (or, kept: its value in layout_v)
+  long long layout_v = 0;
+  bool kept = false;
   if (put_meta(a) && put_meta(result)) {
     PyObject* holder = state_item(self, kLayouts);
     PyObject* layouts = holder == nullptr ? nullptr : layouts_dict(self, holder, kOne);
-    layout = layouts == nullptr ? nullptr : module_layout(self, c.slot, c.epoch, layouts);
-    if (layout != nullptr) {
+    kept = layouts != nullptr && module_layout(self, c.slot, c.epoch, layouts, &layout_v);
+    if (kept) {
       ++self->kept_layouts;
     } else if (layouts != nullptr) {
       PyObject* key = PyLong_FromLongLong(id_of(pair_ids));
@@ -303,12 +323,12 @@ int record_one(TracedCall* self, OpenCall& c, PyObject* a, PyObject* result) {
     }
     if (PyErr_Occurred()) return -1;
   }
-  if (layout != nullptr) {  // (else: span_one_tensor keys it in Python, and interns its layout)
-    Py_INCREF(layout);  // (add_one is Python code)
+  if (kept || layout != nullptr) {  // (else: span_one_tensor keys it in Python, and interns its layout)
+    Py_XINCREF(layout);  // (add_one is Python code)
     PyObject* fp_post = c.fp ? fingerprint_output(self, result) : nullptr;
-    int r = c.fp && fp_post == nullptr ? -1 : append_span(self, c, t1, layout, fp_post, 1);
+    int r = c.fp && fp_post == nullptr ? -1 : append_span(self, c, t1, layout, layout_v, fp_post, 1);
     Py_XDECREF(fp_post);
-    Py_DECREF(layout);
+    Py_XDECREF(layout);
     if (r == 0) ++self->recorded;
     return r;
   }
@@ -349,7 +369,7 @@ int record_known(TracedCall* self, OpenCall& c, PyObject* kwargs, PyObject* resu
   ++self->recorded;
   int64_t t1 = now_ns();
   int r = pop_frame(self, c);
-  if (r == 0) r = append_span(self, c, t1, PyTuple_GET_ITEM(known, 0), nullptr, n);
+  if (r == 0) r = append_span(self, c, t1, PyTuple_GET_ITEM(known, 0), 0, nullptr, n);
   Py_DECREF(known);
   return r < 0 ? -1 : 1;
 }

@@ -79,8 +79,20 @@ def root_post(t, module, args, *rest):
             return None
     else:
         if t.step_root is module:
+            # The end of a step outside the window: only the step state to reset (no lineage
+            # mode, quiet hooks, capture or open call is ever set up for such a step), here
+            # rather than in a function of its own (a call less at every such step)
             try:
-                end_untraced_step(t)
+                lineage = t.lineage
+                if lineage is not None and (lineage.mode is not None or t.quiet_hooks):  # (never)
+                    lineage.end_step()
+                    t.set_quiet_hooks(False)
+                if stack:
+                    stack.clear()
+                t.step_root = None  # never keep the model alive past its step
+                t.in_step = False
+                if t.global_handles and not t.config.in_window(t.step + 1):
+                    t.remove_interception()
             except Exception as exc:
                 t.on_error("step end", exc)
                 t.in_step = False
@@ -160,10 +172,11 @@ def open_traced_step(t, fingerprint: bool) -> int:
 
 
 def begin_step(t, root, args) -> None:
-    t.step += 1
+    step = t.step = t.step + 1
     t.in_step = True
     t.step_root = root
-    if not t.config.in_window(t.step):
+    first, stop = t.config.steps  # (TraceConfig.in_window, inline: a call less at every step)
+    if step < first or (stop is not None and step >= stop):
         # A step outside the window: no interception runs in it, so nothing looks for its
         # root's frame (step_is_stale); walking up to it makes frame objects for the calls on
         # the way (about 12 us a step of the example in one A/B, 1 process, noisy)
@@ -280,21 +293,6 @@ def step_is_stale(t) -> bool:
     return True
 
 
-def end_untraced_step(t) -> None:
-    """``end_step`` of a step outside the window: only the step state to reset (no lineage
-    mode, quiet hooks, capture or open call is ever set up for such a step)."""
-    lineage = t.lineage
-    if lineage is not None and (lineage.mode is not None or t.quiet_hooks):  # (never, as said)
-        lineage.end_step()
-        t.set_quiet_hooks(False)
-    if t.stack:
-        t.stack.clear()
-    t.step_root = None  # never keep the model alive past its step
-    t.in_step = False
-    if t.global_handles and not t.config.in_window(t.step + 1):
-        t.remove_interception()
-
-
 def end_step(t, error: bool = False, result=None, kwargs=None) -> None:
     step = t.step
     try:
@@ -311,21 +309,28 @@ def end_step(t, error: bool = False, result=None, kwargs=None) -> None:
     if t._tracing_step:
         if t.collectives is not None:
             t.collectives.end_step()
-        t.writer.add((schema.STEP_END, step, t.now(), t.counters.span_count, t.coll_count))
+        t.writer.add((schema.STEP_END, step, t.absolute(_now()), t.counters.span_count, t.coll_count))
+        fps = t.fps
         if t.capturing:
             _end_captured_step(t, step)
         elif t.fp_now:
-            t.fps.finish_step(step)
-        else:
-            t.fps.reset()
+            fps.finish_step(step)
+        elif fps.count:  # (a step that took no value has nothing to clear: no new lists a step)
+            fps.reset()
         if not t.capturing:  # no event may be queried while a stream is being captured
-            # (an earlier step's deferred values too, when this one took none)
-            for source in (t.fps, t.device_times):
-                for rec in source.collect():
+            # (an earlier step's deferred values too, when this one took none; each source's
+            # queue read first, as its collect would, without a call when it is empty)
+            if fps.copies.pending:
+                for rec in fps.collect():
+                    t.writer.add(rec)
+            if t.device_times.pending:
+                for rec in t.device_times.collect():
                     t.writer.add(rec)
         t.stats["spans"] += t.counters.span_count
         t.stats["collectives"] += t.coll_count
-        t.writer.flush_when_idle()  # on disk soon if no step follows (never written here)
+        writer = t.writer
+        if not writer.woken:  # on disk soon if no step follows (never written here)
+            writer.flush_when_idle()
     t.stack.clear()
     t.step_root = None  # never keep the model alive past its step
     t.step_frame = None

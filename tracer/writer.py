@@ -9,10 +9,12 @@ framed chunk
 Idle flush. A server goes idle after its last request's last step, and may then be SIGKILLed
 (SGLang kills its schedulers about a second after Ctrl-C): ``flush_when_idle`` (the tracer calls
 it at every step end) asks the thread to write as soon as no record has been added for
-``idle_flush_s``. The caller only sets an event; when the next step follows within that delay,
-nothing is written until the periodic flush, so a busy process pays no write per step. So a
-process killed with SIGKILL loses at most the records of the last ``idle_flush_s`` after a step
-(or of the last second inside a long one).
+``idle_flush_s``. The first step end of a burst sets an event; the thread then watches the queue
+every ``idle_flush_s`` while records keep coming, and the step ends meanwhile find ``woken``
+still set (an attribute read, no call). When the next step follows within that delay, nothing
+is written until the periodic flush, so a busy process pays no write per step. So a process
+killed with SIGKILL loses at most the records of the last ``idle_flush_s`` after a step (or of
+the last second inside a long one).
 
 Memory bound: at most ``max_buffered`` records wait in memory; past that the hook that adds the
 record writes the chunk itself (disk, not drops: the trace is the point). Intern tables hold at
@@ -126,6 +128,10 @@ class RankWriter:
         self.listeners: list = []  # called with each flushed batch of records (live export)
         self._stop = threading.Event()
         self._wake = threading.Event()  # flush_when_idle, or close
+        # Set by flush_when_idle, cleared by the thread once the queue stopped moving: while it
+        # is set the thread watches the queue already, and a step end need not wake it (the
+        # tracer reads it before calling flush_when_idle: tracer/steps.py).
+        self.woken = False
         self._thread: threading.Thread | None = None
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
@@ -274,10 +280,10 @@ class RankWriter:
     def flush_when_idle(self) -> None:
         """Ask the background thread to flush once no record has been added for
         ``idle_flush_s`` (e.g. a step has ended and no other begins). Never writes itself.
-        While steps follow each other the event is still set from the last call: a read."""
-        wake = self._wake
-        if not wake.is_set():
-            wake.set()
+        While steps follow each other the thread is still watching the queue: a read."""
+        if not self.woken:
+            self.woken = True
+            self._wake.set()
 
     def close(self) -> None:
         self._stop.set()
@@ -304,15 +310,26 @@ class RankWriter:
         while not stop.is_set():
             idle_chunk = False
             if wake.wait(max(0.0, due - clock())) and not stop.is_set():
-                wake.clear()
+                # A step ended: the queue is looked at every idle_flush_s while records keep
+                # coming (the periodic flush takes them), with ``woken`` left set so that the
+                # step ends meanwhile do not wake this thread again, until it stops moving.
                 mark = self.queued_mark()
-                if stop.wait(self.idle_flush_s):
-                    return
-                idle = self.queued_mark() == mark  # no flush, no record
-                n = mark[1]
-                if not idle and clock() < due:
-                    continue  # records keep coming: the periodic flush takes them
-                idle_chunk = idle and n > 0
+                while True:
+                    if stop.wait(self.idle_flush_s):
+                        return
+                    moved = self.queued_mark()
+                    if moved == mark:  # no flush, no record
+                        break
+                    mark = moved
+                    if clock() >= due:
+                        self.flush()
+                        due = clock() + self.flush_interval_s
+                        mark = self.queued_mark()
+                # (in this order: a step that ends before ``woken`` is cleared, and so does not
+                # set the event, has its records in the flush below; one that ends after sets it)
+                wake.clear()
+                self.woken = False
+                idle_chunk = mark[1] > 0
             if stop.is_set():
                 return
             self.flush()

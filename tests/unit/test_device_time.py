@@ -49,14 +49,14 @@ def test_pending_until_the_end_event_completes():
     times = CollectiveDeviceTimes(event_factory=FakeEvent, stream_of=lambda d: f"stream-{d}")
     s = times.start("cuda:0")
     times.end(3, 7, s)
-    end = times._pending[0][3]
+    end = times.pending[0][3]
     end.done = False
     assert times.collect() == []  # not complete: kept, nothing waited on
-    assert not end.synced and len(times._pending) == 1
+    assert not end.synced and len(times.pending) == 1
     end.done = True
     (rec,) = times.collect()
     assert rec[:3] == (schema.COLL_DEVICE, 3, 7) and rec[3] >= 0
-    assert times._pending == []
+    assert times.pending == []
 
 
 def test_stop_waits_for_the_rest_and_events_are_reused():
@@ -65,7 +65,7 @@ def test_stop_waits_for_the_rest_and_events_are_reused():
     for i in range(3):
         s = times.start("cuda:0")
         times.end(0, i, s)
-        times._pending[-1][3].done = False
+        times.pending[-1][3].done = False
     recs = times.collect(wait=True)
     assert [r[2] for r in recs] == [0, 1, 2]
     assert FakeEvent.created == 6

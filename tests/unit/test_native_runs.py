@@ -138,3 +138,68 @@ def test_what_c_keeps_of_a_module_follows_new_layouts_and_new_modules(tmp_path, 
     assert kept == 0
     assert got == want
     assert len(got) == 10 and {tuple(shape) for _, shapes in got[4][1:] for shape in shapes} == {(3, 4)}
+
+
+class Same(torch.nn.Module):
+    def forward(self, x):
+        return x + 0
+
+
+def _dtypes(out):
+    """Steps of one-tensor calls whose inputs differ from the last step's by dtype alone (the
+    module's slot keeps a layout by the call's metadata, packed): each span's dtypes."""
+    model = torch.nn.Sequential(*(Same() for _ in range(4)))
+    with torch.inference_mode():
+        tr = tracer.start(out_dir=str(out), fingerprint=False, lineage=False, flush_interval_s=3600)
+        try:
+            for dtype in (torch.float32,) * 3 + (torch.float64,) * 2 + (torch.float32, torch.int64):
+                model(torch.ones(3, 2, dtype=dtype))
+            call = tr.global_handles[0].native_call
+            kept = call.kept_layouts if call is not None else 0
+        finally:
+            tracer.stop()
+    (path,) = rank_files(str(out))
+    rt = load_rank_file(path)
+    assert not rt.errors
+    return [[(s.path, [t.dtype for t in s.tensors]) for s in sorted(step.spans, key=lambda s: s.index)]
+            for _, step in sorted(rt.steps.items())], kept
+
+
+def test_what_c_keeps_of_a_layout_follows_the_dtype(tmp_path, monkeypatch):
+    from native_loaded import load_native_in_process
+
+    load_native_in_process(monkeypatch)
+    got, kept = _dtypes(tmp_path / "c")
+    assert kept >= 6  # (in the third and fifth steps, from the modules' slots)
+    monkeypatch.setenv("TENSOR_TRACE_NATIVE", "0")
+    want, _ = _dtypes(tmp_path / "python")
+    assert got == want
+    assert [{d for _, ds in step[1:] for d in ds} for step in got] == [
+        {"float32"}, {"float32"}, {"float32"}, {"float64"}, {"float64"}, {"float32"}, {"int64"}]
+
+
+def test_c_wrapper_follows_the_writer_forgetting_its_ids(tmp_path, monkeypatch):
+    """The writer forgets its interned ids (a new generation) between steps: what the C wrapper
+    kept of the writer and of the modules' entries is dropped, the modules named again."""
+    from native_loaded import load_native_in_process
+
+    load_native_in_process(monkeypatch)
+    model = Chain(6)
+    with torch.inference_mode():
+        tr = tracer.start(out_dir=str(tmp_path), fingerprint=False, lineage=False, flush_interval_s=3600)
+        try:
+            for _ in range(3):
+                model(torch.randn(2, 4))
+            recorded = tr.global_handles[0].native_call.recorded
+            for _ in range(2):
+                tr.writer._forget_ids()
+                for _ in range(2):
+                    model(torch.randn(2, 4))
+            assert tr.global_handles[0].native_call.recorded >= recorded + 2 * 5  # (a step after each: in C)
+        finally:
+            tracer.stop()
+    (path,) = rank_files(str(tmp_path))
+    rt = load_rank_file(path)
+    assert sorted(rt.steps) == list(range(7)) and not rt.errors
+    for step in rt.steps.values():
+        assert [s.path for s in sorted(step.spans, key=lambda s: s.index)][1:] == [f"leaves.{i}" for i in range(6)]

@@ -183,6 +183,30 @@ def test_idle_flush_writes_after_a_step_once_no_record_follows(tmp_path):
     assert not w._thread.is_alive() or _wait_for(lambda: not w._thread.is_alive(), 5)
 
 
+def test_step_ends_of_a_busy_process_wake_the_writer_thread_once(tmp_path):
+    # While steps follow each other the thread watches the queue by itself: only the first step
+    # end of a burst sets the event (a futex wake-up and five Python calls on the traced
+    # thread); the others read ``woken``. Once the steps stop, their records go out as one idle
+    # chunk, and the next burst wakes the thread again.
+    import time
+
+    w = RankWriter(str(tmp_path / "busy.ttr"), dict(run_id="r"), flush_interval_s=3600, idle_flush_s=0.05)
+    sets = []
+    real_set = w._wake.set
+    w._wake.set = lambda: (sets.append(1), real_set())
+    for burst in (1, 2):
+        for i in range(30):  # steps of 10 ms, well inside idle_flush_s: 300 ms of them
+            w.add((schema.STEP_BEGIN, i, w.string(""), i, {}))
+            time.sleep(0.01)
+            w.add((schema.STEP_END, i, i + 1, 0, 0))
+            w.flush_when_idle()
+        assert _wait_for(lambda: w.idle_flushes == burst)
+        assert len(sets) == burst and not w.woken
+    rt = load_rank_file(w.path)
+    assert sorted(rt.steps) == list(range(30))
+    w.close()
+
+
 def test_a_traced_step_is_on_disk_once_the_process_goes_idle(tmp_path):
     # The tracer asks for the idle flush at each step end: a server's last step is readable
     # from its rank file while the process still runs (and could be SIGKILLed), periodic flush
