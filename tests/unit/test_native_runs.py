@@ -95,6 +95,16 @@ def test_c_wrapper_queues_runs_and_flushes_at_the_bound_in_records(tmp_path, mon
         assert [s.path for s in sorted(step.spans, key=lambda s: s.index)][1:] == [f"leaves.{i}" for i in range(60)]
 
 
+def _spans_by_step(out, attr: str) -> list:
+    """Each step of the one rank file under ``out``: its spans in order, as (path, each
+    tensor's ``attr``)."""
+    (path,) = rank_files(str(out))
+    rt = load_rank_file(path)
+    assert not rt.errors
+    return [[(s.path, [getattr(t, attr) for t in s.tensors]) for s in sorted(step.spans, key=lambda s: s.index)]
+            for _, step in sorted(rt.steps.items())]
+
+
 def _layouts_and_new_modules(out, monkeypatch):
     """Steps of one model: other layouts, a step while torch compiles (traced by neither wrapper),
     then a module replaced (the old one dies and its entry in Tracer.ids with it; the new one may
@@ -120,11 +130,7 @@ def _layouts_and_new_modules(out, monkeypatch):
                 model(torch.randn(batch, 4))
         finally:
             tracer.stop()
-    (path,) = rank_files(str(out))
-    rt = load_rank_file(path)
-    assert not rt.errors
-    return [[(s.path, [t.shape for t in s.tensors]) for s in sorted(step.spans, key=lambda s: s.index)]
-            for _, step in sorted(rt.steps.items())], kept, compiling
+    return _spans_by_step(out, "shape"), kept, compiling
 
 
 def test_what_c_keeps_of_a_module_follows_new_layouts_and_new_modules(tmp_path, monkeypatch):
@@ -158,11 +164,7 @@ def _dtypes(out):
             kept = call.kept_layouts if call is not None else 0
         finally:
             tracer.stop()
-    (path,) = rank_files(str(out))
-    rt = load_rank_file(path)
-    assert not rt.errors
-    return [[(s.path, [t.dtype for t in s.tensors]) for s in sorted(step.spans, key=lambda s: s.index)]
-            for _, step in sorted(rt.steps.items())], kept
+    return _spans_by_step(out, "dtype"), kept
 
 
 def test_what_c_keeps_of_a_layout_follows_the_dtype(tmp_path, monkeypatch):
