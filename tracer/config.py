@@ -11,6 +11,7 @@ import fnmatch
 import json
 import os
 import re
+import sys
 
 from tensor_trace import schema
 
@@ -87,9 +88,14 @@ class TraceConfig:
         return cls(out_dir=out_dir, run_id=environ.get(schema.ENV_RUN_ID, ""),
                    **{k: v for k, v in payload.items() if k in fields})
 
-    def in_window(self, step: int) -> bool:
+    def __post_init__(self) -> None:
+        # The window as a range (not a field: to_env leaves it out): ``step in config.window``
+        # is the one rule, read without a Python call where a step begins (tracer/steps.py)
         first, stop = self.steps
-        return step >= first and (stop is None or step < stop)
+        self.window = range(first, sys.maxsize if stop is None else stop)
+
+    def in_window(self, step: int) -> bool:
+        return step in self.window
 
     def module_selector(self):
         """A predicate on module paths from --module/--exclude, or None when all are selected."""

@@ -175,8 +175,7 @@ def begin_step(t, root, args) -> None:
     step = t.step = t.step + 1
     t.in_step = True
     t.step_root = root
-    first, stop = t.config.steps  # (TraceConfig.in_window, inline: a call less at every step)
-    if step < first or (stop is not None and step >= stop):
+    if step not in t.config.window:  # (TraceConfig.in_window's rule, without its call)
         # A step outside the window: no interception runs in it, so nothing looks for its
         # root's frame (step_is_stale); walking up to it makes frame objects for the calls on
         # the way (about 12 us a step of the example in one A/B, 1 process, noisy)
