@@ -46,6 +46,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import floors
 from common import header, header_line  # bench/ is first on sys.path
 from models import load_example
 
@@ -60,21 +61,9 @@ def _start(variant: str, out_dir: str):
     if variant in ("untraced", "untraced-b"):
         return lambda: None
     if variant == "empty-hooks":
-        from torch.nn.modules import module as nn_module
-
-        handles = [nn_module.register_module_forward_pre_hook(lambda m, a: None),
-                   nn_module.register_module_forward_hook(lambda m, a, o: None, always_call=True)]
-        return lambda: [h.remove() for h in handles]
+        return floors.empty_global_hooks()
     if variant == "profiler":
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                      record_shapes=True)
-        prof.__enter__()
-
-        def stop():
-            prof.__exit__(None, None, None)
-            if not prof.events():  # a profiler that recorded nothing would be a false floor
-                raise RuntimeError("torch.profiler recorded no events")
-        return stop
+        return floors.cpu_profiler()
     tr = tracer.start(out_dir=out_dir, fingerprint=variant != "record-nofp",
                       steps=(0, 1) if variant == "record-0:1" else (0, None))
     if variant == "record-nocoll" and tr.collectives is not None:

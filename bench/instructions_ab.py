@@ -55,23 +55,16 @@ CACHES = ["--I1=65536,8,64", "--D1=49152,12,64", "--LL=2097152,16,64"]
 
 def _start(variant: str, out_dir: str):
     """Start what ``variant`` runs before its warm-up; returns what stops it."""
-    import torch
+    import floors  # (bench/; imports torch: the driver process does not need it)
 
     from tensor_trace import tracer
 
     if variant == "untraced":
         return lambda: None
     if variant == "empty-hooks":
-        from torch.nn.modules import module as nn_module
-
-        handles = [nn_module.register_module_forward_pre_hook(lambda m, a: None),
-                   nn_module.register_module_forward_hook(lambda m, a, o: None, always_call=True)]
-        return lambda: [h.remove() for h in handles]
+        return floors.empty_global_hooks()
     if variant == "profiler":
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                      record_shapes=True)
-        prof.__enter__()
-        return lambda: prof.__exit__(None, None, None)
+        return floors.cpu_profiler()
     # The writer's thread never flushes here (its period and idle wait are longer than the run):
     # the counted steps' records are flushed on the traced thread (_flush), inside the count.
     tr = tracer.start(out_dir=out_dir, fingerprint=variant != "record-nofp",
