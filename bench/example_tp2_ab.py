@@ -46,32 +46,12 @@ import time
 import torch
 import torch.distributed as dist
 
-import floors
 from common import header, header_line  # bench/ is first on sys.path
 from models import load_example
+from variants import start as start_variant
 
 VARIANTS = ("untraced", "untraced-b", "record", "record-nocoll", "record-nowake", "record-nofp", "record-0:1", "empty-hooks",
             "profiler")
-
-
-def _start(variant: str, out_dir: str):
-    """Start what ``variant`` runs; returns a callable that stops it."""
-    from tensor_trace import tracer
-
-    if variant in ("untraced", "untraced-b"):
-        return lambda: None
-    if variant == "empty-hooks":
-        return floors.empty_global_hooks()
-    if variant == "profiler":
-        return floors.cpu_profiler()
-    tr = tracer.start(out_dir=out_dir, fingerprint=variant != "record-nofp",
-                      steps=(0, 1) if variant == "record-0:1" else (0, None))
-    if variant == "record-nocoll" and tr.collectives is not None:
-        tr.collectives.uninstall()
-    if variant == "record-nowake":
-        tr.ensure_writer()
-        tr.writer.flush_when_idle = lambda: None
-    return tracer.stop
 
 
 MAIN_TID = threading.get_native_id()
@@ -135,7 +115,7 @@ def main(argv=None) -> None:
                 for v in order:
                     n += 1
                     dist.barrier()
-                    stop = _start(v, os.path.join(work, str(n)))
+                    stop = start_variant(v, os.path.join(work, str(n)))
                     try:
                         for _ in range(args.warmup):
                             model(ids)[0].argmax(-1).tolist()

@@ -54,25 +54,12 @@ CACHES = ["--I1=65536,8,64", "--D1=49152,12,64", "--LL=2097152,16,64"]
 
 
 def _start(variant: str, out_dir: str):
-    """Start what ``variant`` runs before its warm-up; returns what stops it."""
-    import floors  # (bench/; imports torch: the driver process does not need it)
+    """Start what ``variant`` runs before its warm-up; returns what stops it. The writer's thread
+    never flushes here (its period and idle wait are longer than the run): the counted steps'
+    records are flushed on the traced thread (_flush), inside the count."""
+    from variants import start as start_variant  # (bench/; the driver process needs no torch)
 
-    from tensor_trace import tracer
-
-    if variant == "untraced":
-        return lambda: None
-    if variant == "empty-hooks":
-        return floors.empty_global_hooks()
-    if variant == "profiler":
-        return floors.cpu_profiler()
-    # The writer's thread never flushes here (its period and idle wait are longer than the run):
-    # the counted steps' records are flushed on the traced thread (_flush), inside the count.
-    tr = tracer.start(out_dir=out_dir, fingerprint=variant != "record-nofp",
-                      steps=(0, 1) if variant == "record-0:1" else (0, None),
-                      flush_interval_s=1e6, idle_flush_s=1e6)
-    if variant == "record-nocoll" and tr.collectives is not None:
-        tr.collectives.uninstall()
-    return tracer.stop
+    return start_variant(variant, out_dir, flush_interval_s=1e6, idle_flush_s=1e6)
 
 
 def _flush() -> None:
