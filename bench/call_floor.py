@@ -5,7 +5,8 @@
 A chain of one-tensor leaf modules that do no work (``--work``: leaves that run a projection, an
 RMS norm and an activation, so that torch's code and data go through the caches between two
 calls, as in a model; the tracer's per-call cost then includes fetching its own code and data
-back), one step per variant per round in shuffled order, timed on the step's thread CPU clock (a shared host's descheduling left out). Variants:
+back), one step per variant per round in shuffled order, timed on the step's thread CPU clock
+(a shared host's descheduling left out). Variants:
 
 - ``plain``       torch's own ``Module.__call__``;
 - ``empty-py``    a Python wrapper that only calls it (``def __call__(m, *a, **k): return inner(m, *a, **k)``):

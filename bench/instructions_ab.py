@@ -122,19 +122,23 @@ def child(args) -> None:
 
 
 def _summary(path: str) -> dict:
+    """A callgrind file's totals by event name."""
+    heads = {}
     with open(path) as f:
-        text = f.read()
-    events = next(line.split()[1:] for line in text.splitlines() if line.startswith("events:"))
-    values = next(line.split()[1:] for line in text.splitlines() if line.startswith("summary:"))
-    return dict(zip(events, map(int, values)))
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("events", "summary"):
+                heads[key] = rest.split()
+    return dict(zip(heads["events"], map(int, heads["summary"])))
 
 
 def run_variant(args, variant: str, work: str) -> dict:
     """Per rank: the traced thread's events in the counted steps, per step."""
     out = os.path.join(work, variant.replace(":", "_"))
     os.makedirs(out)
+    # (files named by the rank torchrun gives each process: %q{RANK}, set to 0 at tp=1)
     vg = ["valgrind", "--tool=callgrind", "--cache-sim=yes", *CACHES, "--separate-threads=yes",
-          "--dump-before=getpgrp", f"--callgrind-out-file={out}/cg.%p"]
+          "--dump-before=getpgrp", f"--callgrind-out-file={out}/cg.%q{{RANK}}"]
     me = [os.path.abspath(__file__), "--child", variant, "--tp", str(args.tp),
           "--warmup", str(args.warmup), "--steps", str(args.steps)]
     if args.tp > 1:
@@ -142,19 +146,18 @@ def run_variant(args, variant: str, work: str) -> dict:
         cmd = [torchrun, "--nproc-per-node", str(args.tp), "--no-python", *vg, sys.executable, *me]
     else:
         cmd = [*vg, sys.executable, *me]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.abspath(__file__)),
+    env = dict(os.environ, RANK="0", PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.abspath(__file__)),
                                                        os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise SystemExit(f"{variant}: exit {done.returncode}\n{done.stderr[-3000:]}")
-    ranks = {}
-    # callgrind's files: cg.PID.PART-THREAD; part 2 is between the two dumps, which only the
+    # callgrind's files: cg.RANK.PART-THREAD; part 2 is between the two dumps, which only the
     # thread that calls getpgrp makes: thread 01, the main one
-    for path in sorted(glob.glob(os.path.join(out, "cg.*.2-01"))):
-        ranks[os.path.basename(path).split(".")[1]] = {k: v / args.steps for k, v in _summary(path).items()}
-    if not ranks:
-        raise SystemExit(f"{variant}: callgrind wrote no counts of the steps under {out}")
-    return {i: ev for i, (_, ev) in enumerate(sorted(ranks.items()))}
+    ranks = {int(os.path.basename(path).split(".")[1]): {k: v / args.steps for k, v in _summary(path).items()}
+             for path in glob.glob(os.path.join(out, "cg.*.2-01"))}
+    if sorted(ranks) != list(range(args.tp)):
+        raise SystemExit(f"{variant}: callgrind's counts of the steps under {out} are of ranks {sorted(ranks)}")
+    return ranks
 
 
 def cycles(ev: dict) -> float:
