@@ -23,7 +23,7 @@ import weakref
 import torch
 
 from tensor_trace import schema
-from tensor_trace.tracer import graph_replay, intercept, naming, native, spans, steps
+from tensor_trace.tracer import graph_replay, host_values, intercept, naming, native, spans, steps
 from tensor_trace.tracer.config import TraceConfig
 from tensor_trace.tracer.device_time import CollectiveDeviceTimes
 from tensor_trace.tracer.fingerprint import StepFingerprints
@@ -169,6 +169,7 @@ class Tracer:
             # have taken the extension's. This one follows its own configuration (keys in
             # Python, and so the Python call wrapper), as a fresh process would.
             spans.use_native_keys(None)
+            host_values.use_native(None, None)
         self.install_interception()
         self.enabled = True
         if not self._fork_registered:

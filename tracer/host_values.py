@@ -5,6 +5,11 @@ numpy views a CPU tensor's memory without a copy and answers in one C call per r
 torch spends several microseconds of dispatch per op (bench/RESULTS.md). numpy is imported on
 first use; without it (or for a tensor numpy cannot view: bf16, conjugate or negative views,
 tensors that require grad) each function returns None and the caller uses torch.
+
+Once tracer/native.py's extension is built (``use_native``), its C functions
+(tracer/native_host.py) are asked first: one C call on the tensor's memory, where numpy's views
+and reductions cost several microseconds inside a model's step; what they do not read comes
+here.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ _NP_F32: list = []  # [numpy's float32 dtype] once numpy is imported
 _ONES_F32: dict = {}  # numel -> float32 ones vector, for tensors below ROWS_FROM
 _ONES: dict = {}  # (numel, numpy dtype char) -> ones vector of another dtype, below ROWS_FROM
 _ONES_ROW: dict = {}  # numpy dtype char -> ones vector of ROW elements
+# tracer/native_host.py's host_pair and nonzero_rows once built (use_native), else None
+native_pair = None
+native_rows = None
 
 # From this many elements the sum is a matrix-vector product of the tensor, as rows of ROW
 # elements, with one ROW-long ones vector: one read of the tensor (a dot with a ones vector of
@@ -43,11 +51,22 @@ def numpy_module():
     return numpy
 
 
-def pair(t):
-    """(sum, sum of squares) of a CPU tensor as Python floats; None when numpy cannot view it.
+def use_native(host_pair, nonzero_rows) -> None:
+    """Ask tracer/native_host.py's ``host_pair`` and ``nonzero_rows`` first (None: numpy only)."""
+    global native_pair, native_rows
+    native_pair, native_rows = host_pair, nonzero_rows
 
-    Sums accumulate in the tensor's dtype within a row or piece, as torch's do (integers in
-    float64), and the partial sums of a large tensor in float64."""
+
+def pair(t):
+    """(sum, sum of squares) of a CPU tensor as Python floats; None when neither the extension
+    nor numpy can read it.
+
+    Through numpy, sums accumulate in the tensor's dtype within a row or piece, as torch's do
+    (integers in float64), and the partial sums of a large tensor in float64."""
+    if native_pair is not None:
+        values = native_pair(t)
+        if values is not None:
+            return values
     np = _numpy[0] if _numpy else numpy_module()
     if np is None:
         return None

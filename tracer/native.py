@@ -14,6 +14,8 @@ that could only fail, and says nothing.
   the modules' classes once this is built: no Python frame of the tracer's per such call.
 - ``traced_collective``: a traced c10d collective's common case in C (tracer/native_coll.py),
   which tracer/collectives.py's wrappers call first once this is built.
+- ``host_pair`` and ``nonzero_rows``: a CPU tensor's fingerprint pair and a collective input's
+  nonzero rows read in C (tracer/native_host.py), which tracer/host_values.py asks before numpy.
 - ``Table``: the eager fingerprint path's deferred tensors (C++ in tracer/native_table.py). A traced eager GPU step holds a few
   hundred tensors for its fingerprint kernel; in Python each costs a dozen tensor attribute
   reads in the hook and again at the step's end, when they are cold in the CPU's caches. The
@@ -50,7 +52,7 @@ import sys
 import threading
 
 from tensor_trace.tracer import native_call, native_call_type, native_coll, native_coll_type, native_modules, native_spans, native_table
-from tensor_trace.tracer import native_counters
+from tensor_trace.tracer import native_counters, native_host
 from tensor_trace.tracer import native_build
 from tensor_trace.tracer.native_build import build_directory, missing_toolchain
 
@@ -246,8 +248,8 @@ PyMethodDef call_key_def = {"call_key", reinterpret_cast<PyCFunction>(reinterpre
                             METH_FASTCALL, "call_key(args, kwargs, result, context) -> int: see tracer/native.py"};
 
 
-"""  # the source goes on with tracer/native_table.py's, native_counters.py's, native_call.py's,
-# native_modules.py's, native_spans.py's and native_call_type.py's
+"""  # the source goes on with tracer/native_table.py's, native_host.py's, native_counters.py's,
+# native_call.py's, native_modules.py's, native_spans.py's and native_call_type.py's
 _SOURCE_END = r"""
 }  // namespace
 
@@ -266,6 +268,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("hold_in") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&hold_in_def, nullptr, nullptr));
   m.attr("pair_key") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&pair_key_def, nullptr, nullptr));
   m.attr("call_key") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&call_key_def, nullptr, nullptr));
+  m.attr("host_pair") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&host_pair_def, nullptr, nullptr));
+  m.attr("nonzero_rows") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&nonzero_rows_def, nullptr, nullptr));
   m.attr("traced_call") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&traced_call_def, nullptr, nullptr));
   m.attr("traced_collective") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&traced_collective_def, nullptr, nullptr));
   m.attr("SpanRun") = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(&SpanRunType));
@@ -273,11 +277,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("patch_call_slots") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&patch_call_slots_def, nullptr, nullptr));
 }
 """
-SOURCE = (SOURCE + native_table.SOURCE + native_counters.SOURCE + native_call.SOURCE + native_modules.SOURCE + native_spans.SOURCE
+SOURCE = (SOURCE + native_table.SOURCE + native_host.SOURCE + native_counters.SOURCE + native_call.SOURCE + native_modules.SOURCE + native_spans.SOURCE
           + native_call_type.SOURCE + native_coll.SOURCE + native_coll_type.SOURCE + _SOURCE_END)
 
 _state: dict = {"span_run": None, "step_counters": None, "table": None, "hold_in": None, "pair_key": None, "call_key": None,
-                "traced_call": None, "patch_call_slots": None, "traced_collective": None, "started": False,
+                "traced_call": None, "patch_call_slots": None, "host_values": None, "traced_collective": None, "started": False,
                 "error": None}
 _lock = threading.Lock()
 _done = threading.Event()  # set when a build or load has finished, either way
@@ -348,6 +352,12 @@ def call_key():
     """The compiled ``call_key(args, kwargs, result, context)`` (an int standing for the layout
     of a call of tensors and plain values, -1 where the caller's Python decides), or None."""
     return _state["call_key"]
+
+
+def host_values():
+    """The compiled ``(host_pair, nonzero_rows)`` of tracer/native_host.py (a CPU tensor's
+    fingerprint pair and nonzero rows read in C, None for a tensor they do not read), or None."""
+    return _state["host_values"]
 
 
 def traced_call():
@@ -439,6 +449,7 @@ def _build() -> None:
         _state["traced_collective"] = module.traced_collective
         _state["hold_in"] = module.hold_in
         _state["pair_key"] = module.pair_key
+        _state["host_values"] = (module.host_pair, module.nonzero_rows)
         _state["table"] = module.Table
     except Exception as exc:  # no compiler, no ninja, no headers: the Python path stays
         _state["error"] = repr(exc)

@@ -19,7 +19,7 @@ import time
 import torch
 
 from tensor_trace import schema
-from tensor_trace.tracer import naming, native, spans
+from tensor_trace.tracer import host_values, naming, native, spans
 
 _get_ident = threading.get_ident
 _now = time.monotonic_ns
@@ -239,6 +239,7 @@ def _poll_native(t) -> None:
     fn = native.pair_key()
     if fn is not None:
         spans.use_native_keys(fn, native.call_key())
+        host_values.use_native(*native.host_values())
         t.native_pending = False
         t.use_native_call()
     elif native.error() is not None:

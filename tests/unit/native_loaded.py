@@ -1,5 +1,6 @@
 """The native extension loaded in this test process, the process's state as it was put back after
-the test (the extension's load state, its event, the layout keys spans.py took)."""
+the test (the extension's load state, its event, the layout keys spans.py took, the readers
+host_values.py took)."""
 
 import os
 import shutil
@@ -15,7 +16,7 @@ def load_native_in_process(monkeypatch):
     env_path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     if not (shutil.which("ninja", path=env_path) and (shutil.which("c++") or shutil.which("g++"))):
         pytest.skip("no C++ compiler or ninja to build the extension")
-    from tensor_trace.tracer import native, spans
+    from tensor_trace.tracer import host_values, native, spans
 
     monkeypatch.setenv("TENSOR_TRACE_NATIVE", "1")
     monkeypatch.setenv("PATH", env_path)
@@ -26,6 +27,8 @@ def load_native_in_process(monkeypatch):
         native._done = threading.Event()  # test, or done, sets the event it has)
     monkeypatch.setattr(spans, "pair_key", spans.pair_key)
     monkeypatch.setattr(spans, "call_key", spans.call_key)
+    monkeypatch.setattr(host_values, "native_pair", host_values.native_pair)
+    monkeypatch.setattr(host_values, "native_rows", host_values.native_rows)
     native.ensure(block=True, timeout=900)
     assert native.traced_call() is not None, native.error()
     return native

@@ -8,6 +8,14 @@ import torch
 from tensor_trace.tracer import host_values
 
 
+@pytest.fixture(autouse=True)
+def numpy_readers(monkeypatch):
+    """These tests are of the numpy path: the C readers an earlier traced session in this
+    process took (tests/unit/test_native_host.py tests those) are put aside."""
+    monkeypatch.setattr(host_values, "native_pair", None)
+    monkeypatch.setattr(host_values, "native_rows", None)
+
+
 def _float64_pair(t):
     f = t.double()
     return f.sum().item(), f.pow(2).sum().item()

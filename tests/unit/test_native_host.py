@@ -1,0 +1,137 @@
+"""tracer/native_host.py: a CPU tensor's fingerprint pair and nonzero rows read in C, against
+torch's float64 sums and ``ne(0)`` rows; None for every tensor it does not read (the numpy and
+torch paths take those); and a traced session's use of it, or not, as its configuration says."""
+import math
+
+import pytest
+import torch
+
+from tensor_trace.tracer import host_values
+
+
+@pytest.fixture
+def native_host(monkeypatch):
+    from native_loaded import load_native_in_process
+
+    return load_native_in_process(monkeypatch).host_values()
+
+
+def _float64_pair(t):
+    f = t.double()
+    return f.sum().item(), f.pow(2).sum().item()
+
+
+def _torch_rows(t):
+    nz = torch.nonzero(t.reshape(t.shape[0], -1).ne(0).any(1)).flatten()
+    n = int(nz.numel())
+    return [int(nz[0]), int(nz[-1]), n] if n else [0, 0, 0]
+
+
+@pytest.mark.parametrize("numel", [0, 1, 7, 8, 1023, 1024, 1025, 9000, (1 << 20) + 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.int32])
+def test_pair_equals_torch_float64_sums(native_host, numel, dtype):
+    host_pair, _ = native_host
+    gen = torch.Generator().manual_seed(numel)
+    if dtype.is_floating_point:
+        t = (torch.randn(numel, generator=gen, dtype=torch.float64) * 3 + 0.25).to(dtype)
+    else:
+        t = torch.randint(-1000, 1000, (numel,), generator=gen, dtype=dtype)
+    s, q = host_pair(t.reshape(-1, 1) if numel else t)
+    ref_s, ref_q = _float64_pair(t)
+    abs_sum = t.double().abs().sum().item()
+    # float32 lanes over at most 128 values each, their sums in float64: well inside the merge's
+    # tolerance (2**-20 of sqrt(n * sumsq) for float32 sums in another order)
+    assert abs(s - ref_s) <= 1e-6 * abs_sum + 1e-12
+    assert math.isclose(q, ref_q, rel_tol=1e-6, abs_tol=1e-12)
+    if not dtype.is_floating_point:
+        assert (s, q) == (ref_s, ref_q)  # integers below 2**53: exact
+
+
+def test_pair_reads_only_plain_contiguous_host_memory(native_host):
+    host_pair, _ = native_host
+    full = torch.randn(30, 50)
+    assert host_pair(full) is not None
+    for t in (full.t(), full[:, 3:41], full[::2], torch.randn(3, dtype=torch.bfloat16),
+              torch.randn(3, dtype=torch.float16), torch.randn(3, requires_grad=True),
+              torch.nn.Parameter(torch.randn(3), requires_grad=False),
+              torch.randn(3, dtype=torch.complex64).conj(), torch.randn(3, dtype=torch.complex64),
+              torch.empty(3, device="meta"), torch.ones(4, dtype=torch.bool), [1.0, 2.0]):
+        assert host_pair(t) is None, t
+    # what it does not read, host_values.pair still does (numpy for the views)
+    host_values.use_native(host_pair, None)
+    s, _ = host_values.pair(full.t())
+    assert math.isclose(s, full.double().sum().item(), rel_tol=1e-6, abs_tol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
+                                   torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool])
+def test_nonzero_rows_equal_torch_ones(native_host, dtype):
+    _, rows = native_host
+    gen = torch.Generator().manual_seed(3)
+    for shape in [(1,), (5,), (6, 3), (4, 2, 5), (64, 96)]:
+        for trial in range(12):
+            mask = torch.rand(shape, generator=gen) < (0.05 if trial % 2 else 0.4)
+            t = torch.zeros(shape).masked_fill(mask, 2.0).to(dtype)
+            if dtype.is_floating_point:
+                if trial % 3 == 0:
+                    t = t.masked_fill(~mask, -0.0)  # negative zeros are zeros
+                if trial % 4 == 1:
+                    t.view(-1)[-1] = float("nan")  # NaN is not
+            assert rows(t) == _torch_rows(t), (shape, trial)
+
+
+def test_nonzero_rows_reads_only_what_it_can(native_host):
+    _, rows = native_host
+    special = torch.zeros(4, 3)
+    special[1, 2] = float("nan")
+    special[3, 0] = -0.0
+    assert rows(special) == [1, 1, 1]
+    assert rows(torch.zeros(5, 7)) == [0, 0, 0]
+    for t in (torch.tensor(3.0), torch.zeros(0, 3), torch.randn(2, 2, dtype=torch.complex64),
+              torch.randn(9, 5).t(), torch.randn(3, requires_grad=True)):
+        assert rows(t) is None
+    # collective_specs asks it first and keeps its own answer for the rest
+    from tensor_trace.tracer.collective_specs import nonzero_rows
+
+    host_values.use_native(None, rows)
+    padded = torch.zeros(6, 8)
+    padded[1:4] = 1.0
+    assert nonzero_rows([padded, padded.t().contiguous().t()]) == [[1, 3, 3], [1, 3, 3]]
+
+
+def _fingerprints(out_dir):
+    from tensor_trace.exporters.analysis.tolerance import Observed
+    from tensor_trace.exporters.store.reader import load_rank_file, rank_files
+
+    rt = load_rank_file(rank_files(str(out_dir))[0])
+    return {(n, s.path, t.slot): Observed(t.shape, t.dtype, t.fp) for n, st in rt.steps.items() for s in st.spans for t in s.tensors}
+
+
+def test_a_traced_session_reads_through_the_extension_unless_it_says_no(native_host, tmp_path, monkeypatch):
+    """A session takes the C readers with the extension's other functions, and one with
+    TENSOR_TRACE_NATIVE=0 puts numpy back (an earlier session may have taken them): the same
+    fingerprints either way, within the merge's tolerance."""
+    from tensor_trace import tracer
+    from tensor_trace.exporters.analysis.tolerance import fp_equal
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 8))
+    x = torch.randn(5, 64)
+    taken, fps = {}, {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("TENSOR_TRACE_NATIVE", setting)
+        tr = tracer.start(out_dir=str(tmp_path / setting), fingerprint_every=1, lineage=False)
+        try:
+            with torch.no_grad():
+                for _ in range(3):
+                    model(x)
+            taken[setting] = (host_values.native_pair, host_values.native_rows)
+        finally:
+            tracer.stop()
+        assert tr.errors == 0
+        fps[setting] = _fingerprints(tmp_path / setting)
+    assert taken["1"] == tuple(native_host)
+    assert taken["0"] == (None, None)
+    assert fps["1"].keys() == fps["0"].keys() and len(fps["1"]) >= 12
+    for key, seen in fps["1"].items():
+        assert seen.fp is not None and fp_equal(seen, fps["0"][key]), key

@@ -1,0 +1,161 @@
+"""C++ for what the tracer reads from a CPU tensor's memory: ``host_pair(t)`` (its fingerprint,
+sum and sum of squares) and ``nonzero_rows(t)`` (the dim-0 rows a collective's input holds
+nonzero values in), which tracer/host_values.py calls first once the extension is built.
+
+Why in C: on a fingerprinted CPU step every module output and every collective's input and
+output is read here. Through numpy a small tensor's pair cost about 1.6 us and its nonzero rows
+3.5 us in a loop, and 8 and 20 us inside the traced model (the example at tp=2, where the
+model's own ops between two reads evict numpy's code and data from the CPU's caches): most of
+a fingerprinted step's extra cost at tp=2 (bench/RESULTS.md). Here each is one C call on the
+tensor's memory.
+
+Both read a plain ``torch.Tensor`` (exact type) on the CPU, strided and contiguous, with storage,
+that does not require grad and is not a conjugate or negative view. Anything else returns None
+and tracer/host_values.py takes its numpy path, then the caller its torch one, as before.
+
+- ``host_pair``: float32, float64, int64 and int32 (tracer/fingerprint_reduce.py's
+  ``HOST_DTYPES``). float32 values are added in float32 lanes within blocks of 1024 elements and
+  the blocks' sums in float64 (numpy's BLAS dot added a small tensor's all in float32); float64
+  and integers are added in float64. Large tensors are read with the GIL released.
+- ``nonzero_rows``: any real dtype whose zero is all zero bits (integers, bool) or all zero bits
+  but the sign (float16, bfloat16, float32, float64): a value is nonzero when those bits are not
+  all zero, so NaN counts as nonzero and -0.0 does not, as torch's ``ne(0)``. A row's scan stops
+  at its first nonzero value.
+"""
+
+SOURCE = r"""
+// ---------------------------------------------------------------- host_pair, nonzero_rows: see tracer/native_host.py
+constexpr int64_t kReleaseGilFrom = 1 << 20;  // elements: a read long enough to let other threads run
+constexpr int64_t kPairBlock = 1024;          // float32 elements added in float32 lanes before float64
+
+// The tensor `o` when its memory can be read here (see tracer/native_host.py), else nullptr.
+const at::Tensor* readable_host_tensor(PyObject* o) {
+  if (Py_TYPE(o) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) return nullptr;
+  const at::Tensor& t = THPVariable_Unpack(o);
+  if (!t.defined() || !t.is_cpu() || t.layout() != at::kStrided || !t.has_storage()) return nullptr;
+  if (t.requires_grad() || t.is_conj() || t.is_neg() || !t.is_contiguous()) return nullptr;
+  if (t.unsafeGetTensorImpl()->is_python_dispatch()) return nullptr;
+  if (t.numel() > 0 && t.const_data_ptr() == nullptr) return nullptr;
+  return &t;
+}
+
+// 16-byte lanes: what SSE2 and NEON hold natively (a wider generic vector is split or scalarised
+// without -mavx); two of each accumulator, so that consecutive adds do not wait on one another.
+typedef float f32x4 __attribute__((vector_size(16)));
+
+void pair_f32(const float* p, int64_t n, double& sum, double& sq) {
+  int64_t i = 0;
+  while (i + 8 <= n) {
+    f32x4 s0 = {0, 0, 0, 0}, s1 = s0, q0 = s0, q1 = s0;
+    int64_t end = std::min(n - n % 8, i + kPairBlock);
+    for (; i < end; i += 8) {
+      f32x4 a, b;
+      std::memcpy(&a, p + i, sizeof a);
+      std::memcpy(&b, p + i + 4, sizeof b);
+      s0 += a;
+      s1 += b;
+      q0 += a * a;
+      q1 += b * b;
+    }
+    for (int k = 0; k < 4; ++k) {
+      sum += static_cast<double>(s0[k]) + static_cast<double>(s1[k]);
+      sq += static_cast<double>(q0[k]) + static_cast<double>(q1[k]);
+    }
+  }
+  for (; i < n; ++i) { double v = p[i]; sum += v; sq += v * v; }
+}
+
+template <typename T>
+void pair_f64(const T* p, int64_t n, double& sum, double& sq) {
+  double s[4] = {0, 0, 0, 0}, q[4] = {0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4)
+    for (int k = 0; k < 4; ++k) { double v = static_cast<double>(p[i + k]); s[k] += v; q[k] += v * v; }
+  for (; i < n; ++i) { double v = static_cast<double>(p[i]); s[0] += v; q[0] += v * v; }
+  sum = (s[0] + s[1]) + (s[2] + s[3]);
+  sq = (q[0] + q[1]) + (q[2] + q[3]);
+}
+
+// host_pair(t) -> (sum, sum of squares) as floats, or None
+PyObject* host_pair(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 1) { PyErr_SetString(PyExc_TypeError, "host_pair(t)"); return nullptr; }
+  const at::Tensor* t = readable_host_tensor(args[0]);
+  if (t == nullptr) Py_RETURN_NONE;
+  at::ScalarType st = t->scalar_type();
+  if (st != at::kFloat && st != at::kDouble && st != at::kLong && st != at::kInt) Py_RETURN_NONE;
+  int64_t n = t->numel();
+  const void* p = t->const_data_ptr();
+  double sum = 0, sq = 0;
+  PyThreadState* released = n >= kReleaseGilFrom ? PyEval_SaveThread() : nullptr;
+  switch (st) {
+    case at::kFloat: pair_f32(static_cast<const float*>(p), n, sum, sq); break;
+    case at::kDouble: pair_f64(static_cast<const double*>(p), n, sum, sq); break;
+    case at::kLong: pair_f64(static_cast<const int64_t*>(p), n, sum, sq); break;
+    default: pair_f64(static_cast<const int32_t*>(p), n, sum, sq); break;
+  }
+  if (released != nullptr) PyEval_RestoreThread(released);
+  return Py_BuildValue("(dd)", sum, sq);
+}
+
+// first, last and count of the `rows` rows of `row_bytes` bytes that hold a value whose bits,
+// less `mask`, are not all zero; the row is read in words of U (whose size divides row_bytes), in
+// which `mask` is each value's mask repeated. A row's scan stops at the first such word.
+template <typename U>
+void scan_rows(const unsigned char* p, int64_t rows, int64_t row_bytes, U mask, int64_t& first, int64_t& last,
+               int64_t& count) {
+  const int64_t width = row_bytes / static_cast<int64_t>(sizeof(U));
+  for (int64_t r = 0; r < rows; ++r, p += row_bytes) {
+    int64_t i = 0;
+    for (; i < width; ++i) {
+      U bits;
+      std::memcpy(&bits, p + i * sizeof(U), sizeof bits);  // (the bits of whatever dtype it holds)
+      if (bits & mask) break;
+    }
+    if (i < width) {
+      if (first < 0) first = r;
+      last = r;
+      ++count;
+    }
+  }
+}
+
+// nonzero_rows(t) -> [first, last, count] of the dim-0 rows holding a nonzero value ([0, 0, 0]
+// when none), or None
+PyObject* nonzero_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 1) { PyErr_SetString(PyExc_TypeError, "nonzero_rows(t)"); return nullptr; }
+  const at::Tensor* t = readable_host_tensor(args[0]);
+  if (t == nullptr || t->dim() == 0 || t->numel() == 0) Py_RETURN_NONE;
+  at::ScalarType st = t->scalar_type();
+  bool is_float = st == at::kHalf || st == at::kBFloat16 || st == at::kFloat || st == at::kDouble;
+  if (!is_float && !c10::isIntegralType(st, /*includeBool=*/true)) Py_RETURN_NONE;
+  int64_t rows = t->size(0), width = t->numel() / rows;
+  size_t size = t->element_size();
+  const unsigned char* p = static_cast<const unsigned char*>(t->const_data_ptr());
+  int64_t first = -1, last = -1, count = 0;
+  PyThreadState* released = t->numel() >= kReleaseGilFrom ? PyEval_SaveThread() : nullptr;
+  // a value's mask: all its bits, less a float's sign bit
+  uint64_t mask = size == 8 ? ~0ull : (1ull << (8 * size)) - 1;
+  if (is_float) mask >>= 1;
+  int64_t row_bytes = width * static_cast<int64_t>(size);
+  if (row_bytes % 8 == 0 && reinterpret_cast<uintptr_t>(p) % 8 == 0) {  // 8 bytes at a time
+    uint64_t word_mask = 0;
+    for (size_t k = 0; k < 8; k += size) word_mask |= mask << (8 * k);
+    scan_rows<uint64_t>(p, rows, row_bytes, word_mask, first, last, count);
+  } else {
+    switch (size) {
+      case 1: scan_rows<uint8_t>(p, rows, row_bytes, static_cast<uint8_t>(mask), first, last, count); break;
+      case 2: scan_rows<uint16_t>(p, rows, row_bytes, static_cast<uint16_t>(mask), first, last, count); break;
+      default: scan_rows<uint32_t>(p, rows, row_bytes, static_cast<uint32_t>(mask), first, last, count); break;
+    }
+  }
+  if (released != nullptr) PyEval_RestoreThread(released);
+  if (count == 0) first = last = 0;
+  return Py_BuildValue("[LLL]", static_cast<long long>(first), static_cast<long long>(last),
+                       static_cast<long long>(count));
+}
+
+PyMethodDef host_pair_def = {"host_pair", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(host_pair)),
+                             METH_FASTCALL, "host_pair(t) -> (sum, sum of squares) or None: see tracer/native_host.py"};
+PyMethodDef nonzero_rows_def = {"nonzero_rows", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(nonzero_rows)),
+                                METH_FASTCALL, "nonzero_rows(t) -> [first, last, count] or None: see tracer/native_host.py"};
+"""
