@@ -360,25 +360,10 @@ class CollectiveInterceptor:
         t0 = _now()
         index = tracer.coll_count
         tracer.coll_count = index + 1
-        fp_pre = -1
+        fp_pre, rows = -1, None
         if inputs and tracer.fp_now:
-            tracer.busy = True
-            try:
-                # A deferred fingerprint of a tensor this collective may update in place must
-                # be taken now.
-                tracer.fps.materialize(inputs)
-                fp_pre = tracer.fps.add(inputs, store=False, immediate=True)
-            finally:
-                tracer.busy = False
+            fp_pre, rows = self.fp_inputs(inputs, op in _ROW_CHECKED and not tracer.capturing)
         gid, seq = group_seq
-        rows = None
-        if op in _ROW_CHECKED and inputs and tracer.fp_now and not tracer.capturing:
-            was = tracer.busy
-            tracer.busy = True  # the tracer's own ops: never lineage, never traced
-            try:
-                rows = _nonzero_rows(inputs)
-            finally:
-                tracer.busy = was
         started = None
         if not tracer.capturing:
             # (the first CUDA tensor's device, inputs first: one call for both lists)
@@ -397,6 +382,36 @@ class CollectiveInterceptor:
         if rows is not None:
             self.rows_of[id(token)] = rows
         return token
+
+    def fp_inputs(self, inputs, rows_wanted: bool) -> tuple:
+        """A collective's inputs fingerprinted before the call, and (``rows_wanted``) their
+        nonzero rows: ``(fp_pre, rows)``. Also what tracer/native_coll.py's C path calls on a
+        fingerprinted step."""
+        tracer = self.tracer
+        was = tracer._busy
+        tracer.busy = True  # the tracer's own ops: never lineage, never traced
+        try:
+            fps = tracer.fps
+            # A deferred fingerprint of a tensor this collective may update in place must be
+            # taken now.
+            fps.materialize(inputs)
+            fp_pre = fps.add(inputs, store=False, immediate=True)
+            return fp_pre, (_nonzero_rows(inputs) if rows_wanted else None)
+        finally:
+            tracer.busy = was
+
+    def fp_outputs(self, outputs) -> int:
+        """A collective's outputs fingerprinted after the call (their cached values, from before
+        it, dropped first): the index of the first. Also what the C path calls."""
+        tracer = self.tracer
+        was = tracer._busy
+        tracer.busy = True
+        try:
+            fps = tracer.fps
+            fps.forget(outputs)
+            return fps.add(outputs)
+        finally:
+            tracer.busy = was
 
     def finish(self, token, error: bool = False, unwaited: bool = False) -> None:
         """Write a collective's record. A functional collective's token (tracer/functional.py)
@@ -436,9 +451,7 @@ class CollectiveInterceptor:
             if waited is not None:
                 fp_post = token[functional.T_FP_OUT]
             elif outputs and tracer.fp_now and step == tracer.step and not unwaited and n <= 13:
-                fps = tracer.fps
-                fps.forget(outputs)
-                fp_post = fps.add(outputs)
+                fp_post = self.fp_outputs(outputs)
             # The layout: from the cache by tracer/native.py's call_key where it is built (see
             # _layout_of; its hit inlined here).
             key_fn = spans.call_key

@@ -14,7 +14,7 @@ def attach(ic, make, key) -> int:
 
     from tensor_trace import schema
     from tensor_trace.tracer import spans
-    from tensor_trace.tracer.collective_specs import ALWAYS_ASYNC, C10D_SPECS, REDUCING, reduce_op_name
+    from tensor_trace.tracer.collective_specs import ALWAYS_ASYNC, C10D_SPECS, REDUCING, ROW_CHECKED, reduce_op_name
 
     if make is None or key is None or spans.call_key is not key:
         return len(ic.native_calls)
@@ -23,7 +23,8 @@ def attach(ic, make, key) -> int:
         if name in ic.native_calls or not in_arg or not out_arg or name in ALWAYS_ASYNC:
             continue
         c = make(python_path, orig, ic.tracer, ic, name, tuple(params), in_arg, out_arg, name in REDUCING,
-                 torch.Tensor, c10d._get_default_group, reduce_op_name, vars(spans), key, schema.COLLECTIVE)
+                 torch.Tensor, c10d._get_default_group, reduce_op_name, vars(spans), key, schema.COLLECTIVE,
+                 name in ROW_CHECKED)
         ic.native_calls[name] = c
         use(c)
     return len(ic.native_calls)
@@ -44,7 +45,8 @@ SOURCE = r"""
 int traced_collective_traverse(PyObject* self_, visitproc visit, void* arg) {
   auto* self = reinterpret_cast<TracedCollective*>(self_);
   Py_VISIT(self->python_path); Py_VISIT(self->inner); Py_VISIT(self->tracer); Py_VISIT(self->state);
-  Py_VISIT(self->ic_state); Py_VISIT(self->finish); Py_VISIT(self->spans_dict);
+  Py_VISIT(self->ic_state); Py_VISIT(self->finish); Py_VISIT(self->fp_inputs); Py_VISIT(self->fp_outputs);
+  Py_VISIT(self->spans_dict);
   for (int i = 0; i < self->n_ops; ++i) Py_VISIT(self->op_objs[i]);
   return 0;
 }
@@ -54,6 +56,7 @@ int traced_collective_clear(PyObject* self_) {
   Py_CLEAR(self->python_path); Py_CLEAR(self->inner); Py_CLEAR(self->tracer); Py_CLEAR(self->state);
   Py_CLEAR(self->ic_state); Py_CLEAR(self->op); Py_CLEAR(self->params); Py_CLEAR(self->tensor_type);
   Py_CLEAR(self->default_group); Py_CLEAR(self->reduce_op_name); Py_CLEAR(self->finish);
+  Py_CLEAR(self->fp_inputs); Py_CLEAR(self->fp_outputs);
   Py_CLEAR(self->spans_dict); Py_CLEAR(self->call_key); Py_CLEAR(self->coll_tag);
   while (self->n_ops > 0) {
     --self->n_ops;
@@ -91,13 +94,13 @@ Py_ssize_t param_at(PyObject* params, const char* name) {
 }
 
 // traced_collective(python_path, inner, tracer, interceptor, op, params, in_arg, out_arg,
-// reducing, tensor_type, default_group, reduce_op_name, spans_dict, call_key, coll_tag)
+// reducing, tensor_type, default_group, reduce_op_name, spans_dict, call_key, coll_tag, row_checked)
 PyObject* traced_collective_new(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
-  if (nargs != 15 || !PyUnicode_CheckExact(a[4]) || !PyTuple_CheckExact(a[5]) ||
+  if (nargs != 16 || !PyUnicode_CheckExact(a[4]) || !PyTuple_CheckExact(a[5]) ||
       PyTuple_GET_SIZE(a[5]) > kMaxParams || !PyDict_Check(a[12])) {
     PyErr_SetString(PyExc_TypeError, "traced_collective(python_path, inner, tracer, interceptor, op, params, "
                     "in_arg, out_arg, reducing, tensor_type, default_group, reduce_op_name, spans_dict, "
-                    "call_key, coll_tag)");
+                    "call_key, coll_tag, row_checked)");
     return nullptr;
   }
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(a[5]); ++i)
@@ -109,9 +112,17 @@ PyObject* traced_collective_new(PyObject*, PyObject* const* a, Py_ssize_t nargs)
   if (state == nullptr) return nullptr;
   PyObject* ic_state = PyObject_GenericGetDict(a[3], nullptr);
   PyObject* finish = ic_state == nullptr ? nullptr : PyObject_GetAttrString(a[3], "finish");
-  if (finish == nullptr) { Py_DECREF(state); Py_XDECREF(ic_state); return nullptr; }
+  PyObject* fp_inputs = finish == nullptr ? nullptr : PyObject_GetAttrString(a[3], "fp_inputs");
+  PyObject* fp_outputs = fp_inputs == nullptr ? nullptr : PyObject_GetAttrString(a[3], "fp_outputs");
+  if (fp_outputs == nullptr) {
+    Py_DECREF(state); Py_XDECREF(ic_state); Py_XDECREF(finish); Py_XDECREF(fp_inputs);
+    return nullptr;
+  }
   auto* self = PyObject_GC_New(TracedCollective, &TracedCollectiveType);
-  if (self == nullptr) { Py_DECREF(state); Py_DECREF(ic_state); Py_DECREF(finish); return nullptr; }
+  if (self == nullptr) {
+    Py_DECREF(state); Py_DECREF(ic_state); Py_DECREF(finish); Py_DECREF(fp_inputs); Py_DECREF(fp_outputs);
+    return nullptr;
+  }
   self->vectorcall = traced_collective;
   self->python_path = Py_NewRef(a[0]);
   self->inner = Py_NewRef(a[1]);
@@ -119,6 +130,9 @@ PyObject* traced_collective_new(PyObject*, PyObject* const* a, Py_ssize_t nargs)
   self->state = state;
   self->ic_state = ic_state;
   self->finish = finish;
+  self->fp_inputs = fp_inputs;
+  self->fp_outputs = fp_outputs;
+  self->row_checked = PyObject_IsTrue(a[15]) == 1;
   self->op = Py_NewRef(a[4]);
   PyUnicode_InternInPlace(&self->op);
   self->params = Py_NewRef(a[5]);

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tensor_trace.exporters.analysis.tolerance import Observed, fp_equal
 from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 
 SCRIPT = Path(__file__).parent / "scripts" / "native_call_record.py"
@@ -30,16 +31,18 @@ def _record(out: Path, native: str) -> dict:
 
 def _spans(folder: Path):
     """Per step: the spans as (index, parent, path, class, call, tensors, flags, fingerprint
-    refs), and the times apart; the rank file's errors."""
+    refs), and apart the times and the tensors' fingerprints; the rank file's errors."""
     (path,) = rank_files(str(folder))
     rt = load_rank_file(path)
-    steps, times = {}, {}
+    steps, times, fps = {}, {}, {}
     for n, step in sorted(rt.steps.items()):
         spans = sorted(step.spans, key=lambda s: s.index)
-        steps[n] = [(s.index, s.parent, s.path, s.cls, s.call, [repr(t) for t in s.tensors],
+        steps[n] = [(s.index, s.parent, s.path, s.cls, s.call,
+                     [(t.slot, t.shape, t.dtype, t.device, t.meta, t.fp is None) for t in s.tensors],
                      s.flags, s.fp_refs) for s in spans]
         times[n] = {s.index: (s.parent, s.t0, s.dur) for s in spans}
-    return steps, times, rt.errors
+        fps[n] = [Observed(t.shape, t.dtype, t.fp) for s in spans for t in s.tensors if t.fp is not None]
+    return steps, times, fps, rt.errors
 
 
 def test_the_c_call_wrapper_records_what_the_python_one_does(tmp_path):
@@ -56,10 +59,16 @@ def test_the_c_call_wrapper_records_what_the_python_one_does(tmp_path):
             report[session]["stats"].pop("bytes")
         assert native[session] == python[session], session  # stats (spans, drops), no errors
         assert native[session]["errors"] == 0
-        got, got_times, got_errors = _spans(tmp_path / "native" / session)
-        want, _, want_errors = _spans(tmp_path / "python" / session)
+        got, got_times, got_fps, got_errors = _spans(tmp_path / "native" / session)
+        want, _, want_fps, want_errors = _spans(tmp_path / "python" / session)
         assert got == want, session
         assert got_errors == want_errors == []
+        # (values read in C, tracer/native_host.py, against numpy's: the same within the merge's
+        # tolerance, not to the last bit)
+        assert got_fps.keys() == want_fps.keys()
+        for n in got_fps:
+            assert len(got_fps[n]) == len(want_fps[n])
+            assert all(fp_equal(a, b) for a, b in zip(got_fps[n], want_fps[n])), (session, n)
         for step in got_times.values():  # times: from the step's start, each inside its parent
             for parent, t0, dur in step.values():
                 assert t0 >= 0 and dur >= 0

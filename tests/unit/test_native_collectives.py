@@ -1,7 +1,8 @@
 """tracer/native_coll.py's C path of a traced c10d collective writes the rank file that the Python
 wrapper writes: every record the same but its times, whichever path recorded each collective
 (arguments by keyword and by position, the default group, list outputs, a failing call, async
-calls that the C path leaves to Python, steps outside the window, interned ids forgotten)."""
+calls that the C path leaves to Python, steps outside the window, interned ids forgotten), on
+steps with fingerprints (their indices and the inputs' nonzero rows) and without."""
 
 import pytest
 import torch
@@ -62,11 +63,12 @@ def _records(out_dir):
     return got
 
 
-def _run(out_dir, monkeypatch, native, c_path):
+def _run(out_dir, monkeypatch, native, c_path, fingerprint=False):
     """The rank file of six steps (steps 1-4 traced), with the C path of collectives or without."""
     monkeypatch.setitem(native._state, "traced_collective",
                         native._state["traced_collective"] if c_path else None)
-    tr = tracer.start(out_dir=str(out_dir), fingerprint=False, lineage=False, steps=(1, 5))
+    tr = tracer.start(out_dir=str(out_dir), fingerprint=fingerprint, fingerprint_every=1, lineage=False,
+                      steps=(1, 5))
     try:
         with torch.inference_mode():
             m = Collectives()
@@ -84,12 +86,13 @@ def _run(out_dir, monkeypatch, native, c_path):
     return _records(out_dir), calls, recorded, seqs
 
 
-def test_c_path_of_collectives_writes_the_python_paths_records(tmp_path, monkeypatch, fake_world):
+@pytest.mark.parametrize("fingerprint", [False, True])
+def test_c_path_of_collectives_writes_the_python_paths_records(tmp_path, monkeypatch, fake_world, fingerprint):
     from native_loaded import load_native_in_process
 
     native = load_native_in_process(monkeypatch)
-    c_records, c_calls, c_recorded, c_seqs = _run(tmp_path / "c", monkeypatch, native, True)
-    py_records, py_calls, py_recorded, py_seqs = _run(tmp_path / "py", monkeypatch, native, False)
+    c_records, c_calls, c_recorded, c_seqs = _run(tmp_path / "c", monkeypatch, native, True, fingerprint)
+    py_records, py_calls, py_recorded, py_seqs = _run(tmp_path / "py", monkeypatch, native, False, fingerprint)
     assert not py_calls and py_recorded == 0
     assert {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_gather"} \
         <= set(c_calls)
@@ -101,24 +104,10 @@ def test_c_path_of_collectives_writes_the_python_paths_records(tmp_path, monkeyp
     assert c_records == py_records
     assert c_seqs == py_seqs == {0: 6 * 15}
     assert [r[14] for r in colls[12:15]] == [schema.FLAG_ASYNC, schema.FLAG_ASYNC, schema.FLAG_ERROR]
-
-
-def test_c_path_is_left_to_python_with_fingerprints(tmp_path, monkeypatch, fake_world):
-    """A step with fingerprints takes the Python wrapper whole (fp_pre, fp_post, nonzero rows)."""
-    from native_loaded import load_native_in_process
-
-    load_native_in_process(monkeypatch)
-    tr = tracer.start(out_dir=str(tmp_path), fingerprint=True, fingerprint_every=1, lineage=False)
-    try:
-        with torch.inference_mode():
-            m = Collectives()
-            x = torch.ones(8, 4)
-            for _ in range(3):
-                m(x)
-        assert tr.collectives.native_calls
-        assert sum(c.recorded for c in tr.collectives.native_calls.values()) == 0
-        assert tr.errors == 0
-    finally:
-        tracer.stop()
-    colls = [r for r in _records(tmp_path) if r[0] == schema.COLLECTIVE]
-    assert colls and all(r[11] >= 0 for r in colls[15:] if not r[14] & schema.FLAG_ERROR)
+    fps = [(r[11], r[12]) for r in colls if not r[14] & schema.FLAG_ERROR]
+    if fingerprint:  # (each with its inputs' and outputs' values; all_reduce's with nonzero rows)
+        assert all(pre >= 0 and post >= 0 for pre, post in fps)
+        assert sum(1 for r in colls if len(r) > 16 and r[16].get("nonzero_rows") == [[0, 7, 8]]) >= 4 * 5
+        assert any(r[0] == schema.FINGERPRINTS for r in c_records)
+    else:
+        assert all(fp == (-1, -1) for fp in fps)
