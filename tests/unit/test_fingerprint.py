@@ -74,6 +74,8 @@ def test_inference_tensor_reuse_is_one_shot():
 def test_host_values_through_numpy_equal_torch_and_fall_back_without_it(monkeypatch):
     from tensor_trace.tracer import fingerprint as fp_mod, host_values
 
+    # (the numpy path: not the C readers an earlier traced session in this process may have taken)
+    monkeypatch.setattr(host_values, "native_pair", None)
     torch.manual_seed(1)
     full = torch.randn(6, 10)
     cases = [full, full[:, 2:7], torch.tensor([3, 1, 4, 1, 5]), torch.randn(5, dtype=torch.float64)]
