@@ -254,7 +254,8 @@ _SOURCE_END = r"""
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  if (!ready_traced_call() || !ready_span_run() || !ready_traced_collective() || !ready_step_counters())
+  if (!ready_traced_call() || !ready_span_run() || !ready_traced_collective() || !ready_step_counters() ||
+      !ready_host_values())
     throw py::error_already_set();
   py::class_<Table>(m, "Table")
       .def(py::init<int64_t, c10::Device>())
@@ -270,6 +271,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("call_key") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&call_key_def, nullptr, nullptr));
   m.attr("host_pair") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&host_pair_def, nullptr, nullptr));
   m.attr("nonzero_rows") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&nonzero_rows_def, nullptr, nullptr));
+  m.attr("add_one_host") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&add_one_host_def, nullptr, nullptr));
   m.attr("traced_call") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&traced_call_def, nullptr, nullptr));
   m.attr("traced_collective") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&traced_collective_def, nullptr, nullptr));
   m.attr("SpanRun") = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(&SpanRunType));
@@ -281,7 +283,7 @@ SOURCE = (SOURCE + native_table.SOURCE + native_host.SOURCE + native_counters.SO
           + native_call_type.SOURCE + native_coll.SOURCE + native_coll_type.SOURCE + _SOURCE_END)
 
 _state: dict = {"span_run": None, "step_counters": None, "table": None, "hold_in": None, "pair_key": None, "call_key": None,
-                "traced_call": None, "patch_call_slots": None, "host_values": None, "traced_collective": None, "started": False,
+                "traced_call": None, "patch_call_slots": None, "host_values": None, "add_one_host": None, "traced_collective": None, "started": False,
                 "error": None}
 _lock = threading.Lock()
 _done = threading.Event()  # set when a build or load has finished, either way
@@ -358,6 +360,13 @@ def host_values():
     """The compiled ``(host_pair, nonzero_rows)`` of tracer/native_host.py (a CPU tensor's
     fingerprint pair and nonzero rows read in C, None for a tensor they do not read), or None."""
     return _state["host_values"]
+
+
+def add_one_host():
+    """The compiled ``add_one_host(fps, t, store)`` (tracer/native_host.py: the C call wrapper's
+    ``StepFingerprints.add_one`` for a CPU tensor; None where add_one must take it), or None. For
+    tests: the C call wrapper calls it in C."""
+    return _state["add_one_host"]
 
 
 def traced_call():
@@ -450,6 +459,7 @@ def _build() -> None:
         _state["hold_in"] = module.hold_in
         _state["pair_key"] = module.pair_key
         _state["host_values"] = (module.host_pair, module.nonzero_rows)
+        _state["add_one_host"] = module.add_one_host
         _state["table"] = module.Table
     except Exception as exc:  # no compiler, no ninja, no headers: the Python path stays
         _state["error"] = repr(exc)

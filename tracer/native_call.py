@@ -271,8 +271,8 @@ bool compiling(TracedCall* self);  // torch.compiler's _is_compiling_flag is Tru
 bool state_int(TracedCall* self, Name n, long long* v);  // an int attribute of the tracer's, as a C int
 
 // The input's fingerprint index, as the Python wrapper's inline path takes it: the previous
-// call's output, deferred, is its index; else StepFingerprints.add_one(a, False). New reference,
-// or NULL with an exception.
+// call's output, deferred, is its index; else StepFingerprints.add_one(a, False), its CPU case in C
+// (add_one_host). New reference, or NULL with an exception.
 PyObject* fingerprint_input(TracedCall* self, PyObject* a) {
   PyObject* fps = state_item(self, kFps);
   if (fps == nullptr) {
@@ -288,6 +288,8 @@ PyObject* fingerprint_input(TracedCall* self, PyObject* a) {
     Py_DECREF(version);
     if (version == Py_True) return PyObject_GetAttr(fps, names[kLastIdx]);
   }
+  PyObject* index = add_one_host(fps, a, false);  // (tracer/native_host.py: add_one's CPU case)
+  if (index != nullptr || PyErr_Occurred()) return index;
   PyObject* argv[3] = {fps, a, Py_False};
   return PyObject_VectorcallMethod(names[kAddOne], argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
 }
@@ -299,6 +301,8 @@ PyObject* fingerprint_output(TracedCall* self, PyObject* result) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "fps");
     return nullptr;
   }
+  PyObject* index = add_one_host(fps, result, true);
+  if (index != nullptr || PyErr_Occurred()) return index;
   PyObject* argv[2] = {fps, result};
   return PyObject_VectorcallMethod(names[kAddOne], argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
 }

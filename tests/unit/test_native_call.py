@@ -88,8 +88,9 @@ def test_the_c_call_wrapper_records_what_the_python_one_does(tmp_path):
 @pytest.mark.parametrize("fingerprint", [False, True])
 def test_python_calls_per_traced_module_call_with_the_c_wrapper(tmp_path, monkeypatch, fingerprint):
     """tests/unit/test_hot_path_calls.py's count with the C wrapper: a traced one-tensor module
-    call runs no Python function of the tracer's without fingerprints, and with them (immediate
-    CPU fingerprints) only StepFingerprints.add_one's for its input and its output."""
+    call runs no Python function of the tracer's, without fingerprints and with them (immediate
+    CPU fingerprints: StepFingerprints.add_one's common case is tracer/native_host.py's
+    add_one_host, in C)."""
     from native_loaded import load_native_in_process
     from test_hot_path_calls import calls_with_tracer
 
@@ -102,4 +103,4 @@ def test_python_calls_per_traced_module_call_with_the_c_wrapper(tmp_path, monkey
     with_tracer, plain = calls_with_tracer(tmp_path, check, fingerprint=fingerprint)
     added = with_tracer["call"] - plain["call"]
     print(f"fingerprint={fingerprint}: +{added:g} Python calls per module call")
-    assert added == 0 if not fingerprint else 0 < added <= 3
+    assert added == 0

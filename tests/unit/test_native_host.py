@@ -135,3 +135,51 @@ def test_a_traced_session_reads_through_the_extension_unless_it_says_no(native_h
     assert fps["1"].keys() == fps["0"].keys() and len(fps["1"]) >= 12
     for key, seen in fps["1"].items():
         assert seen.fp is not None and fp_equal(seen, fps["0"][key]), key
+
+
+def _sightings():
+    """A step's sightings (tensor, store) as module calls make them: outputs added with store,
+    the next call's inputs without; repeats, in-place updates, inference and ordinary tensors,
+    and tensors add_one_host leaves to add_one."""
+    torch.manual_seed(5)
+    with torch.inference_mode():
+        a, b = torch.randn(4, 8), torch.randn(2, 3, dtype=torch.float64)
+        ids = torch.arange(6)
+    with torch.no_grad():
+        c, d = torch.randn(16), torch.randn(3, 5)
+    half, strided = torch.randn(8, dtype=torch.bfloat16), torch.randn(6, 4).t()
+    grad = torch.randn(3, requires_grad=True)
+    seq = [(a, True), (a, False), (a, False), (b, True), (ids, False), (c, True), (c, False), (a, False),
+           (d, True), ("bump", d), (d, False), (d, True), (half, True), (half, False), (strided, True),
+           (c, True), (grad, False), (b, False), (b, True), (torch.zeros(0), True)]
+    return seq
+
+
+def test_add_one_host_keeps_add_ones_state_and_indices(native_host):
+    """The same sightings through add_one alone and through add_one_host first (add_one where it
+    returns None): the same indices, repeats, cache of values by id and last tensor; host values
+    within float32 summation order."""
+    from tensor_trace.tracer import native
+    from tensor_trace.tracer.fingerprint import StepFingerprints
+
+    add_one_host = native.add_one_host()
+    seq = _sightings()
+    python, native = StepFingerprints(), StepFingerprints()
+    got, want, in_c = [], [], 0
+    for t, store in seq:
+        if isinstance(t, str):  # an in-place update between sightings (the version moves)
+            with torch.no_grad():
+                store.add_(1.0)
+            continue
+        want.append(python.add_one(t, store))
+        i = add_one_host(native, t, store)
+        in_c += i is not None
+        got.append(native.add_one(t, store) if i is None else i)
+    assert got == want
+    assert 8 <= in_c < len(got)
+    for name in ("count", "_host_idx", "_host_pos", "_dups", "_imm_idx", "last_idx", "last_version"):
+        assert getattr(native, name) == getattr(python, name), name
+    assert native.last is python.last
+    assert native._seen.keys() == python._seen.keys()
+    assert [(e[0](), e[1], e[2]) for e in native._seen.values()] == [(e[0](), e[1], e[2]) for e in python._seen.values()]
+    assert native._host_vals == pytest.approx(python._host_vals, rel=1e-6, abs=1e-5)
