@@ -169,7 +169,7 @@ class Tracer:
             # have taken the extension's. This one follows its own configuration (keys in
             # Python, and so the Python call wrapper), as a fresh process would.
             spans.use_native_keys(None)
-            host_values.use_native(None, None)
+            host_values.use_native(None, None, None)
         self.install_interception()
         self.enabled = True
         if not self._fork_registered:

@@ -45,7 +45,7 @@ import weakref
 
 import torch
 
-from tensor_trace.tracer import config, kinds, multi_tensor, native
+from tensor_trace.tracer import config, host_values as _host_values, kinds, multi_tensor, native
 from tensor_trace.tracer.fingerprint_capture import CaptureState, CapturedFingerprints
 from tensor_trace.tracer.fingerprint_records import PendingCopies
 from tensor_trace.tracer.fingerprint_reduce import (HOST_DTYPES as _HOST_DTYPES, AwaitedValues, HeldIndex,
@@ -169,7 +169,23 @@ class StepFingerprints:
         may overwrite in place).
         Tensors created under ``inference_mode`` have no version counter, so their cached
         value is reused at most once (an output reused as the next module's input).
+
+        Once tracer/native.py is built, its ``add_host`` (tracer/native_host.py) takes the
+        tensors it can, one at a time from the first (``_add``'s immediate case of a plain CPU
+        tensor, in C), and ``_add`` the rest from the first it leaves.
         """
+        host = _host_values.native_add
+        if host is not None and (type(tensors) is list or type(tensors) is tuple):
+            done = 0
+            for t in tensors:
+                if host(self, t, store) is None:
+                    break
+                done += 1
+            if done:
+                base = self.count - done
+                if done < len(tensors):
+                    self.add(tensors[done:], store, immediate)
+                return base
         grad = _grad_enabled()
         if grad:  # never build autograd graphs (they would keep activations alive)
             _set_grad(False)

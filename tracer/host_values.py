@@ -19,9 +19,10 @@ _NP_F32: list = []  # [numpy's float32 dtype] once numpy is imported
 _ONES_F32: dict = {}  # numel -> float32 ones vector, for tensors below ROWS_FROM
 _ONES: dict = {}  # (numel, numpy dtype char) -> ones vector of another dtype, below ROWS_FROM
 _ONES_ROW: dict = {}  # numpy dtype char -> ones vector of ROW elements
-# tracer/native_host.py's host_pair and nonzero_rows once built (use_native), else None
+# tracer/native_host.py's host_pair, nonzero_rows and add_host once built (use_native), else None
 native_pair = None
 native_rows = None
+native_add = None
 
 # From this many elements the sum is a matrix-vector product of the tensor, as rows of ROW
 # elements, with one ROW-long ones vector: one read of the tensor (a dot with a ones vector of
@@ -51,10 +52,11 @@ def numpy_module():
     return numpy
 
 
-def use_native(host_pair, nonzero_rows) -> None:
-    """Ask tracer/native_host.py's ``host_pair`` and ``nonzero_rows`` first (None: numpy only)."""
-    global native_pair, native_rows
-    native_pair, native_rows = host_pair, nonzero_rows
+def use_native(host_pair, nonzero_rows, add_host=None) -> None:
+    """Ask tracer/native_host.py's ``host_pair`` and ``nonzero_rows`` first (None: numpy only),
+    and ``StepFingerprints.add`` its ``add_host`` (None: Python only)."""
+    global native_pair, native_rows, native_add
+    native_pair, native_rows, native_add = host_pair, nonzero_rows, add_host
 
 
 def pair(t):

@@ -272,6 +272,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("host_pair") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&host_pair_def, nullptr, nullptr));
   m.attr("nonzero_rows") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&nonzero_rows_def, nullptr, nullptr));
   m.attr("add_one_host") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&add_one_host_def, nullptr, nullptr));
+  m.attr("add_host") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&add_host_def, nullptr, nullptr));
   m.attr("traced_call") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&traced_call_def, nullptr, nullptr));
   m.attr("traced_collective") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&traced_collective_def, nullptr, nullptr));
   m.attr("SpanRun") = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(&SpanRunType));
@@ -357,8 +358,9 @@ def call_key():
 
 
 def host_values():
-    """The compiled ``(host_pair, nonzero_rows)`` of tracer/native_host.py (a CPU tensor's
-    fingerprint pair and nonzero rows read in C, None for a tensor they do not read), or None."""
+    """The compiled ``(host_pair, nonzero_rows, add_host)`` of tracer/native_host.py (a CPU
+    tensor's fingerprint pair and nonzero rows read in C, and ``StepFingerprints.add``'s case of
+    one such tensor; None for a tensor they do not take), or None."""
     return _state["host_values"]
 
 
@@ -458,7 +460,7 @@ def _build() -> None:
         _state["traced_collective"] = module.traced_collective
         _state["hold_in"] = module.hold_in
         _state["pair_key"] = module.pair_key
-        _state["host_values"] = (module.host_pair, module.nonzero_rows)
+        _state["host_values"] = (module.host_pair, module.nonzero_rows, module.add_host)
         _state["add_one_host"] = module.add_one_host
         _state["table"] = module.Table
     except Exception as exc:  # no compiler, no ninja, no headers: the Python path stays

@@ -30,6 +30,10 @@ and tracer/host_values.py takes its numpy path, then the caller its torch one, a
   that requires grad, a value cached by id, a dtype ``host_pair`` does not read), which
   ``add_one`` then takes, whole. On the example at tp=2 ``add_one`` cost about 2.5 us a tensor
   inside the model, 130 tensors on a fingerprinted step.
+- ``add_host(fps, t, store)``: the same for ``StepFingerprints.add`` (its immediate case, one
+  tensor; no test or update of the tensor added last), which ``add`` asks first for each tensor
+  (a collective's inputs and outputs, a call of several tensors through the Python path). A
+  collective's two ``add`` calls cost about 7 us each inside the example's step.
 """
 
 SOURCE = r"""
@@ -166,10 +170,10 @@ PyObject* nonzero_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // ---- add_one_host: StepFingerprints.add_one's immediate CPU case (see tracer/native_host.py)
 enum FpName {
   fLast, fLastIdx, fLastVersion, fNt, fCapturing, fDeferCpu, fSeen, fCount, fHostPos, fHostIdx, fHostVals,
-  fNames
+  fDups, fNames
 };
 const char* const fNameText[fNames] = {"last", "last_idx", "last_version", "_nt", "capturing", "defer_cpu",
-                                       "_seen", "count", "_host_pos", "_host_idx", "_host_vals"};
+                                       "_seen", "count", "_host_pos", "_host_idx", "_host_vals", "_dups"};
 PyObject* fnames[fNames];
 
 bool ready_host_values() {
@@ -186,10 +190,50 @@ PyObject* tensor_version(const at::Tensor& t) {
   return PyLong_FromUnsignedLongLong(t._version());
 }
 
+// A repeat of value `src` (hit[2]) as the next index, as add_one's and _add's cache hit: an inference
+// tensor's entry dropped (reused once), then StepFingerprints._repeat(idx, src). The index, or NULL
+// with an exception.
+PyObject* repeat_value(PyObject* d, PyObject** v, PyObject* key, PyObject* hit) {
+  PyObject* src = PyTuple_GET_ITEM(hit, 2);
+  Py_INCREF(src);  // (hit may go with its entry below)
+  long long idx = PyLong_AsLongLong(v[fCount]);
+  PyObject* index = idx == -1 && PyErr_Occurred() ? nullptr : PyLong_FromLongLong(idx);
+  PyObject* next = index == nullptr ? nullptr : PyLong_FromLongLong(idx + 1);
+  bool ok = next != nullptr && PyDict_SetItem(d, fnames[fCount], next) == 0;
+  Py_XDECREF(next);
+  if (ok && PyTuple_GET_ITEM(hit, 1) == Py_None) ok = PyDict_DelItem(v[fSeen], key) == 0;
+  if (ok) {
+    PyObject* p = PyDict_GetItemWithError(v[fHostPos], src);
+    if (p == nullptr) {  // a value not computed on the host: resolved when the values are collected
+      PyObject* pair = PyErr_Occurred() ? nullptr : PyTuple_Pack(2, index, src);
+      ok = pair != nullptr && PyList_Append(v[fDups], pair) == 0;
+      Py_XDECREF(pair);
+    } else {  // copied at once
+      Py_ssize_t at = PyLong_AsSsize_t(p);
+      PyObject* vals = v[fHostVals];
+      PyObject* pos = PyLong_FromSsize_t(PyList_GET_SIZE(v[fHostIdx]));
+      ok = at >= 0 && 2 * at + 1 < PyList_GET_SIZE(vals) && pos != nullptr &&
+           PyDict_SetItem(v[fHostPos], index, pos) == 0 && PyList_Append(v[fHostIdx], index) == 0;
+      Py_XDECREF(pos);
+      if (ok) {
+        PyObject* s = Py_NewRef(PyList_GET_ITEM(vals, 2 * at));
+        PyObject* q = Py_NewRef(PyList_GET_ITEM(vals, 2 * at + 1));
+        ok = PyList_Append(vals, s) == 0 && PyList_Append(vals, q) == 0;
+        Py_DECREF(s); Py_DECREF(q);
+      }
+      if (!ok && !PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "add_one_host: host values");
+    }
+  }
+  Py_DECREF(src);
+  if (!ok) Py_CLEAR(index);
+  return index;
+}
+
 // add_one(t, store) for a plain CPU tensor fingerprinted at once: the index (a new reference);
 // NULL without an exception where add_one's Python must take the call (nothing changed), with
-// one on an error.
-PyObject* add_one_host(PyObject* fps, PyObject* o, bool store) {
+// one on an error. `as_add`: add((t,), store)'s instead (_add's immediate case: no test of the
+// tensor added last, which it does not set either).
+PyObject* add_one_host(PyObject* fps, PyObject* o, bool store, bool as_add = false) {
   const at::Tensor* t = readable_host_tensor(o);
   if (t == nullptr) return nullptr;
   PyObject* d = PyObject_GenericGetDict(fps, nullptr);
@@ -203,14 +247,14 @@ PyObject* add_one_host(PyObject* fps, PyObject* o, bool store) {
   }
   if (!ok || v[fNt] != Py_None || v[fCapturing] != Py_False || v[fDeferCpu] != Py_False ||
       !PyDict_CheckExact(v[fSeen]) || !PyLong_CheckExact(v[fCount]) || !PyDict_CheckExact(v[fHostPos]) ||
-      !PyList_CheckExact(v[fHostIdx]) || !PyList_CheckExact(v[fHostVals])) {
+      !PyList_CheckExact(v[fHostIdx]) || !PyList_CheckExact(v[fHostVals]) || !PyList_CheckExact(v[fDups])) {
     Py_DECREF(d);
     return nullptr;  // (an exception from a look-up stays: the caller reports it)
   }
   PyObject* version = tensor_version(*t);
   PyObject* key = PyLong_FromVoidPtr(o);
   if (version == nullptr || key == nullptr) goto done;
-  if (o == v[fLast]) {  // the tensor added last, as add_one's first test
+  if (!as_add && o == v[fLast]) {  // the tensor added last, as add_one's first test
     PyObject* last_version = v[fLastVersion];
     if (last_version == Py_True) { result = Py_NewRef(v[fLastIdx]); goto done; }
     if (last_version == Py_None) {  // an inference tensor: its value reused once
@@ -227,9 +271,18 @@ PyObject* add_one_host(PyObject* fps, PyObject* o, bool store) {
   }
   {
     PyObject* hit = PyDict_GetItemWithError(v[fSeen], key);
-    if (hit != nullptr) {  // a value cached by id: add_one's own (a repeat, perhaps)
-      PyObject* held = PyTuple_CheckExact(hit) && PyTuple_GET_SIZE(hit) == 3 ? PyTuple_GET_ITEM(hit, 0) : nullptr;
-      if (held == nullptr || !PyWeakref_CheckRef(held) || PyWeakref_GET_OBJECT(held) == o) goto done;
+    if (hit != nullptr) {  // a value cached by id: a repeat while the tensor is unchanged
+      if (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) != 3 || !PyWeakref_CheckRef(PyTuple_GET_ITEM(hit, 0)))
+        goto done;  // (not add_one's entry: its Python takes it)
+      if (PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(hit, 0)) == o) {
+        PyObject* held_version = PyTuple_GET_ITEM(hit, 1);
+        int same = held_version == Py_None ? 1 : PyObject_RichCompareBool(held_version, version, Py_EQ);
+        if (same < 0) goto done;
+        if (same) {
+          result = repeat_value(d, v, key, hit);
+          goto done;
+        }
+      }
     } else if (PyErr_Occurred()) {
       goto done;
     }
@@ -256,7 +309,7 @@ PyObject* add_one_host(PyObject* fps, PyObject* o, bool store) {
       else wrote = false;
       Py_XDECREF(ref); Py_XDECREF(entry);
     }
-    if (wrote && store)
+    if (wrote && store && !as_add)
       wrote = PyDict_SetItem(d, fnames[fLast], o) == 0 && PyDict_SetItem(d, fnames[fLastIdx], index) == 0 &&
               PyDict_SetItem(d, fnames[fLastVersion], version) == 0;
     if (wrote) result = index;
@@ -278,6 +331,19 @@ PyObject* add_one_host_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (r == nullptr && !PyErr_Occurred()) Py_RETURN_NONE;
   return r;
 }
+
+// add_host(fps, t, store) -> index or None: StepFingerprints.add's, one tensor at a time
+PyObject* add_host_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "add_host(fps, t, store)"); return nullptr; }
+  int store = PyObject_IsTrue(args[2]);
+  if (store < 0) return nullptr;
+  PyObject* r = add_one_host(args[0], args[1], store == 1, true);
+  if (r == nullptr && !PyErr_Occurred()) Py_RETURN_NONE;
+  return r;
+}
+
+PyMethodDef add_host_def = {"add_host", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(add_host_py)),
+                            METH_FASTCALL, "add_host(fps, t, store) -> index or None: see tracer/native_host.py"};
 
 PyMethodDef add_one_host_def = {"add_one_host", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(add_one_host_py)),
                                 METH_FASTCALL, "add_one_host(fps, t, store) -> index or None: see tracer/native_host.py"};

@@ -29,6 +29,7 @@ def load_native_in_process(monkeypatch):
     monkeypatch.setattr(spans, "call_key", spans.call_key)
     monkeypatch.setattr(host_values, "native_pair", host_values.native_pair)
     monkeypatch.setattr(host_values, "native_rows", host_values.native_rows)
+    monkeypatch.setattr(host_values, "native_add", host_values.native_add)
     native.ensure(block=True, timeout=900)
     assert native.traced_call() is not None, native.error()
     return native

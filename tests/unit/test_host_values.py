@@ -14,6 +14,7 @@ def numpy_readers(monkeypatch):
     process took (tests/unit/test_native_host.py tests those) are put aside."""
     monkeypatch.setattr(host_values, "native_pair", None)
     monkeypatch.setattr(host_values, "native_rows", None)
+    monkeypatch.setattr(host_values, "native_add", None)
 
 
 def _float64_pair(t):

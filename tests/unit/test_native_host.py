@@ -30,7 +30,7 @@ def _torch_rows(t):
 @pytest.mark.parametrize("numel", [0, 1, 7, 8, 1023, 1024, 1025, 9000, (1 << 20) + 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.int32])
 def test_pair_equals_torch_float64_sums(native_host, numel, dtype):
-    host_pair, _ = native_host
+    host_pair, _, _ = native_host
     gen = torch.Generator().manual_seed(numel)
     if dtype.is_floating_point:
         t = (torch.randn(numel, generator=gen, dtype=torch.float64) * 3 + 0.25).to(dtype)
@@ -48,7 +48,7 @@ def test_pair_equals_torch_float64_sums(native_host, numel, dtype):
 
 
 def test_pair_reads_only_plain_contiguous_host_memory(native_host):
-    host_pair, _ = native_host
+    host_pair, _, _ = native_host
     full = torch.randn(30, 50)
     assert host_pair(full) is not None
     for t in (full.t(), full[:, 3:41], full[::2], torch.randn(3, dtype=torch.bfloat16),
@@ -66,7 +66,7 @@ def test_pair_reads_only_plain_contiguous_host_memory(native_host):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
                                    torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool])
 def test_nonzero_rows_equal_torch_ones(native_host, dtype):
-    _, rows = native_host
+    _, rows, _ = native_host
     gen = torch.Generator().manual_seed(3)
     for shape in [(1,), (5,), (6, 3), (4, 2, 5), (64, 96)]:
         for trial in range(12):
@@ -81,7 +81,7 @@ def test_nonzero_rows_equal_torch_ones(native_host, dtype):
 
 
 def test_nonzero_rows_reads_only_what_it_can(native_host):
-    _, rows = native_host
+    _, rows, _ = native_host
     special = torch.zeros(4, 3)
     special[1, 2] = float("nan")
     special[3, 0] = -0.0
@@ -125,13 +125,13 @@ def test_a_traced_session_reads_through_the_extension_unless_it_says_no(native_h
             with torch.no_grad():
                 for _ in range(3):
                     model(x)
-            taken[setting] = (host_values.native_pair, host_values.native_rows)
+            taken[setting] = (host_values.native_pair, host_values.native_rows, host_values.native_add)
         finally:
             tracer.stop()
         assert tr.errors == 0
         fps[setting] = _fingerprints(tmp_path / setting)
     assert taken["1"] == tuple(native_host)
-    assert taken["0"] == (None, None)
+    assert taken["0"] == (None, None, None)
     assert fps["1"].keys() == fps["0"].keys() and len(fps["1"]) >= 12
     for key, seen in fps["1"].items():
         assert seen.fp is not None and fp_equal(seen, fps["0"][key]), key
@@ -183,3 +183,38 @@ def test_add_one_host_keeps_add_ones_state_and_indices(native_host):
     assert native._seen.keys() == python._seen.keys()
     assert [(e[0](), e[1], e[2]) for e in native._seen.values()] == [(e[0](), e[1], e[2]) for e in python._seen.values()]
     assert native._host_vals == pytest.approx(python._host_vals, rel=1e-6, abs=1e-5)
+
+
+def test_add_through_add_host_keeps_adds_state_and_indices(native_host, monkeypatch):
+    """StepFingerprints.add with the extension's add_host (a tensor at a time, _add for the rest
+    from the first it leaves) and without it: the same indices and state, over a step's
+    sightings added one by one and in calls of several tensors."""
+    from tensor_trace.tracer import native
+    from tensor_trace.tracer.fingerprint import StepFingerprints
+
+    states = {}
+    for name, host in (("python", None), ("native", native.host_values()[2])):
+        monkeypatch.setattr(host_values, "native_add", host)
+        seq = _sightings()  # (the same values; tensors of this run's own, their versions too)
+        position = {id(t): i for i, (t, _) in enumerate(seq)}
+        fps, got = StepFingerprints(), []
+        pending = []
+        for t, store in seq:
+            if isinstance(t, str):
+                with torch.no_grad():
+                    store.add_(1.0)
+                continue
+            got.append(fps.add([t], store, immediate=not store))
+            pending.append(t)
+            if len(pending) == 3:  # (a call of three tensors, the third perhaps one add_host leaves)
+                got.append(fps.add(tuple(pending), False))
+                pending = []
+        state = {name: getattr(fps, name) for name in
+                 ("count", "_host_idx", "_host_pos", "_dups", "_imm_idx", "last_idx", "last_version")}
+        state["last"] = position.get(id(fps.last))
+        state["seen"] = [(position[k], position[id(e[0]())], e[1], e[2]) for k, e in fps._seen.items()]
+        states[name] = (got, state, fps._host_vals)
+    (want, python, python_vals), (got, state, vals) = states["python"], states["native"]
+    assert got == want
+    assert state == python
+    assert vals == pytest.approx(python_vals, rel=1e-6, abs=1e-5)
