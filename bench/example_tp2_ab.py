@@ -19,6 +19,7 @@ Variants (``--variants``):
 - ``record-nowake`` the same with the step end's ``flush_when_idle`` made a no-op (what waking
                     the writer thread costs);
 - ``record-nofp``   ``fingerprint=False``;
+- ``record-nolineage`` ``lineage=False`` (what the lineage schedule's steps cost);
 - ``record-0:1``    ``steps=(0, 1)``: the block's first warm-up step traced, every timed step
                     outside the window (what an untraced step costs with the tracer installed);
 - ``empty-hooks``   two empty global forward hooks (pre and post), no tracer: a floor;
@@ -50,8 +51,8 @@ from common import header, header_line  # bench/ is first on sys.path
 from models import load_example
 from variants import start as start_variant
 
-VARIANTS = ("untraced", "untraced-b", "record", "record-nocoll", "record-nowake", "record-nofp", "record-0:1", "empty-hooks",
-            "profiler")
+VARIANTS = ("untraced", "untraced-b", "record", "record-nocoll", "record-nowake", "record-nofp", "record-nolineage",
+            "record-0:1", "empty-hooks", "profiler")
 
 
 MAIN_TID = threading.get_native_id()

@@ -20,7 +20,8 @@ so that what the writer's thread would do is in the count. gloo's threads (at tp
 Variants: ``untraced``; ``record`` (record's defaults: tracer/native.py's C call wrapper,
 fingerprints and lineage on their schedules); ``record-nofp`` (``--no-fingerprint``);
 ``record-nocoll`` (the collective wrappers taken out again: what tracing the collectives
-costs, at tp=2); ``record-0:1`` (``--steps 0:1``: every counted step outside the window);
+costs, at tp=2); ``record-nolineage`` (``--no-lineage``: what the lineage schedule's one step in
+32 costs); ``record-0:1`` (``--steps 0:1``: every counted step outside the window);
 ``empty-hooks`` (two empty global forward hooks, no tracer: a floor); ``profiler``
 (``torch.profiler.profile(activities=[CPU], record_shapes=True)`` entered before the warm-up).
 
@@ -44,7 +45,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from common import ROOT, header, header_line  # bench/ is first on sys.path
 
-VARIANTS = ("untraced", "record", "record-nofp", "record-nocoll", "record-0:1", "empty-hooks", "profiler")
+VARIANTS = ("untraced", "record", "record-nofp", "record-nolineage", "record-nocoll", "record-0:1", "empty-hooks",
+            "profiler")
 # This host's L1 caches (48 KiB data, 64 KiB instructions a core) and its 2 MiB L2 as the last
 # level (the simulator's sizes must give a power-of-two number of sets).
 CACHES = ["--I1=65536,8,64", "--D1=49152,12,64", "--LL=2097152,16,64"]

@@ -12,7 +12,8 @@ def start(variant: str, out_dir: str, **options):
     ``untraced*`` nothing; ``empty-hooks``; ``profiler``; ``record`` (record's defaults),
     ``record-nofp`` (``fingerprint=False``), ``record-0:1`` (``steps=(0, 1)``: steps after the
     first outside the window), ``record-nocoll`` (the collective wrappers taken out again after
-    start), ``record-nowake`` (the step end's wake-up of the writer's thread a no-op)."""
+    start), ``record-nowake`` (the step end's wake-up of the writer's thread a no-op),
+    ``record-nolineage`` (``lineage=False``: what the lineage schedule's steps cost)."""
     if variant.startswith("untraced"):
         return lambda: None
     if variant == "empty-hooks":
@@ -21,6 +22,8 @@ def start(variant: str, out_dir: str, **options):
         return cpu_profiler()
     from tensor_trace import tracer
 
+    if variant == "record-nolineage":
+        options = dict(options, lineage=False)
     tr = tracer.start(out_dir=out_dir, fingerprint=variant != "record-nofp",
                       steps=(0, 1) if variant == "record-0:1" else (0, None), **options)
     if variant == "record-nocoll" and tr.collectives is not None:

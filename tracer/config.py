@@ -34,8 +34,10 @@ class TraceConfig:
     # Wiring does not change from one step of a kind to the next, and watching every op costs
     # (bench/RESULTS.md): lineage is recorded in the first LINEAGE_FIRST traced steps of each
     # kind (root module, and a framework's forward mode / draft flag), then in every Nth of that
-    # kind. 1 = every step.
-    lineage_every: int = 32
+    # kind. 1 = every step. A watched step of the CPU example at tp=2 cost 7.8 M instructions
+    # more than a fingerprinted one (0.65 of an untraced step): every 32nd was 2 points of
+    # record's average step there, every 128th is 0.5.
+    lineage_every: int = 128
     # Values change from step to step but the placement of a point does not, and fingerprinting
     # is most of what a traced step costs (bench/RESULTS.md): fingerprints are taken in the first
     # FINGERPRINT_FIRST traced steps of each kind (as lineage's kinds), then in every Nth of that

@@ -33,7 +33,7 @@ def launcher_run_id(cmd) -> str | None:
 @click.option("--no-fingerprint", is_flag=True, help="Record shapes and dtypes only, no value fingerprints.")
 @click.option("--no-lineage", is_flag=True,
               help="Do not watch the ops that combine tensors (cheaper; query lineage then has no answers).")
-@click.option("--lineage-every", type=click.IntRange(min=1), default=32, show_default=True,
+@click.option("--lineage-every", type=click.IntRange(min=1), default=128, show_default=True,
               help="Watch ops for lineage in the first 2 traced steps of each kind, then in every "
                    "Nth step of that kind (1: every step).")
 @click.option("--fingerprint-every", type=click.IntRange(min=1), default=8, show_default=True,

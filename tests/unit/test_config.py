@@ -18,7 +18,7 @@ def test_env_round_trip(tmp_path):
                       steps=(1, 4), fingerprint=False, lineage_every=5)
     back = TraceConfig.from_env(cfg.to_env())
     assert back.run_id == "abc" and back.steps == (1, 4) and not back.fingerprint
-    assert back.lineage_every == 5 and TraceConfig().lineage_every == 32
+    assert back.lineage_every == 5 and TraceConfig().lineage_every == 128
     assert back.modules == ["model.*"] and back.exclude == ["*.act_fn"]
     assert [back.in_window(s) for s in range(6)] == [False, True, True, True, False, False]
     sel = back.module_selector()
