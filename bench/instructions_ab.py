@@ -11,9 +11,9 @@ miss 100) is a proxy for it that counts what the added instructions do to the ca
 
 Per variant: the example's model (examples/tp_llama.py, 74 module calls a step at tp=1) warms up
 for ``--warmup`` steps under the variant, then ``--steps`` steps are counted (callgrind dumps
-its counts at two calls of ``os.getpgrp`` around them). With the defaults (8 and 32) the counted
-steps are one whole period of record's schedules: 4 of the 32 take fingerprints and one records
-lineage, as in a long run. Counted: the traced (main) thread, which here also flushes the
+its counts at two calls of ``os.getpgrp`` around them). With the defaults (8 and 128) the counted
+steps are one whole period of record's schedules: 16 of the 128 take fingerprints and one
+records lineage, as in a long run. Counted: the traced (main) thread, which here also flushes the
 counted steps' records to the rank file (msgpack, zlib, write; the writer's thread is kept idle),
 so that what the writer's thread would do is in the count. gloo's threads (at tp=2) are not.
 
@@ -21,16 +21,16 @@ Variants: ``untraced``; ``record`` (record's defaults: tracer/native.py's C call
 fingerprints and lineage on their schedules); ``record-nofp`` (``--no-fingerprint``);
 ``record-nocoll`` (the collective wrappers taken out again: what tracing the collectives
 costs, at tp=2); ``record-nolineage`` (``--no-lineage``: what the lineage schedule's one step in
-32 costs); ``record-0:1`` (``--steps 0:1``: every counted step outside the window);
+128 costs); ``record-0:1`` (``--steps 0:1``: every counted step outside the window);
 ``empty-hooks`` (two empty global forward hooks, no tracer: a floor); ``profiler``
 (``torch.profiler.profile(activities=[CPU], record_shapes=True)`` entered before the warm-up).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/instructions_ab.py [--tp 2] [--jobs 2]
 
-Needs ``valgrind`` on PATH. A variant takes 3-5 min of a core under the cache simulation
-(importing torch is most of it), ``--jobs`` variants at a time: tp=1's six about 15 min with
+Needs ``valgrind`` on PATH. A variant takes 4-6 min of a core under the cache simulation
+(importing torch is much of it), ``--jobs`` variants at a time: tp=1's three about 12 min with
 ``--jobs 2``; at ``--tp 2`` both ranks of a variant run under valgrind through torchrun (use
-``--jobs 1``), about 5 min a variant.
+``--jobs 1``), about 6 min a variant.
 """
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--warmup", type=int, default=8)
-    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--steps", type=int, default=128)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--keep", metavar="DIR", help="keep callgrind's files here (callgrind_annotate reads them)")
