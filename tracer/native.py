@@ -273,6 +273,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("nonzero_rows") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&nonzero_rows_def, nullptr, nullptr));
   m.attr("add_one_host") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&add_one_host_def, nullptr, nullptr));
   m.attr("add_host") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&add_host_def, nullptr, nullptr));
+  m.attr("coll_fp_inputs_host") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&coll_fp_inputs_host_def, nullptr, nullptr));
+  m.attr("coll_fp_outputs_host") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&coll_fp_outputs_host_def, nullptr, nullptr));
   m.attr("traced_call") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&traced_call_def, nullptr, nullptr));
   m.attr("traced_collective") = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&traced_collective_def, nullptr, nullptr));
   m.attr("SpanRun") = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(&SpanRunType));
@@ -284,7 +286,7 @@ SOURCE = (SOURCE + native_table.SOURCE + native_host.SOURCE + native_counters.SO
           + native_call_type.SOURCE + native_coll.SOURCE + native_coll_type.SOURCE + _SOURCE_END)
 
 _state: dict = {"span_run": None, "step_counters": None, "table": None, "hold_in": None, "pair_key": None, "call_key": None,
-                "traced_call": None, "patch_call_slots": None, "host_values": None, "add_one_host": None, "traced_collective": None, "started": False,
+                "traced_call": None, "patch_call_slots": None, "host_values": None, "add_one_host": None, "coll_fp_host": None, "traced_collective": None, "started": False,
                 "error": None}
 _lock = threading.Lock()
 _done = threading.Event()  # set when a build or load has finished, either way
@@ -369,6 +371,13 @@ def add_one_host():
     ``StepFingerprints.add_one`` for a CPU tensor; None where add_one must take it), or None. For
     tests: the C call wrapper calls it in C."""
     return _state["add_one_host"]
+
+
+def coll_fp_host():
+    """The compiled ``(coll_fp_inputs_host, coll_fp_outputs_host)`` (tracer/native_host.py: a
+    collective's ``fp_inputs`` and ``fp_outputs`` for CPU tensors; None where those must take
+    them), or None. For tests: tracer/native_coll.py's C path calls them in C."""
+    return _state["coll_fp_host"]
 
 
 def traced_call():
@@ -462,6 +471,7 @@ def _build() -> None:
         _state["pair_key"] = module.pair_key
         _state["host_values"] = (module.host_pair, module.nonzero_rows, module.add_host)
         _state["add_one_host"] = module.add_one_host
+        _state["coll_fp_host"] = (module.coll_fp_inputs_host, module.coll_fp_outputs_host)
         _state["table"] = module.Table
     except Exception as exc:  # no compiler, no ninja, no headers: the Python path stays
         _state["error"] = repr(exc)

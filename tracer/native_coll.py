@@ -17,10 +17,13 @@ written to this rank file; no functional collective waiting to be written; and, 
 window, a synchronous call (``async_op`` absent, None or False) of one plain CPU tensor in and
 one plain CPU tensor or a list or tuple of them out, no lineage mode, not capturing a CUDA graph,
 and tracer/native.py's ``call_key`` the layout key spans.py uses. On a fingerprinted step the
-fingerprints (and the inputs' nonzero rows) are taken by ``CollectiveInterceptor.fp_inputs``
+fingerprints (and the inputs' nonzero rows) are what ``CollectiveInterceptor.fp_inputs`` takes
 before the call and ``fp_outputs`` after it, the Python functions that ``begin`` and ``finish``
-call, so that they have one definition: on the example at tp=2 such a step's collectives went
-through the whole Python wrapper at about 36 us each, of which those two calls are about 15.
+call: their common case, immediate values of tensors tracer/native_host.py reads with nothing
+deferred held, in C there (``coll_fp_input_host``, ``coll_fp_outputs_host``: the same reads and
+writes of StepFingerprints' state, tested against them), everything else through those
+functions. On the example at tp=2 a fingerprinted step's collectives went through the whole
+Python wrapper at about 36 us each, of which those two calls were about 15.
 Outside the window only the sequence number is advanced (what the Python wrapper does there).
 Everything else goes to the Python wrapper, whole, before anything is changed: it stays the one
 definition of every other case. After the call, a layout not cached yet in
@@ -38,13 +41,13 @@ enum CollName {
   cEnabled, cInCollective, cBusy, cTracingStep, cFpNow, cCapturing, cWriter, cStack, cStep,
   cStepT0Raw, cCollCount, cLayouts, cLineage, cWrittenGroups, cGroups, cSeq, cFunctional, cReady,
   cMode, cGroupName, cColl, cPending, cMaxBuffered, cStringIds, cString, cFlush, cCallKey, cSum,
-  cOnError, cRowsOf, cNonzeroRows, cNames
+  cOnError, cRowsOf, cNonzeroRows, cFps, cNames
 };
 const char* const cNameText[cNames] = {
   "enabled", "in_collective", "_busy", "_tracing_step", "fp_now", "capturing", "writer", "stack",
   "step", "step_t0_raw", "coll_count", "layouts", "lineage", "written_groups", "groups", "seq",
   "functional", "ready", "mode", "group_name", "coll", "pending", "max_buffered", "string_ids",
-  "string", "flush", "call_key", "sum", "on_error", "rows_of", "nonzero_rows"};
+  "string", "flush", "call_key", "sum", "on_error", "rows_of", "nonzero_rows", "fps"};
 PyObject* cnames[cNames];
 constexpr int kMaxParams = 8;
 constexpr int kOpCache = 8;
@@ -251,11 +254,15 @@ int coll_record(TracedCollective* self, CollCall& c) {
   Py_INCREF(hit);  // (string() below may forget the writer's ids, and clear the cache)
   Py_DECREF(coll);
   PyObject* fp_post = nullptr;  // (finish's fp_post: taken once the record is this one's to write)
-  if (c.fp) {
-    PyObject* outputs = PyList_New(c.n_out);
-    for (Py_ssize_t j = 0; outputs != nullptr && j < c.n_out; ++j) PyList_SET_ITEM(outputs, j, Py_NewRef(c.outs[j]));
-    fp_post = outputs == nullptr ? nullptr : PyObject_CallOneArg(self->fp_outputs, outputs);
-    Py_XDECREF(outputs);
+  if (c.fp) {  // CPU tensors in C (tracer/native_host.py), else the interceptor's fp_outputs
+    PyObject* fps = cstate(st, cFps);
+    fp_post = fps == nullptr ? nullptr : coll_fp_outputs_host(fps, c.outs, c.n_out);
+    if (fp_post == nullptr && !PyErr_Occurred()) {
+      PyObject* outputs = PyList_New(c.n_out);
+      for (Py_ssize_t j = 0; outputs != nullptr && j < c.n_out; ++j) PyList_SET_ITEM(outputs, j, Py_NewRef(c.outs[j]));
+      fp_post = outputs == nullptr ? nullptr : PyObject_CallOneArg(self->fp_outputs, outputs);
+      Py_XDECREF(outputs);
+    }
     if (fp_post == nullptr) { Py_DECREF(hit); return -1; }
   }
   PyObject* ids = PyObject_GetAttr(writer, cnames[cStringIds]);
@@ -449,6 +456,16 @@ int coll_begin(TracedCollective* self, PyObject* const* vals, CollCall& c) {
   if (next == nullptr || PyDict_SetItem(st, cnames[cCollCount], next) < 0) { Py_XDECREF(next); return 0; }
   Py_DECREF(next);
   if (c.fp) {  // begin's fingerprint of the inputs and their nonzero rows, before the call
+    PyObject* fps = cstate(st, cFps);  // a CPU tensor's in C (tracer/native_host.py)
+    int done = fps == nullptr ? 0 : coll_fp_input_host(fps, c.in, self->row_checked, &c.fp_pre, &c.rows);
+    if (done < 0) {
+      coll_report(self);
+      return -1;
+    }
+    if (done > 0) {
+      c.t0 = now_ns();
+      return 1;
+    }
     PyObject* inputs = PyList_New(1);
     PyObject* r = nullptr;
     if (inputs != nullptr) {

@@ -9,14 +9,18 @@ model's own ops between two reads evict numpy's code and data from the CPU's cac
 a fingerprinted step's extra cost at tp=2 (bench/RESULTS.md). Here each is one C call on the
 tensor's memory.
 
-Both read a plain ``torch.Tensor`` (exact type) on the CPU, strided and contiguous, with storage,
-that does not require grad and is not a conjugate or negative view. Anything else returns None
-and tracer/host_values.py takes its numpy path, then the caller its torch one, as before.
+Both read a plain ``torch.Tensor`` (exact type) on the CPU, strided, with storage, that does not
+require grad and is not a conjugate or negative view; ``nonzero_rows`` a contiguous one only.
+Anything else returns None and tracer/host_values.py takes its numpy path, then the caller its
+torch one, as before.
 
 - ``host_pair``: float32, float64, int64 and int32 (tracer/fingerprint_reduce.py's
   ``HOST_DTYPES``). float32 values are added in float32 lanes within blocks of 1024 elements and
   the blocks' sums in float64 (numpy's BLAS dot added a small tensor's all in float32); float64
-  and integers are added in float64. Large tensors are read with the GIL released.
+  and integers are added in float64. Large tensors are read with the GIL released. A view (q, k
+  and v split from a fused projection, a slice, a transpose) is read where it lies, run by run
+  of its innermost dim, the runs' pairs added in float64: numpy copied it first (18 views a
+  fingerprinted step of the example at tp=2, each about 8 us inside the model).
 - ``nonzero_rows``: any real dtype whose zero is all zero bits (integers, bool) or all zero bits
   but the sign (float16, bfloat16, float32, float64): a value is nonzero when those bits are not
   all zero, so NaN counts as nonzero and -0.0 does not, as torch's ``ne(0)``. A row's scan stops
@@ -42,11 +46,12 @@ constexpr int64_t kReleaseGilFrom = 1 << 20;  // elements: a read long enough to
 constexpr int64_t kPairBlock = 1024;          // float32 elements added in float32 lanes before float64
 
 // The tensor `o` when its memory can be read here (see tracer/native_host.py), else nullptr.
-const at::Tensor* readable_host_tensor(PyObject* o) {
+// `views`: a non-contiguous view too (host_pair reads it by strides), not only contiguous memory.
+const at::Tensor* readable_host_tensor(PyObject* o, bool views = false) {
   if (Py_TYPE(o) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) return nullptr;
   const at::Tensor& t = THPVariable_Unpack(o);
   if (!t.defined() || !t.is_cpu() || t.layout() != at::kStrided || !t.has_storage()) return nullptr;
-  if (t.requires_grad() || t.is_conj() || t.is_neg() || !t.is_contiguous()) return nullptr;
+  if (t.requires_grad() || t.is_conj() || t.is_neg() || (!views && !t.is_contiguous())) return nullptr;
   if (t.unsafeGetTensorImpl()->is_python_dispatch()) return nullptr;
   if (t.numel() > 0 && t.const_data_ptr() == nullptr) return nullptr;
   return &t;
@@ -89,22 +94,85 @@ void pair_f64(const T* p, int64_t n, double& sum, double& sq) {
   sq = (q[0] + q[1]) + (q[2] + q[3]);
 }
 
+// The pair of one contiguous run of n values of dtype st, added to sum and sq.
+void pair_run(at::ScalarType st, const void* p, int64_t n, double& sum, double& sq) {
+  double s = 0, q = 0;
+  switch (st) {
+    case at::kFloat: pair_f32(static_cast<const float*>(p), n, s, q); break;
+    case at::kDouble: pair_f64(static_cast<const double*>(p), n, s, q); break;
+    case at::kLong: pair_f64(static_cast<const int64_t*>(p), n, s, q); break;
+    default: pair_f64(static_cast<const int32_t*>(p), n, s, q); break;
+  }
+  sum += s;
+  sq += q;
+}
+
+template <typename T>
+void pair_scalar(const T* p, int64_t n, int64_t stride, double& sum, double& sq) {
+  for (int64_t i = 0; i < n; ++i) { double v = static_cast<double>(p[i * stride]); sum += v; sq += v * v; }
+}
+
+// A view's pair (a fused projection's q, k and v; a slice; a transpose): its dims of size 1
+// dropped and neighbours that step as one dim merged, each innermost run read as above when its
+// stride is 1 (the runs' pairs added in float64), element by element in float64 otherwise.
+void pair_view(const at::Tensor& t, double& sum, double& sq) {
+  int64_t size[64], stride[64];
+  int nd = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    int64_t n = t.size(d), s = t.stride(d);
+    if (n == 1) continue;
+    if (nd > 0 && stride[nd - 1] == s * n) {  // steps as one dim with the one before
+      size[nd - 1] *= n;
+      stride[nd - 1] = s;
+      continue;
+    }
+    size[nd] = n;
+    stride[nd++] = s;
+  }
+  at::ScalarType st = t.scalar_type();
+  size_t item = t.element_size();
+  const char* base = static_cast<const char*>(t.const_data_ptr());
+  if (nd == 0) { pair_run(st, base, 1, sum, sq); return; }
+  int64_t inner = size[nd - 1], inner_stride = stride[nd - 1];
+  int64_t index[64] = {0};
+  for (;;) {
+    int64_t offset = 0;
+    for (int d = 0; d < nd - 1; ++d) offset += index[d] * stride[d];
+    const char* p = base + offset * static_cast<int64_t>(item);
+    if (inner_stride == 1) {
+      pair_run(st, p, inner, sum, sq);
+    } else {
+      switch (st) {
+        case at::kFloat: pair_scalar(reinterpret_cast<const float*>(p), inner, inner_stride, sum, sq); break;
+        case at::kDouble: pair_scalar(reinterpret_cast<const double*>(p), inner, inner_stride, sum, sq); break;
+        case at::kLong: pair_scalar(reinterpret_cast<const int64_t*>(p), inner, inner_stride, sum, sq); break;
+        default: pair_scalar(reinterpret_cast<const int32_t*>(p), inner, inner_stride, sum, sq); break;
+      }
+    }
+    int d = nd - 2;
+    for (; d >= 0; --d) {
+      if (++index[d] < size[d]) break;
+      index[d] = 0;
+    }
+    if (d < 0) return;
+  }
+}
+
 // host_pair(t) -> (sum, sum of squares) as floats, or None
 PyObject* host_pair(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 1) { PyErr_SetString(PyExc_TypeError, "host_pair(t)"); return nullptr; }
-  const at::Tensor* t = readable_host_tensor(args[0]);
-  if (t == nullptr) Py_RETURN_NONE;
+  const at::Tensor* t = readable_host_tensor(args[0], /*views=*/true);
+  if (t == nullptr || t->dim() > 64) Py_RETURN_NONE;
   at::ScalarType st = t->scalar_type();
   if (st != at::kFloat && st != at::kDouble && st != at::kLong && st != at::kInt) Py_RETURN_NONE;
   int64_t n = t->numel();
-  const void* p = t->const_data_ptr();
   double sum = 0, sq = 0;
   PyThreadState* released = n >= kReleaseGilFrom ? PyEval_SaveThread() : nullptr;
-  switch (st) {
-    case at::kFloat: pair_f32(static_cast<const float*>(p), n, sum, sq); break;
-    case at::kDouble: pair_f64(static_cast<const double*>(p), n, sum, sq); break;
-    case at::kLong: pair_f64(static_cast<const int64_t*>(p), n, sum, sq); break;
-    default: pair_f64(static_cast<const int32_t*>(p), n, sum, sq); break;
+  if (n == 0) {
+  } else if (t->is_contiguous()) {
+    pair_run(st, t->const_data_ptr(), n, sum, sq);
+  } else {
+    pair_view(*t, sum, sq);
   }
   if (released != nullptr) PyEval_RestoreThread(released);
   return Py_BuildValue("(dd)", sum, sq);
@@ -234,7 +302,7 @@ PyObject* repeat_value(PyObject* d, PyObject** v, PyObject* key, PyObject* hit) 
 // one on an error. `as_add`: add((t,), store)'s instead (_add's immediate case: no test of the
 // tensor added last, which it does not set either).
 PyObject* add_one_host(PyObject* fps, PyObject* o, bool store, bool as_add = false) {
-  const at::Tensor* t = readable_host_tensor(o);
+  const at::Tensor* t = readable_host_tensor(o, /*views=*/true);
   if (t == nullptr) return nullptr;
   PyObject* d = PyObject_GenericGetDict(fps, nullptr);
   if (d == nullptr) return nullptr;
@@ -321,6 +389,145 @@ done:
   Py_DECREF(d);
   return result;
 }
+
+// ---- a collective's fingerprints (CollectiveInterceptor.fp_inputs / fp_outputs' common case)
+PyObject* kDefTs = nullptr;  // "_def_ts"
+PyObject* kLastOut = nullptr;  // "_last_out"
+
+// fps' state lets a collective's tensors be fingerprinted here: immediate values only (no C++
+// table, no capture, nothing deferred on the CPU) and nothing held that materialize would reduce.
+bool coll_host_ready(PyObject* d) {
+  if (kDefTs == nullptr && ((kDefTs = PyUnicode_InternFromString("_def_ts")) == nullptr ||
+                            (kLastOut = PyUnicode_InternFromString("_last_out")) == nullptr)) {
+    PyErr_Clear();
+    return false;
+  }
+  PyObject* nt = PyDict_GetItemWithError(d, fnames[fNt]);
+  PyObject* capturing = PyDict_GetItemWithError(d, fnames[fCapturing]);
+  PyObject* defer = PyDict_GetItemWithError(d, fnames[fDeferCpu]);
+  PyObject* held = PyDict_GetItemWithError(d, kDefTs);
+  if (PyErr_Occurred()) { PyErr_Clear(); return false; }
+  return nt == Py_None && capturing == Py_False && defer == Py_False && held != nullptr && PyList_CheckExact(held) &&
+         PyList_GET_SIZE(held) == 0;
+}
+
+bool pair_readable(PyObject* o) {
+  const at::Tensor* t = readable_host_tensor(o, /*views=*/true);
+  if (t == nullptr || t->dim() > 64) return false;
+  at::ScalarType st = t->scalar_type();
+  return st == at::kFloat || st == at::kDouble || st == at::kLong || st == at::kInt;
+}
+
+// fp_inputs([t], rows_wanted) for one plain CPU tensor: ``materialize`` (nothing to do: checked),
+// ``add([t], store=False, immediate=True)`` and, wanted, ``[nonzero_rows(t)]``, as tracer/collectives.py
+// takes them, without its Python frames or the busy flag it sets (no torch op runs here). 1 with
+// *index and *rows (new references: rows None when not wanted); 0 where fp_inputs must take it,
+// nothing changed; -1 an exception.
+int coll_fp_input_host(PyObject* fps, PyObject* t, bool rows_wanted, PyObject** index, PyObject** rows) {
+  if (!pair_readable(t)) return 0;
+  PyObject* d = PyObject_GenericGetDict(fps, nullptr);
+  if (d == nullptr) { PyErr_Clear(); return 0; }
+  bool ready = coll_host_ready(d);
+  Py_DECREF(d);
+  if (!ready) return 0;
+  PyObject* r = Py_NewRef(Py_None);
+  if (rows_wanted) {
+    PyObject* argv[1] = {t};
+    PyObject* one = nonzero_rows(nullptr, argv, 1);
+    if (one == nullptr) { Py_DECREF(r); return -1; }
+    if (one == Py_None) { Py_DECREF(one); Py_DECREF(r); return 0; }
+    Py_DECREF(r);
+    r = PyList_New(1);
+    if (r == nullptr) { Py_DECREF(one); return -1; }
+    PyList_SET_ITEM(r, 0, one);
+  }
+  PyObject* i = add_one_host(fps, t, false, /*as_add=*/true);
+  if (i == nullptr) {
+    Py_DECREF(r);
+    return PyErr_Occurred() ? -1 : 0;
+  }
+  *index = i;
+  *rows = r;
+  return 1;
+}
+
+// fp_outputs(outs) for plain CPU tensors: ``forget`` (each one's cached value dropped, the tensor
+// added last forgotten if it is one, _last_out emptied) then ``add(outs)``: the first index (a new
+// reference); NULL without an exception where fp_outputs must take them, nothing changed; NULL
+// with one on an error.
+PyObject* coll_fp_outputs_host(PyObject* fps, PyObject* const* outs, Py_ssize_t n) {
+  if (n < 1) return nullptr;
+  for (Py_ssize_t j = 0; j < n; ++j)
+    if (!pair_readable(outs[j])) return nullptr;
+  PyObject* d = PyObject_GenericGetDict(fps, nullptr);
+  if (d == nullptr) { PyErr_Clear(); return nullptr; }
+  PyObject* first = nullptr;
+  PyObject* seen = PyDict_GetItemWithError(d, fnames[fSeen]);
+  PyObject* last = PyDict_GetItemWithError(d, fnames[fLast]);
+  if (!coll_host_ready(d) || seen == nullptr || !PyDict_CheckExact(seen) || last == nullptr) {
+    PyErr_Clear();
+    Py_DECREF(d);
+    return nullptr;
+  }
+  PyObject* empty = PyList_New(0);
+  bool ok = empty != nullptr && PyDict_SetItem(d, kLastOut, empty) == 0;
+  Py_XDECREF(empty);
+  for (Py_ssize_t j = 0; ok && j < n; ++j) {
+    PyObject* key = PyLong_FromVoidPtr(outs[j]);
+    ok = key != nullptr && (PyDict_DelItem(seen, key) == 0 || PyErr_ExceptionMatches(PyExc_KeyError));
+    PyErr_Clear();
+    Py_XDECREF(key);
+    if (ok && outs[j] == last) {
+      ok = PyDict_SetItem(d, fnames[fLast], Py_None) == 0;
+      last = Py_None;
+    }
+  }
+  for (Py_ssize_t j = 0; ok && j < n; ++j) {
+    PyObject* i = add_one_host(fps, outs[j], true, /*as_add=*/true);
+    if (i == nullptr) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "a collective's output not fingerprinted");
+      ok = false;
+    } else if (first == nullptr) {
+      first = i;
+    } else {
+      Py_DECREF(i);
+    }
+  }
+  if (!ok && !PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "fp_outputs");
+  if (!ok) Py_CLEAR(first);
+  Py_DECREF(d);
+  return first;
+}
+
+// coll_fp_inputs_host(fps, t, rows_wanted) -> (index, rows) or None;
+// coll_fp_outputs_host(fps, outs) -> index or None: for tests (tracer/native_coll.py calls them in C)
+PyObject* coll_fp_inputs_host_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "coll_fp_inputs_host(fps, t, rows_wanted)"); return nullptr; }
+  PyObject *index = nullptr, *rows = nullptr;
+  int r = coll_fp_input_host(args[0], args[1], PyObject_IsTrue(args[2]) == 1, &index, &rows);
+  if (r < 0) return nullptr;
+  if (r == 0) Py_RETURN_NONE;
+  PyObject* pair = PyTuple_Pack(2, index, rows);
+  Py_DECREF(index); Py_DECREF(rows);
+  return pair;
+}
+
+PyObject* coll_fp_outputs_host_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyList_CheckExact(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "coll_fp_outputs_host(fps, outs: list)");
+    return nullptr;
+  }
+  PyObject* r = coll_fp_outputs_host(args[0], PySequence_Fast_ITEMS(args[1]), PyList_GET_SIZE(args[1]));
+  if (r == nullptr && !PyErr_Occurred()) Py_RETURN_NONE;
+  return r;
+}
+
+PyMethodDef coll_fp_inputs_host_def = {
+    "coll_fp_inputs_host", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(coll_fp_inputs_host_py)),
+    METH_FASTCALL, "coll_fp_inputs_host(fps, t, rows_wanted) -> (index, rows) or None: see tracer/native_host.py"};
+PyMethodDef coll_fp_outputs_host_def = {
+    "coll_fp_outputs_host", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(coll_fp_outputs_host_py)),
+    METH_FASTCALL, "coll_fp_outputs_host(fps, outs) -> index or None: see tracer/native_host.py"};
 
 // add_one_host(fps, t, store) -> index or None: for tests (tracer/native_call.py calls it in C)
 PyObject* add_one_host_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {

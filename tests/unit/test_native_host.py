@@ -47,20 +47,49 @@ def test_pair_equals_torch_float64_sums(native_host, numel, dtype):
         assert (s, q) == (ref_s, ref_q)  # integers below 2**53: exact
 
 
-def test_pair_reads_only_plain_contiguous_host_memory(native_host):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.int32])
+def test_pair_reads_views_where_they_lie(native_host, dtype):
+    """Views (transposes, slices, steps, a fused projection's q/k/v, broadcasts, size-1 dims)
+    give the float64 sums of their own elements, not of the memory around them."""
+    host_pair, _, _ = native_host
+    gen = torch.Generator().manual_seed(7)
+    full = (torch.randn(30, 50, generator=gen, dtype=torch.float64) * 3 + 0.5).to(dtype)
+    big = (torch.randn(4, 700, 3, generator=gen, dtype=torch.float64) * 2).to(dtype)
+    qkv = (torch.randn(2, 8, 3 * 48, generator=gen, dtype=torch.float64)).to(dtype)
+    q, k, v = qkv.split(48, dim=-1)
+    views = [full.t(), full[:, 3:41], full[::2], full[3:5, :].t(), full[:, 7], full.t()[5:9],
+             big.permute(2, 0, 1), big[:, 100:650, 1], big.unsqueeze(1).transpose(0, 3), q, k, v,
+             full[2].expand(4, 50), full[:1, :1].expand(3, 5), full[4, 4], full[:, :0]]
+    for t in views:
+        assert not t.is_contiguous() or t.numel() <= 1, t.shape
+        s, sq = host_pair(t)
+        ref_s, ref_q = _float64_pair(t)
+        abs_sum = t.double().abs().sum().item()
+        assert abs(s - ref_s) <= 1e-6 * abs_sum + 1e-12, (t.shape, t.stride())
+        assert math.isclose(sq, ref_q, rel_tol=1e-6, abs_tol=1e-12), (t.shape, t.stride())
+        if not dtype.is_floating_point:
+            assert (s, sq) == (ref_s, ref_q)
+    # a contiguous copy's value, within float32 summation order
+    s, sq = host_pair(q)
+    cs, csq = host_pair(q.contiguous())
+    assert math.isclose(s, cs, rel_tol=1e-5, abs_tol=1e-4) and math.isclose(sq, csq, rel_tol=1e-6)
+
+
+def test_pair_reads_only_plain_host_memory(native_host):
     host_pair, _, _ = native_host
     full = torch.randn(30, 50)
     assert host_pair(full) is not None
-    for t in (full.t(), full[:, 3:41], full[::2], torch.randn(3, dtype=torch.bfloat16),
+    for t in (torch.randn(3, dtype=torch.bfloat16),
               torch.randn(3, dtype=torch.float16), torch.randn(3, requires_grad=True),
               torch.nn.Parameter(torch.randn(3), requires_grad=False),
               torch.randn(3, dtype=torch.complex64).conj(), torch.randn(3, dtype=torch.complex64),
               torch.empty(3, device="meta"), torch.ones(4, dtype=torch.bool), [1.0, 2.0]):
         assert host_pair(t) is None, t
-    # what it does not read, host_values.pair still does (numpy for the views)
+    # what it does not read, host_values.pair still does (numpy)
     host_values.use_native(host_pair, None)
-    s, _ = host_values.pair(full.t())
-    assert math.isclose(s, full.double().sum().item(), rel_tol=1e-6, abs_tol=1e-4)
+    small = torch.arange(-5, 25, dtype=torch.int16).reshape(5, 6)
+    assert host_pair(small) is None
+    assert host_values.pair(small.t()) == _float64_pair(small)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
@@ -218,3 +247,86 @@ def test_add_through_add_host_keeps_adds_state_and_indices(native_host, monkeypa
     assert got == want
     assert state == python
     assert vals == pytest.approx(python_vals, rel=1e-6, abs=1e-5)
+
+
+def _interceptor_of(fps):
+    """CollectiveInterceptor's fp_inputs and fp_outputs bound to a stand-in holding only what they
+    read: the tracer's busy flag and its StepFingerprints."""
+    import types
+
+    from tensor_trace.tracer.collectives import CollectiveInterceptor
+
+    tracer = types.SimpleNamespace(_busy=False, busy=False, fps=fps)
+    me = types.SimpleNamespace(tracer=tracer)
+    return (lambda ins, rows: CollectiveInterceptor.fp_inputs(me, ins, rows),
+            lambda outs: CollectiveInterceptor.fp_outputs(me, outs))
+
+
+def test_collectives_fingerprints_in_c_keep_fp_inputs_and_outputs_state(native_host):
+    """A step's collectives through coll_fp_inputs_host / coll_fp_outputs_host (the C path's,
+    tracer/native_coll.py) and through CollectiveInterceptor.fp_inputs / fp_outputs: the same
+    indices, nonzero rows and StepFingerprints state, over in-place reductions of a module's
+    output, gathers into a list, views, and tensors the C functions leave (None: nothing changed)."""
+    from tensor_trace.tracer import native
+    from tensor_trace.tracer.fingerprint import StepFingerprints
+
+    c_in, c_out = native.coll_fp_host()
+    states = {}
+    for name in ("python", "native"):
+        torch.manual_seed(11)  # (the same values in both)
+        fps = StepFingerprints()
+        fp_inputs, fp_outputs = _interceptor_of(fps)
+        with torch.inference_mode():
+            x = torch.randn(6, 4)
+            x[0] = 0.0
+        y = torch.randn(5, 3)
+        half = torch.randn(4, 2, dtype=torch.bfloat16)
+        view = torch.randn(4, 6)[:, 1:5]
+        parts = [torch.empty(6, 4) for _ in range(2)]
+        got, in_c = [], 0
+        for t, out, rows in [(x, [x], True), (x, parts, False), (y, [y], True), (parts[0], [parts[0]], True),
+                             (view, [view], True), (view, [view], False), (half, [half], True), (y, [half, y], False)]:
+            got.append(fps.add_one(t, True))  # the module's output that feeds the collective
+            if name == "native":
+                r = c_in(fps, t, rows)
+                in_c += r is not None
+                pre = r if r is not None else fp_inputs([t], rows)
+            else:
+                pre = fp_inputs([t], rows)
+            for o in out:  # the collective's work, in place
+                with torch.inference_mode() if o.is_inference() else torch.no_grad():
+                    o.copy_(t[: o.shape[0], : o.shape[1]] * 2 if o.dtype == t.dtype else o)
+            if name == "native":
+                post = c_out(fps, list(out))
+                in_c += post is not None
+                post = post if post is not None else fp_outputs(list(out))
+            else:
+                post = fp_outputs(list(out))
+            got += [pre, post, fps.add_one(out[0], False)]  # the next module's input
+        states[name] = (got, in_c, fps)
+    (want, _, python), (got, in_c, fps) = states["python"], states["native"]
+    assert got == want
+    assert 8 <= in_c < 16  # (bfloat16, and a view's rows, left to the Python functions)
+    for name in ("count", "_host_idx", "_host_pos", "_dups", "last_idx", "last_version", "_last_out"):
+        assert getattr(fps, name) == getattr(python, name), name
+    assert (fps.last is None) == (python.last is None)
+    assert fps._seen and len(fps._seen) == len(python._seen)
+    assert fps._host_vals == pytest.approx(python._host_vals, rel=1e-6, abs=1e-5)
+
+
+def test_collectives_fingerprints_in_c_leave_what_is_held_to_python(native_host):
+    """Deferred values held (materialize would reduce them) or a C++ table: nothing taken, nothing changed."""
+    from tensor_trace.tracer import native
+    from tensor_trace.tracer.fingerprint import StepFingerprints
+
+    c_in, c_out = native.coll_fp_host()
+    fps = StepFingerprints()
+    x = torch.randn(3, 3)
+    fps._def_ts.append(x)
+    assert c_in(fps, x, True) is None and c_out(fps, [x]) is None
+    assert fps.count == 0 and not fps._host_vals
+    fps._def_ts.clear()
+    fps._nt = object()
+    assert c_in(fps, x, False) is None and c_out(fps, [x]) is None
+    fps._nt = None
+    assert c_in(fps, x, False) == (0, None) and c_out(fps, [x]) == 1 and fps.count == 2
