@@ -7,14 +7,18 @@ a traced step without lineage: it opens the call's frame on ``Tracer.stack``
 SPAN record in the writer's ``pending`` list that tracer/spans.py would (packed, in a run of
 them: tracer/native_spans.py, which records it), for a call of one plain
 tensor in and one out (``span_one_tensor``) and for a call whose layout tracer/native.py's
-``call_key`` already knows (``record_tensors``, without fingerprints). With fingerprints on it
-takes calls of one plain tensor in, and calls ``StepFingerprints.add_one`` as the Python wrapper
-does. Anything else goes to the Python code that handles it today, so there is one definition
-of every other case:
+``call_key`` already knows (``record_tensors``). With fingerprints on it takes the calls whose
+positional arguments ``global_pre`` fingerprints without walking them (one plain tensor; plain
+tensors, plain values and a batch context, one level down in tuples and lists: an attention's
+q, k and v with its ``ForwardBatch``), and fingerprints them as the Python wrapper does:
+``StepFingerprints.add_one`` for one tensor, ``add`` for the rest and for the outputs
+``record_tensors`` fingerprints, a CPU tensor's in C (tracer/native_host.py).
+Anything else goes to the Python code that handles it today, so there is one definition of
+every other case:
 
 - before the call (not the step's thread, the root, a module not yet named in this rank file,
-  a shared module, past ``max_spans``, lineage on, torch compiling, fingerprints on and not one
-  tensor in): the whole call goes to the Python wrapper;
+  a shared module, past ``max_spans``, lineage on, torch compiling, fingerprints on and an
+  argument ``global_pre`` walks): the whole call goes to the Python wrapper;
 - after it (a layout not known yet, a result of another kind): ``intercept.finish_call``, with
   the frame left on top as the Python wrapper leaves it; an exception: the post hook body, as
   the Python wrapper calls it.
@@ -57,13 +61,13 @@ SOURCE = r"""
 enum Name {  // (those every call reads first: side by side in TracedCall's ints and cached)
   kActiveThread, kMaxSpans, kStep, kStepT0Raw, kSpanFlags, kQuietHooks, kFpNow, kStepRoot, kIds, kWriter,
   kStack, kCounters, kLayouts, kGeneration, kOne, kByCallKey, kPending, kMaxBuffered, kFlush, kPostFn,
-  kOnError, kCompilingFlag, kFps, kLast, kLastVersion, kLastIdx, kAddOne, kTaken, kNames
+  kOnError, kCompilingFlag, kFps, kLast, kLastVersion, kLastIdx, kAddOne, kTaken, kAdd, kNames
 };
 const char* const kNameText[kNames] = {
   "active_thread", "max_spans", "step", "step_t0_raw", "span_flags", "quiet_hooks", "fp_now", "step_root",
   "ids", "writer", "stack", "counters", "layouts", "generation", "one", "by_call_key", "pending",
   "max_buffered", "flush", "post_fn", "on_error", "_is_compiling_flag", "fps", "last", "last_version",
-  "last_idx", "add_one", "taken"};
+  "last_idx", "add_one", "taken", "add"};
 PyObject* names[kNames];
 constexpr int kSpareFrames = 64;
 // Bumped by every attribute assignment or deletion on the tracer's and its writer's classes
@@ -244,6 +248,7 @@ struct OpenCall {
   PyObject* path_id = nullptr;
   PyObject* call = nullptr;
   PyObject* fp_pre = nullptr;  // its inputs' fingerprint index (-1: none)
+  PyObject* pre = nullptr;     // with fingerprints, the tensors add takes of its arguments (a list)
   PyObject* counters = nullptr;  // the tracer's StepCounters it was counted in; index, call, path_id:
   long long index_v = 0, call_v = 0, path_v = 0;
   bool fp = false;             // a step with fingerprints
@@ -253,6 +258,7 @@ struct OpenCall {
   ~OpenCall() {
     Py_XDECREF(stack); Py_XDECREF(frame); Py_XDECREF(args); Py_XDECREF(index);
     Py_XDECREF(parent); Py_XDECREF(path_id); Py_XDECREF(call); Py_XDECREF(fp_pre); Py_XDECREF(counters);
+    Py_XDECREF(pre);
   }
 };
 
@@ -307,11 +313,77 @@ PyObject* fingerprint_output(TracedCall* self, PyObject* result) {
   return PyObject_VectorcallMethod(names[kAddOne], argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
 }
 
+// StepFingerprints.add(items, store): each plain CPU tensor from the first in C (add_host's case,
+// tracer/native_host.py), the rest from the first it leaves through add itself, as add does:
+// the first's index. New reference, or NULL with an exception.
+PyObject* fingerprint_many(TracedCall* self, PyObject* const* items, Py_ssize_t n, bool store) {
+  PyObject* fps = state_item(self, kFps);
+  if (fps == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "fps");
+    return nullptr;
+  }
+  PyObject* first = nullptr;
+  Py_ssize_t done = 0;
+  for (; done < n; ++done) {
+    PyObject* index = add_one_host(fps, items[done], store, /*as_add=*/true);
+    if (index == nullptr) {
+      if (PyErr_Occurred()) { Py_XDECREF(first); return nullptr; }
+      break;
+    }
+    if (first == nullptr) first = index;
+    else Py_DECREF(index);
+  }
+  if (done == n) return first;
+  PyObject* rest = PyList_New(n - done);
+  for (Py_ssize_t i = done; rest != nullptr && i < n; ++i) PyList_SET_ITEM(rest, i - done, Py_NewRef(items[i]));
+  PyObject* argv[3] = {fps, rest, store ? Py_True : Py_False};
+  PyObject* index = rest == nullptr ? nullptr
+      : PyObject_VectorcallMethod(names[kAdd], argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+  Py_XDECREF(rest);
+  if (index == nullptr) { Py_XDECREF(first); return nullptr; }
+  if (first == nullptr) return index;
+  Py_DECREF(index);
+  return first;
+}
+
+// The tensors global_pre fingerprints of positional arguments other than one plain tensor, as
+// spans.argument_tensors finds them: plain tensors, plain values (None, numbers, strings), a
+// registered batch context, and tuples or lists of tensors and plain values one level down. A
+// new list; NULL for any other call (a tensor subclass, another object, too many tensors: the
+// Python wrapper's), with an exception on an error.
+constexpr Py_ssize_t kMaxTensors = 64;  // tensor_slots.MAX_TENSORS
+
+PyObject* fp_arguments(TracedCall* self, PyObject* const* args, Py_ssize_t n) {
+  PyTypeObject* tensor = reinterpret_cast<PyTypeObject*>(self->tensor_type);
+  PyObject* out = PyList_New(0);
+  for (Py_ssize_t i = 0; out != nullptr && i < n; ++i) {
+    PyObject* x = args[i];
+    bool ok;
+    if (Py_TYPE(x) == tensor) {
+      ok = PyList_Append(out, x) == 0;
+    } else if (PyObject_TypeCheck(x, tensor)) {
+      ok = false;
+    } else if (PyTuple_CheckExact(x) || PyList_CheckExact(x)) {
+      Py_ssize_t m = PySequence_Fast_GET_SIZE(x);
+      ok = m <= kMaxNested;
+      for (Py_ssize_t j = 0; ok && j < m; ++j) {
+        PyObject* y = PySequence_Fast_GET_ITEM(x, j);
+        if (Py_TYPE(y) == tensor) ok = PyList_Append(out, y) == 0;
+        else ok = y == Py_None || PyLong_Check(y) || PyFloat_Check(y) || PyUnicode_Check(y);
+      }
+    } else {
+      ok = plain(x, self->context) == 1;
+    }
+    if (!ok || PyList_GET_SIZE(out) > kMaxTensors) Py_CLEAR(out);
+  }
+  return out;
+}
+
 // The frame the Python wrapper opens for this call (its inline path for one tensor in; else
 // global_pre's), opened here: 1 opened, 0 the call is not one this handles (or an error: the
 // Python wrapper then redoes it), -1 an exception fingerprinting its input (the caller reports
-// it and makes the call untraced, as the Python wrapper does). With fingerprints, calls of one
-// plain tensor only.
+// it and makes the call untraced, as the Python wrapper does). With fingerprints, calls whose
+// arguments fp_arguments takes.
 int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssize_t n, bool keywords,
               PyObject* arg_tuple, OpenCall& c) {
   if (compiling(self)) return 0;
@@ -323,8 +395,10 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
       state_item(self, kStepRoot) == module)
     return 0;
   c.fp = fp_now == Py_True;
-  if (c.fp && (n != 1 || keywords || Py_TYPE(args[0]) != reinterpret_cast<PyTypeObject*>(self->tensor_type)))
-    return 0;
+  // With fingerprints, the inputs global_pre fingerprints: one plain tensor (add_one), else the
+  // tensors of fp_arguments (add); a call of other arguments is the Python wrapper's.
+  bool single = n == 1 && Py_TYPE(args[0]) == reinterpret_cast<PyTypeObject*>(self->tensor_type);
+  if (c.fp && !single && (c.pre = fp_arguments(self, args, n)) == nullptr) return 0;
   PyObject *ids = state_item(self, kIds), *writer = state_item(self, kWriter);
   PyObject *most = state_item(self, kMaxSpans), *stack = state_item(self, kStack);
   PyObject* counters = state_item(self, kCounters);  // (the Python ones: the Python wrapper's calls)
@@ -368,7 +442,10 @@ int open_call(TracedCall* self, PyObject* module, PyObject* const* args, Py_ssiz
   if (peek_call(count, id) != call || count->span_count != index) return 0;
   commit_call(count, id, call);
   c.index_v = index, c.call_v = call, c.path_v = id;
-  c.fp_pre = c.fp ? fingerprint_input(self, args[0]) : PyLong_FromLong(-1);
+  // (one tensor: add_one(a, False); else add(tensors, store=False), as global_pre takes them)
+  if (!c.fp || (!single && PyList_GET_SIZE(c.pre) == 0)) c.fp_pre = PyLong_FromLong(-1);
+  else if (single) c.fp_pre = fingerprint_input(self, args[0]);
+  else c.fp_pre = fingerprint_many(self, PySequence_Fast_ITEMS(c.pre), PyList_GET_SIZE(c.pre), false);
   if (c.fp_pre == nullptr) return -1;
   if (arg_tuple == nullptr)
     for (Py_ssize_t i = 0; i < n; ++i) PyTuple_SET_ITEM(c.args, i, Py_NewRef(args[i]));

@@ -348,8 +348,47 @@ int record_one(TracedCall* self, OpenCall& c, PyObject* a, PyObject* result) {
 
 // A call of tensors and plain values whose layout this rank file knows by call_key
 // (spans.record_tensors' first branch): 1 recorded, 0 not such a call, -1 an exception.
+// On a fingerprinted step, the outputs record_tensors fingerprints after such a call (keyword
+// arguments' tensors, then the result's, one level down): the first's index as fingerprint_many
+// takes them, or -1 for none. New reference, or NULL with an exception.
+PyObject* fingerprint_post(TracedCall* self, PyObject* kwargs, PyObject* result) {
+  PyTypeObject* tensor = reinterpret_cast<PyTypeObject*>(self->tensor_type);
+  PyObject* post = PyList_New(0);
+  if (post == nullptr) return nullptr;
+  bool ok = true;
+  if (kwargs != Py_None && PyDict_Check(kwargs)) {
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (ok && PyDict_Next(kwargs, &pos, &k, &v))
+      if (PyObject_TypeCheck(v, tensor)) ok = PyList_Append(post, v) == 0;
+  }
+  if (ok && PyObject_TypeCheck(result, tensor)) {
+    ok = PyList_Append(post, result) == 0;
+  } else if (ok && (PyTuple_CheckExact(result) || PyList_CheckExact(result))) {
+    PyObject* seq = PySequence_Fast(result, "result");  // (a new reference: a list may change)
+    ok = seq != nullptr;
+    for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(seq); ++i) {
+      PyObject* r = PySequence_Fast_GET_ITEM(seq, i);
+      if (PyObject_TypeCheck(r, tensor)) {
+        ok = PyList_Append(post, r) == 0;
+      } else if (PyTuple_CheckExact(r) || PyList_CheckExact(r)) {
+        PyObject* inner = PySequence_Fast(r, "result item");
+        ok = inner != nullptr;
+        for (Py_ssize_t j = 0; ok && j < PySequence_Fast_GET_SIZE(inner); ++j)
+          if (PyObject_TypeCheck(PySequence_Fast_GET_ITEM(inner, j), tensor))
+            ok = PyList_Append(post, PySequence_Fast_GET_ITEM(inner, j)) == 0;
+        Py_XDECREF(inner);
+      }
+    }
+    Py_XDECREF(seq);
+  }
+  PyObject* index = !ok ? nullptr : PyList_GET_SIZE(post) == 0 ? PyLong_FromLong(-1)
+      : fingerprint_many(self, PySequence_Fast_ITEMS(post), PyList_GET_SIZE(post), true);
+  Py_DECREF(post);
+  return index;
+}
+
 int record_known(TracedCall* self, OpenCall& c, PyObject* kwargs, PyObject* result) {
-  if (c.fp) return 0;  // (its outputs' fingerprints: record_tensors)
   int64_t id = call_id(c.args, kwargs, result, self->context);
   if (id == -2) return -1;
   if (id < 0) return 0;
@@ -369,7 +408,10 @@ int record_known(TracedCall* self, OpenCall& c, PyObject* kwargs, PyObject* resu
   ++self->recorded;
   int64_t t1 = now_ns();
   int r = pop_frame(self, c);
-  if (r == 0) r = append_span(self, c, t1, PyTuple_GET_ITEM(known, 0), 0, nullptr, n);
+  PyObject* fp_post = r == 0 && c.fp ? fingerprint_post(self, kwargs, result) : nullptr;  // (after t1, as record_tensors)
+  if (c.fp && fp_post == nullptr) r = -1;
+  if (r == 0) r = append_span(self, c, t1, PyTuple_GET_ITEM(known, 0), 0, fp_post, n);
+  Py_XDECREF(fp_post);
   Py_DECREF(known);
   return r < 0 ? -1 : 1;
 }

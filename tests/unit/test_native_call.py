@@ -51,7 +51,7 @@ def test_the_c_call_wrapper_records_what_the_python_one_does(tmp_path):
         pytest.skip("no C++ compiler or ninja to build the extension")
     native = _record(tmp_path / "native", "1")
     python = _record(tmp_path / "python", "0")
-    in_c_nofp = native["nofp"]["in_c"]
+    in_c_nofp, in_c_fp = native["nofp"]["in_c"], native["fp"]["in_c"]
     for session in ("nofp", "fp", "fp-lineage", "limit"):
         in_c = native[session].pop("in_c")
         assert python[session].pop("in_c") == 0 and in_c > 0
@@ -82,6 +82,9 @@ def test_the_c_call_wrapper_records_what_the_python_one_does(tmp_path):
     assert native["nofp"]["stats"]["spans"] == 8 * 388 + 3 * 20
     assert native["nofp"]["stats"]["dropped_spans"] == 3 * 3
     assert in_c_nofp >= 2 * (385 + 385 + 290)
+    # with fingerprints, the second step of each decode model in C too: calls of several tensors
+    # (SGLang's attention with its ForwardBatch, (x, residual) layers) included
+    assert in_c_fp >= 385 + 385
     assert native["limit"]["stats"]["dropped_spans"] == 2 * (388 - 50)
 
 

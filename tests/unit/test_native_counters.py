@@ -10,13 +10,13 @@ from tensor_trace.tracer import spans
 
 
 class Add(torch.nn.Module):
-    def forward(self, x, y=None):
-        return x if y is None else x + y
+    def forward(self, x, extra=None):
+        return x if extra is None else x + extra["y"]
 
 
 class Mixed(torch.nn.Module):
-    """``add`` called with one tensor (the C wrapper's, with fingerprints on) and with two (the
-    Python wrapper's), alternately, in one step."""
+    """``add`` called with one tensor (the C wrapper's, with fingerprints on) and with a second in
+    a dict (the Python wrapper's: an argument it walks), alternately, in one step."""
 
     def __init__(self):
         super().__init__()
@@ -26,7 +26,7 @@ class Mixed(torch.nn.Module):
     def forward(self, x):
         x = self.lin(x)
         for i in range(6):
-            x = self.add(x) if i % 2 == 0 else self.add(x, x)
+            x = self.add(x) if i % 2 == 0 else self.add(x, {"y": x})
         return self.lin(x)
 
 
