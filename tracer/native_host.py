@@ -94,6 +94,11 @@ void pair_f64(const T* p, int64_t n, double& sum, double& sq) {
   sq = (q[0] + q[1]) + (q[2] + q[3]);
 }
 
+// The dtypes host_pair reads (tracer/fingerprint_reduce.py's HOST_DTYPES).
+inline bool pair_dtype(at::ScalarType st) {
+  return st == at::kFloat || st == at::kDouble || st == at::kLong || st == at::kInt;
+}
+
 // The pair of one contiguous run of n values of dtype st, added to sum and sq.
 void pair_run(at::ScalarType st, const void* p, int64_t n, double& sum, double& sq) {
   double s = 0, q = 0;
@@ -162,9 +167,8 @@ void pair_view(const at::Tensor& t, double& sum, double& sq) {
 PyObject* host_pair(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 1) { PyErr_SetString(PyExc_TypeError, "host_pair(t)"); return nullptr; }
   const at::Tensor* t = readable_host_tensor(args[0], /*views=*/true);
-  if (t == nullptr || t->dim() > 64) Py_RETURN_NONE;
+  if (t == nullptr || t->dim() > 64 || !pair_dtype(t->scalar_type())) Py_RETURN_NONE;
   at::ScalarType st = t->scalar_type();
-  if (st != at::kFloat && st != at::kDouble && st != at::kLong && st != at::kInt) Py_RETURN_NONE;
   int64_t n = t->numel();
   double sum = 0, sq = 0;
   PyThreadState* released = n >= kReleaseGilFrom ? PyEval_SaveThread() : nullptr;
@@ -354,8 +358,7 @@ PyObject* add_one_host(PyObject* fps, PyObject* o, bool store, bool as_add = fal
     } else if (PyErr_Occurred()) {
       goto done;
     }
-    at::ScalarType st = t->scalar_type();
-    if (st != at::kFloat && st != at::kDouble && st != at::kLong && st != at::kInt) goto done;
+    if (!pair_dtype(t->scalar_type())) goto done;
     PyObject* argv[1] = {o};
     PyObject* pair = host_pair(nullptr, argv, 1);
     if (pair == nullptr || pair == Py_None) { Py_XDECREF(pair); goto done; }
@@ -411,11 +414,10 @@ bool coll_host_ready(PyObject* d) {
          PyList_GET_SIZE(held) == 0;
 }
 
+// A tensor host_pair reads.
 bool pair_readable(PyObject* o) {
   const at::Tensor* t = readable_host_tensor(o, /*views=*/true);
-  if (t == nullptr || t->dim() > 64) return false;
-  at::ScalarType st = t->scalar_type();
-  return st == at::kFloat || st == at::kDouble || st == at::kLong || st == at::kInt;
+  return t != nullptr && t->dim() <= 64 && pair_dtype(t->scalar_type());
 }
 
 // fp_inputs([t], rows_wanted) for one plain CPU tensor: ``materialize`` (nothing to do: checked),
