@@ -165,7 +165,7 @@ def test_all_reduce_fingerprints_add_up_across_ranks(tp_run):
             outs = [c.tensors[1].fp for c in calls]
             assert all(fp is not None for fp in ins + outs)
             # the reduced result is the same on every rank
-            assert all(o == outs[0] for o in outs), outs
+            assert all(_same_values(c.tensors[1], calls[0].tensors[1]) for c in calls), outs
             total = math.fsum(fp[0] for fp in ins)
             scale = max(abs(outs[0][0]), math.fsum(abs(fp[0]) for fp in ins))
             assert abs(total - outs[0][0]) <= 1e-4 * scale + 1e-6, (step, calls[0].index, ins, outs[0])
@@ -174,9 +174,19 @@ def test_all_reduce_fingerprints_add_up_across_ranks(tp_run):
         # the all_gather output (the full logits) is identical on every rank, and its shards are
         # the ranks' inputs in rank order
         gathers = [[c for c in cs if c.op == "all_gather"][0] for cs in per_rank]
-        outs = [[x.fp for x in g.tensors[1:]] for g in gathers]
-        assert all(o == outs[0] for o in outs)
-        assert outs[0] == [g.tensors[0].fp for g in gathers]
+        for g in gathers:
+            assert all(_same_values(x, y) for x, y in zip(g.tensors[1:], gathers[0].tensors[1:]))
+        assert all(_same_values(x, g.tensors[0]) for x, g in zip(gathers[0].tensors[1:], gathers))
+
+
+def _same_values(x, y) -> bool:
+    """Two recorded tensors hold the same values: equal fingerprints within the merge's tolerance.
+    Not to the bit: ranks switch to tracer/native.py's C reads (another summation order than
+    numpy's) at the first step that finds the extension ready, which need not be the same step
+    on every rank (its load runs beside the first traced step)."""
+    from tensor_trace.exporters.analysis.tolerance import Observed, fp_equal
+
+    return fp_equal(Observed(x.shape, x.dtype, x.fp), Observed(y.shape, y.dtype, y.fp))
 
 
 def test_sequence_numbers_agree_across_ranks(tp_run):
