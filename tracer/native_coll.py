@@ -363,6 +363,30 @@ inline bool set_in_collective(PyObject* st, PyObject* v) {
 // 1 the call is one this does (c filled, the group's sequence and the collective count taken),
 // 0 the Python wrapper's (nothing changed), -1 outside the window (the sequence taken; the call
 // is made as is).
+// begin's fingerprint of the inputs and their nonzero rows, before the call, into c.fp_pre and
+// c.rows: a CPU tensor's in C (tracer/native_host.py), else the interceptor's fp_inputs. 0, or -1
+// with an exception.
+int coll_fp_pre(TracedCollective* self, PyObject* st, CollCall& c) {
+  PyObject* fps = cstate(st, cFps);
+  int done = fps == nullptr ? 0 : coll_fp_input_host(fps, c.in, self->row_checked, &c.fp_pre, &c.rows);
+  if (done != 0) return done > 0 ? 0 : -1;
+  PyObject* inputs = PyList_New(1);
+  if (inputs == nullptr) return -1;
+  PyList_SET_ITEM(inputs, 0, Py_NewRef(c.in));
+  PyObject* argv[2] = {inputs, self->row_checked ? Py_True : Py_False};
+  PyObject* r = PyObject_Vectorcall(self->fp_inputs, argv, 2, nullptr);
+  Py_DECREF(inputs);
+  if (r != nullptr && (!PyTuple_CheckExact(r) || PyTuple_GET_SIZE(r) != 2)) {
+    Py_CLEAR(r);
+    PyErr_SetString(PyExc_TypeError, "fp_inputs");
+  }
+  if (r == nullptr) return -1;
+  c.fp_pre = Py_NewRef(PyTuple_GET_ITEM(r, 0));
+  c.rows = Py_NewRef(PyTuple_GET_ITEM(r, 1));
+  Py_DECREF(r);
+  return 0;
+}
+
 int coll_begin(TracedCollective* self, PyObject* const* vals, CollCall& c) {
   PyObject *st = self->state, *ic = self->ic_state;
   if (cstate(st, cEnabled) != Py_True || cstate(st, cInCollective) != Py_False ||
@@ -455,36 +479,9 @@ int coll_begin(TracedCollective* self, PyObject* const* vals, CollCall& c) {
   next = PyLong_FromLongLong(count_now + 1);
   if (next == nullptr || PyDict_SetItem(st, cnames[cCollCount], next) < 0) { Py_XDECREF(next); return 0; }
   Py_DECREF(next);
-  if (c.fp) {  // begin's fingerprint of the inputs and their nonzero rows, before the call
-    PyObject* fps = cstate(st, cFps);  // a CPU tensor's in C (tracer/native_host.py)
-    int done = fps == nullptr ? 0 : coll_fp_input_host(fps, c.in, self->row_checked, &c.fp_pre, &c.rows);
-    if (done < 0) {
-      coll_report(self);
-      return -1;
-    }
-    if (done > 0) {
-      c.t0 = now_ns();
-      return 1;
-    }
-    PyObject* inputs = PyList_New(1);
-    PyObject* r = nullptr;
-    if (inputs != nullptr) {
-      PyList_SET_ITEM(inputs, 0, Py_NewRef(c.in));
-      PyObject* argv[2] = {inputs, self->row_checked ? Py_True : Py_False};
-      r = PyObject_Vectorcall(self->fp_inputs, argv, 2, nullptr);
-      Py_DECREF(inputs);
-    }
-    if (r != nullptr && (!PyTuple_CheckExact(r) || PyTuple_GET_SIZE(r) != 2)) {
-      Py_CLEAR(r);
-      PyErr_SetString(PyExc_TypeError, "fp_inputs");
-    }
-    if (r == nullptr) {  // as the Python wrapper's begin failing: reported, the call made unrecorded
-      coll_report(self);
-      return -1;
-    }
-    c.fp_pre = Py_NewRef(PyTuple_GET_ITEM(r, 0));
-    c.rows = Py_NewRef(PyTuple_GET_ITEM(r, 1));
-    Py_DECREF(r);
+  if (c.fp && coll_fp_pre(self, st, c) < 0) {  // as the Python wrapper's begin failing: reported,
+    coll_report(self);                          // the call made unrecorded
+    return -1;
   }
   c.t0 = now_ns();
   return 1;

@@ -248,12 +248,17 @@ const char* const fNameText[fNames] = {"last", "last_idx", "last_version", "_nt"
                                        "_seen", "count", "_host_pos", "_host_idx", "_host_vals", "_dups"};
 PyObject* fnames[fNames];
 
+PyObject* kDefTs = nullptr;    // "_def_ts"   (StepFingerprints' deferred tensors held, and
+PyObject* kLastOut = nullptr;  // "_last_out"  its outputs held last: what the collectives' read)
+
 bool ready_host_values() {
   for (int i = 0; i < fNames; ++i) {
     fnames[i] = PyUnicode_InternFromString(fNameText[i]);
     if (fnames[i] == nullptr) return false;
   }
-  return true;
+  kDefTs = PyUnicode_InternFromString("_def_ts");
+  kLastOut = PyUnicode_InternFromString("_last_out");
+  return kDefTs != nullptr && kLastOut != nullptr;
 }
 
 // The tensor's version counter as add_one reads it: None for an inference tensor (a new reference).
@@ -394,17 +399,9 @@ done:
 }
 
 // ---- a collective's fingerprints (CollectiveInterceptor.fp_inputs / fp_outputs' common case)
-PyObject* kDefTs = nullptr;  // "_def_ts"
-PyObject* kLastOut = nullptr;  // "_last_out"
-
 // fps' state lets a collective's tensors be fingerprinted here: immediate values only (no C++
 // table, no capture, nothing deferred on the CPU) and nothing held that materialize would reduce.
 bool coll_host_ready(PyObject* d) {
-  if (kDefTs == nullptr && ((kDefTs = PyUnicode_InternFromString("_def_ts")) == nullptr ||
-                            (kLastOut = PyUnicode_InternFromString("_last_out")) == nullptr)) {
-    PyErr_Clear();
-    return false;
-  }
   PyObject* nt = PyDict_GetItemWithError(d, fnames[fNt]);
   PyObject* capturing = PyDict_GetItemWithError(d, fnames[fCapturing]);
   PyObject* defer = PyDict_GetItemWithError(d, fnames[fDeferCpu]);
@@ -426,7 +423,6 @@ bool pair_readable(PyObject* o) {
 // *index and *rows (new references: rows None when not wanted); 0 where fp_inputs must take it,
 // nothing changed; -1 an exception.
 int coll_fp_input_host(PyObject* fps, PyObject* t, bool rows_wanted, PyObject** index, PyObject** rows) {
-  if (!pair_readable(t)) return 0;
   PyObject* d = PyObject_GenericGetDict(fps, nullptr);
   if (d == nullptr) { PyErr_Clear(); return 0; }
   bool ready = coll_host_ready(d);
