@@ -61,8 +61,8 @@ class TraceConfig:
     max_errors: int = 20  # after this many hook errors tracing turns itself off in the process
     max_spans_per_step: int = 1_000_000
     # Host knobs: environment variables read by each traced process itself, not options of
-    # `record` (they travel as themselves, not in ENV_CONFIG). tracer/native.py's C++ keys and
-    # table: "1" on, "0" off, "auto" where CUDA is available.
+    # `record` (they travel as themselves, not in ENV_CONFIG). tracer/native.py's extension: "1"
+    # on, "0" off, "auto" where CUDA is available or the machine can build it (native.enabled).
     native: str = dataclasses.field(default_factory=lambda: native_from_env())
     # tracer/multi_tensor.py's Triton kernel: "1" on, "0" off, "interpret" (tests, TRITON_INTERPRET).
     multi_tensor: str = dataclasses.field(default_factory=lambda: multi_tensor_from_env())
