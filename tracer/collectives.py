@@ -307,8 +307,8 @@ class CollectiveInterceptor:
             name = "world" if is_default else (desc if desc and desc != "undefined" else pg_name)
             return self.seq_for(pg_name, name, list(ranks), backend, pg_name)
         gid = entry[0]
-        if gid not in self.tracer.written_groups:
-            return self._next_seq(entry)  # (its GROUP record first)
+        if gid not in self.tracer.written_groups and self.tracer.writer is not None:
+            return self._next_seq(entry)  # (its GROUP record first; none before the rank file)
         seq = self.seq[gid]
         self.seq[gid] = seq + 1
         return gid, seq

@@ -87,7 +87,7 @@ class Tracer:
         self.step_t0 = 0
         self.step_t0_raw = 0
         self.fp_now = False
-        self.native_pending = True  # tracer/native.py: asked for at the first traced step
+        self.native_pending = True  # tracer/native.py: asked for at the first step (steps._poll_native)
         self.span_flags = 0
         self.max_spans = config.max_spans_per_step
         self.stack: list = []  # the open calls of the current step (tracer/spans.py: F_*)
@@ -115,6 +115,10 @@ class Tracer:
         self.shared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.site_paths: dict = {}  # path id -> path, of the call sites named so far
         self.roots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # The --steps window has closed for good (go_dormant): no hook or wrapper left to run;
+        # the roots whose step hooks went with it, hooked again in a forked child.
+        self.dormant = False
+        self.dormant_roots: weakref.WeakSet = weakref.WeakSet()
         self.root_classes: list = []  # prefixes given to roots, in order (the first has none)
         # interception (tracer/intercept.py)
         self.global_handles: list = []
@@ -239,6 +243,8 @@ class Tracer:
 
     def _stop(self, reason: str) -> None:
         self.enabled = False
+        self.dormant = False
+        self.dormant_roots = weakref.WeakSet()
         self.remove_interception()
         for handles in list(self.roots.values()):
             for h in handles:
@@ -291,6 +297,43 @@ class Tracer:
 
     def remove_interception(self) -> None:
         intercept.remove_global_hooks(self)
+
+    def go_dormant(self) -> None:
+        """The ``--steps`` window has closed for good (steps only count up): take out all that
+        runs on every later step or collective (the roots' step hooks, global interception, the
+        collective wrappers), so the rest of the run costs what an untraced one does. Later
+        steps go uncounted (``stats["steps_skipped"]`` stops); a forked child, which counts its
+        own steps and window, puts it all back (``_after_fork_child``)."""
+        if self.dormant or not self.enabled:
+            return
+        self.dormant = True
+        self.stats["dormant_after_step"] = self.step
+        self.remove_interception()
+        for module, handles in list(self.roots.items()):
+            if handles:
+                for h in handles:
+                    h.remove()
+                self.roots[module] = []
+                self.dormant_roots.add(module)
+        if self.collectives is not None:
+            # (a wrapper bound before it was taken out, e.g. a name imported from
+            # torch.distributed while it was in, passes calls on: no tracer's collectives)
+            self.collectives.uninstall()
+            self.collectives = None
+
+    def _wake_after_fork(self) -> None:
+        """Undo go_dormant in a forked child: its window starts over."""
+        from tensor_trace.tracer.collectives import CollectiveInterceptor
+
+        self.dormant = False
+        self.stats.pop("dormant_after_step", None)
+        self.collectives = CollectiveInterceptor(self)
+        self.collectives.install()
+        for module in list(self.dormant_roots):
+            if module in self.roots and not self.roots[module]:
+                self.roots[module] = steps.hook_root(self, module)
+        self.dormant_roots = weakref.WeakSet()
+        self.install_interception()  # (as start does: roots first called in the child)
 
     def use_native_call(self) -> None:
         """tracer/native.py is ready: modules called through the call wrapper's C version, and
@@ -462,6 +505,8 @@ class Tracer:
             self.device_times.reset()
             self.identity = {}
             self.stats = {k: 0 for k in self.stats}
+            if self.dormant and self.enabled:  # (a stopped tracer's hook runs here too)
+                self._wake_after_fork()
             for hook in self.after_fork_callbacks:
                 hook()
         except Exception as exc:

@@ -443,7 +443,10 @@ int coll_begin(TracedCollective* self, PyObject* const* vals, CollCall& c) {
   PyObject* entry = PyDict_GetItemWithError(groups, c.pg_name);
   if (entry == nullptr || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) < 1) return 0;
   c.gid = Py_NewRef(PyTuple_GET_ITEM(entry, 0));
-  if (PySet_Contains(written, c.gid) != 1) return 0;
+  // (a group not in this rank file yet: its GROUP record is the Python path's to write; before
+  // the rank file exists, only the sequence counts)
+  int known = PySet_Contains(written, c.gid);
+  if (known != 1 && (known < 0 || cstate(st, cWriter) != Py_None)) return 0;
   PyObject* seq = PyDict_GetItemWithError(seqs, c.gid);
   if (seq == nullptr || !PyLong_CheckExact(seq)) return 0;
   PyObject *stack = nullptr, *count = nullptr;

@@ -33,13 +33,18 @@ _CALL_IMPL = torch.nn.Module._call_impl.__code__
 _CUDA_BUILT = torch.backends.cuda.is_built()  # (a CPU build of torch captures no CUDA graph)
 
 
-def adopt_root(t, module, hooks: bool = True) -> None:
-    """Give a newly seen outermost module its own step hooks and name its submodules."""
-    t.roots[module] = [
+def hook_root(t, module) -> list:
+    """A root's own step hooks (their handles)."""
+    return [
         module.register_forward_pre_hook(functools.partial(root_pre, t), with_kwargs=True),
         module.register_forward_hook(functools.partial(root_post, t), with_kwargs=True,
                                      always_call=True),
-    ] if hooks else []
+    ]
+
+
+def adopt_root(t, module, hooks: bool = True) -> None:
+    """Give a newly seen outermost module its own step hooks and name its submodules."""
+    t.roots[module] = hook_root(t, module) if hooks else []
     naming.name_root(t, module)
     if t.lineage is not None:
         t.lineage.add_params(module)
@@ -91,8 +96,8 @@ def root_post(t, module, args, *rest):
                     stack.clear()
                 t.step_root = None  # never keep the model alive past its step
                 t.in_step = False
-                if t.global_handles and not t.config.in_window(t.step + 1):
-                    t.remove_interception()
+                if t.step + 1 >= t.config.window.stop:
+                    t.go_dormant()
             except Exception as exc:
                 t.on_error("step end", exc)
                 t.in_step = False
@@ -185,6 +190,10 @@ def begin_step(t, root, args) -> None:
         t.stats["steps_skipped"] += 1
         if t.global_handles:
             t.remove_interception()
+        if t.native_pending:
+            # (asked for at the process's first step, traced or not: the C path of the
+            # collectives then keeps their sequence numbers before the window too)
+            _poll_native(t)
         return
     t.step_frame = None if t.external_steps else _root_call_frame()
     if not t.global_handles:
@@ -229,8 +238,8 @@ def begin_step(t, root, args) -> None:
 
 
 def _poll_native(t) -> None:
-    """Start tracer/native.py's build at the first traced step (processes that never trace a
-    step do not build), and take its pair_key once it is ready; the Python key until then or
+    """Start tracer/native.py's build at the first step (processes that never run a step do not
+    build), and take its pair_key once it is ready; the Python key until then or
     if it is unavailable."""
     if not native.enabled(t.config.native):
         t.native_pending = False
@@ -337,7 +346,9 @@ def end_step(t, error: bool = False, result=None, kwargs=None) -> None:
     t.in_step = False
     t.tracing_step = False
     t.capturing = False
-    if not t.config.in_window(step + 1) and t.global_handles:
+    if step + 1 >= t.config.window.stop:
+        t.go_dormant()
+    elif t.global_handles and not t.config.in_window(step + 1):
         t.remove_interception()
 
 

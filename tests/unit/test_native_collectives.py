@@ -64,7 +64,7 @@ def _records(out_dir):
 
 
 def _run(out_dir, monkeypatch, native, c_path, fingerprint=False):
-    """The rank file of six steps (steps 1-4 traced), with the C path of collectives or without."""
+    """The rank file of five steps (steps 1-4 traced), with the C path of collectives or without."""
     monkeypatch.setitem(native._state, "traced_collective",
                         native._state["traced_collective"] if c_path else None)
     tr = tracer.start(out_dir=str(out_dir), fingerprint=fingerprint, fingerprint_every=1, lineage=False,
@@ -73,13 +73,16 @@ def _run(out_dir, monkeypatch, native, c_path, fingerprint=False):
         with torch.inference_mode():
             m = Collectives()
             x = torch.arange(32, dtype=torch.float32).reshape(8, 4)
-            for step in range(6):
+            ic = tr.collectives  # (step 4 is the window's last: Tracer.go_dormant lets it go)
+            for step in range(5):
                 if step == 3:
                     tr.writer._forget_ids()  # (as the intern bound does): strings and layouts again
+                if step == 4:
+                    calls = ic.native_calls
                 m(x)
-        calls = tr.collectives.native_calls
+        assert tr.dormant and tr.collectives is None
         recorded = sum(c.recorded for c in calls.values())
-        seqs = dict(tr.collectives.seq)  # (advanced outside the window too: step 5's calls)
+        seqs = dict(ic.seq)  # (advanced before the window too: step 0's calls)
         assert tr.errors == 0
     finally:
         tracer.stop()
@@ -102,7 +105,7 @@ def test_c_path_of_collectives_writes_the_python_paths_records(tmp_path, monkeyp
     # to the rank file (the first traced step, and the step after its ids were forgotten).
     assert c_recorded >= 2 * 12
     assert c_records == py_records
-    assert c_seqs == py_seqs == {0: 6 * 15}
+    assert c_seqs == py_seqs == {0: 5 * 15}
     assert [r[14] for r in colls[12:15]] == [schema.FLAG_ASYNC, schema.FLAG_ASYNC, schema.FLAG_ERROR]
     fps = [(r[11], r[12]) for r in colls if not r[14] & schema.FLAG_ERROR]
     if fingerprint:  # (each with its inputs' and outputs' values; all_reduce's with nonzero rows)

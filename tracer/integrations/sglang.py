@@ -159,11 +159,11 @@ def _wrap_group_method(method, orig, in_args, out_args, reduce_op):
         token = None
         bound = None
         try:
-            bound = signature.bind(self, *args, **kwargs).arguments
             key = f"sglang:{getattr(self, 'unique_name', id(self))}"
             group_seq = ic.seq_for(key, group_name(self), list(getattr(self, "ranks", [])),
                                    "sglang", str(getattr(self, "unique_name", "")))
-            if tr.tracing_step:
+            if tr.tracing_step:  # (the arguments bound only for a call that is recorded)
+                bound = signature.bind(self, *args, **kwargs).arguments
                 inputs = [t for a in in_args for t in tensors_of(bound.get(a))]
                 token = ic.begin(method, reduce_op, group_seq, inputs, False)
         except Exception as exc:
