@@ -21,7 +21,9 @@ Variants (``--variants``):
 - ``record-nofp``   ``fingerprint=False``;
 - ``record-nolineage`` ``lineage=False`` (what the lineage schedule's steps cost);
 - ``record-0:1``    ``steps=(0, 1)``: the block's first warm-up step traced, every timed step
-                    outside the window (what an untraced step costs with the tracer installed);
+                    after the window, which has closed for good (Tracer.go_dormant);
+- ``record-before`` a window the run never reaches: every timed step before it (the root's
+                    step hooks and the collectives' sequence numbers still kept);
 - ``empty-hooks``   two empty global forward hooks (pre and post), no tracer: a floor;
 - ``profiler``      ``torch.profiler.profile(activities=[CPU], record_shapes=True)`` entered at
                     the block's start and exited at its end, no tracer: what a user would run
@@ -52,7 +54,7 @@ from models import load_example
 from variants import start as start_variant
 
 VARIANTS = ("untraced", "untraced-b", "record", "record-nocoll", "record-nowake", "record-nofp", "record-nolineage",
-            "record-0:1", "empty-hooks", "profiler")
+            "record-0:1", "record-before", "empty-hooks", "profiler")
 
 
 MAIN_TID = threading.get_native_id()

@@ -11,7 +11,8 @@ def start(variant: str, out_dir: str, **options):
 
     ``untraced*`` nothing; ``empty-hooks``; ``profiler``; ``record`` (record's defaults),
     ``record-nofp`` (``fingerprint=False``), ``record-0:1`` (``steps=(0, 1)``: steps after the
-    first outside the window), ``record-nocoll`` (the collective wrappers taken out again after
+    first come after the window, which has closed for good), ``record-before``
+    (``steps=(10**9, None)``: every step comes before a window not reached yet), ``record-nocoll`` (the collective wrappers taken out again after
     start), ``record-nowake`` (the step end's wake-up of the writer's thread a no-op),
     ``record-nolineage`` (``lineage=False``: what the lineage schedule's steps cost)."""
     if variant.startswith("untraced"):
@@ -24,8 +25,8 @@ def start(variant: str, out_dir: str, **options):
 
     if variant == "record-nolineage":
         options = dict(options, lineage=False)
-    tr = tracer.start(out_dir=out_dir, fingerprint=variant != "record-nofp",
-                      steps=(0, 1) if variant == "record-0:1" else (0, None), **options)
+    steps = {"record-0:1": (0, 1), "record-before": (10**9, None)}.get(variant, (0, None))
+    tr = tracer.start(out_dir=out_dir, fingerprint=variant != "record-nofp", steps=steps, **options)
     if variant == "record-nocoll" and tr.collectives is not None:
         tr.collectives.uninstall()
     if variant == "record-nowake":
