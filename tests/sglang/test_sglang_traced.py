@@ -153,11 +153,18 @@ def _serve_tp1(seeded_model, d):
     return dict(out=str(out), tokens=tokens)
 
 
+DUMMY_WINDOW = (0, 3)  # of the dummy server's recording: its warm-up request's first steps
+
+
 def _serve_dummy(d):
     """TP=2 with `--load-format dummy`, the usual quick way to run SGLang: every rank's shards
-    are identical, so values alone cannot tell a partial sum or a shard from a whole tensor."""
+    are identical, so values alone cannot tell a partial sum or a shard from a whole tensor.
+    Recorded with a `--steps` window that closes inside the warm-up request, so that the server
+    runs on with the tracer taken out (Tracer.go_dormant) and must still answer."""
     out = d / "trace"
-    srv = server.SGLangServer(2, log_path=d / "dummy.log", prefix=[TT, "record", "-o", str(out), "--"],
+    window = "%d:%d" % DUMMY_WINDOW
+    srv = server.SGLangServer(2, log_path=d / "dummy.log",
+                              prefix=[TT, "record", "-o", str(out), "--steps", window, "--"],
                               startup_timeout=600)
     with srv:
         tokens = server.output_ids(srv.generate(server.DEFAULT_INPUT_IDS, max_new_tokens=4))
@@ -236,3 +243,18 @@ def test_dummy_weights_follow_the_collectives_and_the_layer_classes(traced_dummy
             assert any("dummy weights" in e for e in p["evidence"]), p
     r = q("reduction", "model.embed_tokens", "--trace", traced_dummy)
     assert (r["verdict"], r["placement"]) == ("post-reduction", "replicate"), r
+
+
+def test_a_closed_window_leaves_the_server_serving(traced_dummy):
+    # Each TP worker traced the window's steps, then took its hooks and collective wrappers out
+    # (SGLang's GroupCoordinator methods pass calls straight on) and served the rest of the
+    # warm-up and the fixture's request untraced: the fixture got its tokens.
+    traces = [t for t in map(load_rank_file, rank_files(traced_dummy)) if t.steps]
+    assert sorted(t.identity.get("tp_rank") for t in traces) == [0, 1]
+    for t in traces:
+        assert not t.errors, t.errors
+        assert t.header["config"]["steps"] == list(DUMMY_WINDOW)
+        assert sorted(t.steps) == list(range(*DUMMY_WINDOW))
+        assert all(s.collectives for s in t.steps.values())
+        if t.end is not None:  # (SGLang may SIGKILL its schedulers before they write it)
+            assert t.end["stats"]["dormant_after_step"] == DUMMY_WINDOW[1] - 1
