@@ -16,6 +16,19 @@ def torch_extensions_dir(tmp_path_factory):
     return os.environ["TORCH_EXTENSIONS_DIR"]
 
 
+@pytest.fixture
+def fake_world():
+    """torch.distributed's ``fake`` backend at rank 0 of 2 (collectives return at once, nothing
+    else runs): for tests of what the tracer does around a collective. A module may define its
+    own (another world size)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
 # The test that builds tracer/native.py's extension cold, from a process that exits at once.
 COLD_BUILD = "test_native.py::test_a_build_begun_by_a_process_that_exits_at_once_finishes_for_the_next"
 

@@ -6,10 +6,8 @@ blocking, synchronize, elapsed_time in ms); on a GPU the same code path uses tor
 
 import time
 
-import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tensor_trace import schema, tracer
 from tensor_trace.exporters import query as q
@@ -90,13 +88,6 @@ def test_bounded_pending_and_discard(monkeypatch):
 
 def test_cpu_tensors_are_not_timed():
     assert CollectiveDeviceTimes.device_of([torch.zeros(2)]) is None
-
-
-@pytest.fixture
-def fake_world():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield
-    dist.destroy_process_group()
 
 
 class Comm(torch.nn.Module):

@@ -4,23 +4,14 @@ counts its own steps and window, traces again."""
 
 import os
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.modules import module as nn_module
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tensor_trace import tracer
 from tensor_trace.exporters.store.reader import load_rank_file, rank_files
 from tensor_trace.tracer.patching import is_wrapped
-
-
-@pytest.fixture
-def fake_world():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield
-    dist.destroy_process_group()
 
 
 class Reduced(nn.Module):
