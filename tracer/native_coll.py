@@ -360,9 +360,6 @@ inline bool set_in_collective(PyObject* st, PyObject* v) {
   return PyDict_SetItem(st, cnames[cInCollective], v) == 0;
 }
 
-// 1 the call is one this does (c filled, the group's sequence and the collective count taken),
-// 0 the Python wrapper's (nothing changed), -1 outside the window (the sequence taken; the call
-// is made as is).
 // begin's fingerprint of the inputs and their nonzero rows, before the call, into c.fp_pre and
 // c.rows: a CPU tensor's in C (tracer/native_host.py), else the interceptor's fp_inputs. 0, or -1
 // with an exception.
@@ -387,6 +384,9 @@ int coll_fp_pre(TracedCollective* self, PyObject* st, CollCall& c) {
   return 0;
 }
 
+// 1 the call is one this does (c filled, the group's sequence and the collective count taken),
+// 0 the Python wrapper's (nothing changed), -1 the call is made as is: outside the window (the
+// sequence taken), or its inputs' fingerprint failed (reported).
 int coll_begin(TracedCollective* self, PyObject* const* vals, CollCall& c) {
   PyObject *st = self->state, *ic = self->ic_state;
   if (cstate(st, cEnabled) != Py_True || cstate(st, cInCollective) != Py_False ||

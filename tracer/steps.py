@@ -346,10 +346,10 @@ def end_step(t, error: bool = False, result=None, kwargs=None) -> None:
     t.in_step = False
     t.tracing_step = False
     t.capturing = False
+    # (the window is one range: a step in it is followed by one in it or by its close; a step
+    # before it found interception taken out at its begin)
     if step + 1 >= t.config.window.stop:
         t.go_dormant()
-    elif t.global_handles and not t.config.in_window(step + 1):
-        t.remove_interception()
 
 
 def _end_captured_step(t, step: int) -> None:
