@@ -113,7 +113,10 @@ def from_torch_style(style) -> Style:
 HF_STYLES = {"colwise": Style("colwise", shard(-1)), "colwise_rep": Style("colwise", REP),
              "colwise_gather_output": Style("colwise", REP), "rowwise": Style("rowwise", REP),
              "embedding_rowwise": Style("rowwise", REP),
-             "rowwise_split_input": Style("rowwise", REP, inputs=(REP,))}
+             "rowwise_split_input": Style("rowwise", REP, inputs=(REP,)),
+             # replicated weights; a forward does nothing to activations (its all-reduce is of
+             # the weights' gradients, in a backward)
+             "replicated_with_grad_allreduce": Style("replicate")}
 
 
 def hf_plan_styles(plan: dict, module_paths) -> dict:
@@ -219,7 +222,7 @@ class Walk:
         """A norm over the last dim at ``path`` (RMSNorm): same placement, no reduction."""
         self.put(f"{path}:input.0", x)
         style = self.styles.get(path)
-        if style is not None:
+        if style is not None and style.kind != "replicate":
             assert style.kind == "sequence", f"{path}: no truth for {style.kind} on a norm"
             assert x.placement == shard(style.seq_dim), f"{path}: SequenceParallel input is {x.placement}"
         return self.put(f"{path}:output", x.local_op())
@@ -238,6 +241,13 @@ class Walk:
         for a, want in zip(args, style.inputs + (None,) * len(args)):
             inner.append(self.gather(path, a) if want == REP and a is not None else a)
         return inner
+
+
+def heads_view(t: PlannedTensor, head_dim: int) -> PlannedTensor:
+    """``t.view(*t.shape[:-1], -1, head_dim)``: a last-dim shard becomes a shard of the heads dim."""
+    shape = t.shape[:-1] + (t.shape[-1] // head_dim, head_dim)
+    placement = shard(len(shape) - 2) if shard_dim(t.placement) in (len(t.shape) - 1, -1) else t.placement
+    return PlannedTensor(placement, t.reduction, shape, t.dtype)
 
 
 def add(a: PlannedTensor, b: PlannedTensor) -> PlannedTensor:
@@ -280,7 +290,7 @@ def titan_truth(plan: str, tp: int, *, plan_styles, sizes: dict) -> Walk:
 
 
 def hf_llama_truth(plan: dict, tp: int, *, sizes: dict, batch: int, seq: int, version: str,
-                   moe: bool = False, post_norms: bool = False) -> Walk:
+                   moe: bool = False, post_norms: bool = False, head_norms: bool = False) -> Walk:
     """Truth for tests/integration/scripts/tp_hf_llama.py: transformers' LlamaForCausalLM loaded
     with ``tp_plan="auto"``, whose applied plan (``model.tp_plan``) is ``plan``. The walk follows
     LlamaForCausalLM / LlamaModel / LlamaDecoderLayer.forward of transformers ``version`` (the
@@ -289,7 +299,10 @@ def hf_llama_truth(plan: dict, tp: int, *, sizes: dict, batch: int, seq: int, ve
     tp_hf_olmo2.py's Olmo2ForCausalLM (Olmo2DecoderLayer.forward of 5.x): no input norm; the
     attention's q and k projections each go through a norm over their whole width (q_norm,
     k_norm); the attention's and the MLP's outputs are normed (post_attention_layernorm,
-    post_feedforward_layernorm) before each residual add."""
+    post_feedforward_layernorm) before each residual add. ``head_norms``: tp_hf_qwen3.py's
+    Qwen3ForCausalLM (Qwen3Attention.forward of 5.x): q and k are viewed as
+    ``[batch, seq, heads, head_dim]`` and each normed per head (q_norm, k_norm) on the heads the
+    rank holds: a shard of the heads dim, which the view makes dim 2."""
     major = int(version.split(".")[0])
     layers = sizes["num_hidden_layers"]
     paths = ["model.embed_tokens", "lm_head"]
@@ -299,13 +312,13 @@ def hf_llama_truth(plan: dict, tp: int, *, sizes: dict, batch: int, seq: int, ve
             paths += [f"model.layers.{i}.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
     w = Walk(hf_plan_styles(plan, paths), tp)
     d, heads, kv = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
-    hd = d // heads
+    hd = sizes.get("head_dim") or d // heads
     ids = PlannedTensor(REP, NO, (batch, seq), "int64")
     w.put(":input.input_ids", ids)
     w.put("model:input.input_ids", ids)
     h = w.embedding("model.embed_tokens", ids, d)
     position_ids = PlannedTensor(REP, NO, (1, seq), "int64")
-    if major >= 5:
+    if major >= 5 and not head_norms:  # (Qwen3Model passes position_ids by position)
         w.enter("model.rotary_emb", [h])
         w.put("model.rotary_emb:input.position_ids", position_ids)
     else:
@@ -333,6 +346,9 @@ def hf_llama_truth(plan: dict, tp: int, *, sizes: dict, batch: int, seq: int, ve
         if post_norms:
             q = w.norm(f"{p}.self_attn.q_norm", q)
             w.norm(f"{p}.self_attn.k_norm", k_)
+        if head_norms:
+            for name, t in (("q_norm", q), ("k_norm", k_)):
+                w.norm(f"{p}.self_attn.{name}", heads_view(t, hd))
         w.linear(f"{p}.self_attn.v_proj", n, kv * hd)
         # (the attention's output has q's placement: its heads are split as q's features are)
         a = w.put(f"{p}.self_attn:output.0", w.linear(f"{p}.self_attn.o_proj", q.local_op(), d))
