@@ -355,6 +355,9 @@ class LineageRecorder:
             attrs = {"dim": int(dim)}
         elif name in ("view", "reshape", "flatten") and isinstance(out, Tensor):
             attrs = {"shape": list(out.shape)}
+            asked = _attrs.asked_shape(name, args, kwargs)
+            if asked is not None:
+                attrs["asked"] = asked  # (where the -1 was: the dim a shard's rank lands in)
         elif kind == "split":  # split(x, size, dim), chunk(x, n, dim), unbind(x, dim)
             at = 1 if name == "unbind" else 2
             dim = kwargs.get("dim", args[at] if len(args) > at else 0)

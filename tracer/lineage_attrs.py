@@ -203,3 +203,16 @@ def mm_inputs(name, args, kwargs) -> list:
     a = args[0] if args else kwargs.get("input", kwargs.get("mat_a", kwargs.get("self")))
     b = args[1] if len(args) > 1 else kwargs.get("mat2", kwargs.get("mat_b", kwargs.get("other")))
     return [a, b]
+
+
+def asked_shape(name, args, kwargs):
+    """The sizes a ``view`` / ``reshape`` was asked for, where one of them is -1 (the dim the
+    rest of the elements go to: across ranks, the one that holds the ranks' parts), else None."""
+    if name == "flatten":
+        return None
+    sizes = args[1:] if len(args) > 1 else kwargs.get("shape") or kwargs.get("size") or ()
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
+        sizes = sizes[0]
+    if not sizes or not all(isinstance(n, int) for n in sizes) or -1 not in sizes:
+        return None
+    return [int(n) for n in sizes]

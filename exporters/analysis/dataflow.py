@@ -8,6 +8,7 @@ indexing, dimension moves and matrix products (dataflow_ops.py: an MoE's experts
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from tensor_trace.exporters.analysis import dataflow_ops
 from tensor_trace.format.lineage_refs import REF_PARAM
@@ -27,13 +28,27 @@ def _shard_dim(p: str):
     return int(p[6:-1]) if p.startswith("shard(") else None
 
 
-def reshape_placement(placement: str, old_shape, new_shape):
-    """A shard along dim d of ``old_shape`` lies, after a reshape, along the outermost new
-    dimension that the old dimension d was split into (heads out of a hidden dimension, a
-    size-1 heads dimension included), or along the dimension it was merged into."""
+def reshape_shard(placement: str, old_shape, new_shape, block=None, asked=None):
+    """(placement, block) after a view or reshape, from local shapes, or None.
+
+    A shard is where the rank's position sits among the tensor's elements: above ``block``
+    elements of its dim d (None: the whole local dim, the rank outermost in it, a contiguous
+    slice), so at one flat stride of the local tensor. After the reshape it sits at the same
+    stride: as the outermost part of the first new dim that ends there (heads split out of a
+    shard of the hidden dim; a size-1 heads dim, GQA's KV heads at TP = their count, being the
+    outermost), else inside the new dim that spans it: an interleaved slice of that dim, in
+    runs of the new ``block`` (a dim split into heads, then merged with the tokens before it:
+    ``view(-1, head_dim)`` of a column shard, as SGLang's per-head q/k norms take it).
+
+    ``asked``: the sizes the op was given, where one is -1, the dim that grows with the ranks'
+    parts when the others are fixed sizes. The rank is taken to be in it where the stride is its
+    outer edge, and at its inner edge where the reshape leaves the local shape as it was (one KV
+    head per rank, ``view(-1, head_dim)``: the heads merged into dim 0, which only the -1 says;
+    where the local shape changes, an explicit size is as likely the local one, as in
+    ``view(-1, x.shape[-1])``, and the stride decides)."""
     d = _shard_dim(placement)
     if d is None:
-        return placement
+        return placement, None
     old, new = list(old_shape or ()), list(new_shape or ())
     if not old or not new or d >= len(old):
         return None
@@ -44,31 +59,30 @@ def reshape_placement(placement: str, old_shape, new_shape):
         new[new.index(-1)] = math.prod(old) // rest
     if -1 in new or math.prod(new) != math.prod(old):
         return None
-    before = math.prod(old[:d])
-    acc = 1
+    inner = block if block else old[d]
+    if inner <= 0 or old[d] % inner:
+        return None
+    stride = math.prod(old[d + 1:]) * inner
+    below = [math.prod(new[i + 1:]) for i in range(len(new))]
+    if asked is not None and len(asked) == len(new) and list(asked).count(-1) == 1:
+        m = list(asked).index(-1)
+        if below[m] * new[m] == stride:
+            return f"shard({m})", None
+        if below[m] == stride and list(old) == new:  # (a local no-op: -1 is all it says)
+            return f"shard({m})", 1
     for i, n in enumerate(new):
-        # The first new dimension whose elements before it are exactly the old dimensions
-        # before d starts the split of d, a size-1 one included: heads split out of a shard of
-        # the hidden dimension with one head per rank (GQA's KV heads at TP = their count) put
-        # the shard on that size-1 heads dimension, the outermost, not on head_dim.
-        if acc == before and _group_end(new, i, old[d]) is not None:
-            return f"shard({i})"
-        if acc <= before < acc * n:
-            return f"shard({i})"
-        acc *= n
+        if below[i] * n == stride:
+            return f"shard({i})", None
+    for i, n in enumerate(new):
+        if below[i] < stride < below[i] * n and stride % below[i] == 0:
+            return f"shard({i})", stride // below[i]
     return None
 
 
-def _group_end(new, start: int, size: int):
-    """The index past the new dimensions from ``start`` whose product is ``size``, or None."""
-    acc = 1
-    for i in range(start, len(new)):
-        acc *= new[i]
-        if acc == size:
-            return i + 1
-        if acc > size:
-            return None
-    return None
+def reshape_placement(placement: str, old_shape, new_shape, block=None, asked=None):
+    """The placement after a view or reshape (reshape_shard's, without the block)."""
+    hit = reshape_shard(placement, old_shape, new_shape, block, asked)
+    return hit[0] if hit else None
 
 
 def unbind_placement(placement, dim: int):
@@ -94,6 +108,18 @@ def combine(op: str, placements: list):
     return None
 
 
+class Placed(NamedTuple):
+    """What the walk knows of a tensor: its placement, local shape (None: not known) and, for a
+    shard, reshape_shard's block (None: a contiguous slice)."""
+
+    placement: str | None
+    shape: tuple | None = None
+    block: int | None = None
+
+
+NOTHING = Placed(None)
+
+
 class LineageWalk:
     """Resolves a point's lineage reference to the judged points it was built from."""
 
@@ -109,43 +135,50 @@ class LineageWalk:
             return None
         return self.sources.get((t[1], t[2]))
 
-    def placement_of(self, ref, depth=0):
-        """(placement, shape) of what ``ref`` points at, or (None, None)."""
+    def placement_of(self, ref, depth=0) -> Placed:
+        """What ``ref`` points at (NOTHING where the walk cannot tell)."""
         if depth > MAX_DEPTH or not ref:
-            return None, None
+            return NOTHING
         if ref[0] == REF_PARAM:
             return self.param(ref[1], ref[2])
         if ref[0] == 0:
             if ref[1] != self.j.v.step:
-                return None, None
+                return NOTHING
             key = self.j.v.slot_key.get((self.proc, ref[2], ref[3]))
             verdict = self.j.done.get(key) if key else None
             if verdict is None:
-                return None, None
+                return NOTHING
             t = self.j.v.points[key].get(self.proc)
             self.ops.append(f"from {self.j.name(key)} ({verdict.placement})")
-            return verdict.placement, t.shape if t is not None else None
+            return Placed(verdict.placement, t.shape if t is not None else None, verdict.block)
         if ref[0] != 1 or ref[1] != self.j.v.step:
-            return None, None
+            return NOTHING
         node = self.nodes.get(ref[2])
         if node is None:
-            return None, None
-        op, attrs, inputs = node
+            return NOTHING
+        op, attrs, inputs = node[:3]
+        out_shape = tuple(node[3]) if len(node) > 3 and node[3] is not None else None  # (the op's result)
         if op in _KEEP or op in _PARTS:
             if len(inputs) != 1:
-                return None, None
-            placement, shape = self.placement_of(inputs[0], depth + 1)
+                return NOTHING
+            src = self.placement_of(inputs[0], depth + 1)
             self.ops.append(op)
+            if op in _KEEP:
+                return src
+            placement = src.placement
+            if src.block is not None and _cuts(src, attrs.get("dim", 0) if attrs else 0):
+                return NOTHING  # parts of an interleaved slice's dim: not one slice each
             if op == "unbind":  # the unbound dimension goes: a shard after it moves in by one
                 placement = unbind_placement(placement, attrs.get("dim", 0) if attrs else 0)
-            return placement, (None if op in _PARTS else shape)
+            return Placed(placement, out_shape, src.block)
         if op in _RESHAPE:
-            placement, shape = self.placement_of(inputs[0], depth + 1) if len(inputs) == 1 else (None, None)
-            new_shape = attrs.get("shape")
+            src = self.placement_of(inputs[0], depth + 1) if len(inputs) == 1 else NOTHING
+            new_shape = attrs.get("shape") or out_shape
             self.ops.append(op)
-            if placement is None or shape is None or new_shape is None:
-                return (placement if placement in ("replicate", "partial") else None), None
-            return reshape_placement(placement, shape, new_shape), new_shape
+            if src.placement is None or src.shape is None or new_shape is None:
+                return Placed(src.placement) if src.placement in ("replicate", "partial") else NOTHING
+            hit = reshape_shard(src.placement, src.shape, new_shape, src.block, attrs.get("asked"))
+            return Placed(hit[0], tuple(new_shape), hit[1]) if hit else NOTHING
         if op in dataflow_ops.PRODUCTS:
             # each operand's own chain, inside the product's parentheses
             outer, parts, texts = self.ops, [], []
@@ -155,50 +188,71 @@ class LineageWalk:
                 texts.append(", ".join(reversed(self.ops)) or "?")
             self.ops = outer
             self.ops.append(f"{op}({'; '.join(texts)})")
-            return dataflow_ops.product_placement(op, [p for p, _ in parts], attrs.get("ndims") or []), None
+            if any(p.block is not None for p in parts):
+                return NOTHING
+            return Placed(dataflow_ops.product_placement(op, [p.placement for p in parts], attrs.get("ndims") or []),
+                          out_shape)
         if op in _DIMS:
-            placement, _shape = self.placement_of(inputs[0], depth + 1) if len(inputs) == 1 else (None, None)
+            src = self.placement_of(inputs[0], depth + 1) if len(inputs) == 1 else NOTHING
             self.ops.append(_DIMS[op])
-            return (dataflow_ops.dims_placement(placement, attrs) if placement is not None else None), None
+            if src.placement is None:
+                return NOTHING
+            return Placed(dataflow_ops.dims_placement(src.placement, attrs), out_shape, src.block)
         if op in ("add", "add_", "cat", "stack"):
             parts = [self.placement_of(r, depth + 1) for r in inputs]
             self.ops.append(op + (f"(dim={attrs['dim']})" if "dim" in attrs else ""))
             if op in ("add", "add_") and len(parts) < 2:
-                return None, None
-            placement = combine(op, [p for p, _ in parts])
+                return NOTHING
+            blocks = {p.block for p in parts}
+            if len(blocks) != 1 or (op == "cat" and None not in blocks):
+                return NOTHING  # (a cat of interleaved slices along any dim: not placed here)
+            placement = combine(op, [p.placement for p in parts])
             if placement is not None and op == "stack":
                 d = _shard_dim(placement)
                 dim = attrs.get("dim", 0)
                 if d is not None and dim <= d:
                     placement = f"shard({d + 1})"
-            return placement, None
-        return None, None
+            return Placed(placement, out_shape, parts[0].block if parts else None)
+        return NOTHING
 
-    def param(self, module, name):
-        """(placement, local shape) of a module's parameter, from its records on every rank."""
+    def param(self, module, name) -> Placed:
+        """A module's parameter, placed from its records on every rank."""
         per = self.j.module_params(module, self.pt.procs)
         if per is None:
-            return None, None
+            return NOTHING
         rows = [next(((shape, fp, meta) for n, shape, fp, meta in params if n == name), None) for params in per]
         if None in rows:
-            return None, None
+            return NOTHING
         hit = dataflow_ops.param_placement(rows)
         if hit is None:
-            return None, None
+            return NOTHING
         self.ops.append(f"{module}.{name} ({hit[0]}: {hit[1]})")
-        return hit[0], rows[0][0]
+        return Placed(hit[0], tuple(rows[0][0]))
+
+
+def _cuts(src: Placed, dim: int) -> bool:
+    """Whether a split along ``dim`` cuts ``src``'s sharded dim (unknown rank: taken to)."""
+    d = _shard_dim(src.placement or "")
+    if d is None:
+        return False
+    if dim < 0:
+        if src.shape is None:
+            return True
+        dim += len(src.shape)
+    return dim == d
 
 
 def placement_from_lineage(judge, pt):
-    """(placement, ops text) for ``pt`` from the recorded ops that built it, or None."""
+    """(placement, ops text, block) for ``pt`` from the recorded ops that built it, or None;
+    ``block``: reshape_shard's, for an interleaved slice of the shard's dim."""
     walk = LineageWalk(judge, pt)
     ref = walk.slot_ref()
     if ref is None:
         return None
-    placement, shape = walk.placement_of(ref)
-    if placement is None:
+    found = walk.placement_of(ref)
+    if found.placement is None:
         return None
-    d = _shard_dim(placement)
+    d = _shard_dim(found.placement)
     if d is not None and d >= pt.ndim:
         return None
-    return placement, ", ".join(reversed(walk.ops))
+    return found.placement, ", ".join(reversed(walk.ops)), found.block if d is not None else None

@@ -39,11 +39,14 @@ class Verdict:
     """A point's placement and reduction in one step, the rule that decided them and the
     evidence it saw."""
 
-    __slots__ = ("placement", "reduction", "rule", "items", "collective")
+    __slots__ = ("placement", "reduction", "rule", "items", "collective", "block")
 
-    def __init__(self, placement, reduction, rule, items, collective=None):
+    def __init__(self, placement, reduction, rule, items, collective=None, block=None):
         self.placement, self.reduction, self.rule = placement, reduction, rule
         self.items, self.collective = items, collective
+        # a shard that is an interleaved slice of its dim: dataflow.reshape_shard's block,
+        # which the ops built from it need (None: a contiguous slice, or not a shard)
+        self.block = block
 
     def as_dict(self) -> dict:
         return dict(placement=self.placement, reduction=self.reduction, rule=self.rule,

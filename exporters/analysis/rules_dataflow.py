@@ -28,15 +28,28 @@ def lineage_ops(j, pt):
     hit = dataflow.placement_from_lineage(j, pt)
     if hit is None:
         return None
-    placement, ops = hit
+    placement, ops, block = hit
     if placement == "replicate" and pt.equal is False:
         # Values that differ across ranks are not whole, whatever the ops say: an index or a
         # slice taken differently on each rank (DP attention's own tokens) is not seen in them.
         return None
     c = next_sum_reduction(j.v, pt) if placement == "partial" else None
     reduction = "pre-reduction" if c else ("unknown" if placement == "partial" else "no-reduction")
-    return decide(pt, placement, reduction, "lineage-ops", coll_json(c, pt.procs[0]) if c else None,
-                  item("dataflow", f"built by recorded ops: {ops}"))
+    verdict = decide(pt, placement, reduction, "lineage-ops", coll_json(c, pt.procs[0]) if c else None,
+                     item("dataflow", f"built by recorded ops: {ops}"), *_interleaved(pt, placement, block))
+    verdict.block = block
+    return verdict
+
+
+def _interleaved(pt, placement, block) -> list:
+    """The evidence that a shard is an interleaved slice of its dim (none for a contiguous one)."""
+    if block is None:
+        return []
+    d = int(placement[6:-1])
+    size = pt.tref.shape[d] if pt.tref is not None and d < len(pt.tref.shape) else None
+    runs = f"{size // block} runs of {block}" if size else f"runs of {block}"
+    return [item("dataflow", f"interleaved: each rank's part of dim {d} is {runs}, with the other ranks' "
+                             f"between them (a sharded dim merged inside another by a reshape)")]
 
 
 def derived_from_shard_inputs(j, pt):
@@ -65,9 +78,13 @@ def same_values_as_producer(j, pt):
         src = {p: j.v.points[prod][p] for p in pt.procs if p in j.v.points[prod]}
         if len(src) < len(pt.procs) or linked(src, pt.obs) != 1.0:
             continue
-        return decide(pt, pv.placement, pv.reduction, "same-values", pv.collective,
-                      item("dataflow", f"the same values as {j.name(prod)} on every rank",
-                           point=j.name(prod)))
+        if pv.placement.startswith("shard(") and tuple(src[pt.procs[0]].shape) != tuple(pt.tref.shape):
+            continue  # (a shard's dim is one of its shape's: the same values viewed otherwise say nothing)
+        verdict = decide(pt, pv.placement, pv.reduction, "same-values", pv.collective,
+                         item("dataflow", f"the same values as {j.name(prod)} on every rank",
+                              point=j.name(prod)))
+        verdict.block = pv.block
+        return verdict
     return None
 
 
@@ -89,7 +106,10 @@ def derived_from_shard(j, pt):
     src_t = j.v.points[src].get(pt.procs[0])
     same_rank = src_t is not None and len(src_t.shape) == pt.ndim and d < pt.ndim
     dim = d if same_rank else pt.ndim - 1
-    return decide(pt, f"shard({dim})", "no-reduction", "derived-from-shard", None,
-                  item("dataflow", f"derived locally from {j.name(src)}, {placement}"
-                                   + ("" if same_rank else f" (another rank of tensor: dim {dim} assumed)"),
-                       point=j.name(src)))
+    verdict = decide(pt, f"shard({dim})", "no-reduction", "derived-from-shard", None,
+                     item("dataflow", f"derived locally from {j.name(src)}, {placement}"
+                                      + ("" if same_rank else f" (another rank of tensor: dim {dim} assumed)"),
+                          point=j.name(src)))
+    if src_t is not None and pt.tref is not None and tuple(src_t.shape) == tuple(pt.tref.shape):  # (a norm)
+        verdict.block = j.done[src].block
+    return verdict

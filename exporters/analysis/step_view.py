@@ -139,12 +139,15 @@ class StepView:
             self.by_numel[n] = ([x[0] for x in items], items)
 
     def lineage(self) -> tuple:
-        """The first process's lineage records of this step: ({node: (op, attrs, inputs)},
-        {(span, slot): ref}); empty where the step did not watch."""
+        """The first process's lineage records of this step: ({node: (op, attrs, inputs,
+        shape)}, {(span, slot): ref}), shape the op's result's (None where not recorded); empty
+        where the step did not watch."""
         if self._lineage is None:
             proc = self.procs[0]
-            nodes = {n: (op, json.loads(a) if a else {}, json.loads(i)) for n, op, a, i in self._con.execute(
-                "SELECT node, op, attrs, inputs FROM lineage WHERE proc=? AND step=?", (proc, self.step))}
+            nodes = {n: (op, json.loads(a) if a else {}, json.loads(i), json.loads(sh) if sh else None)
+                     for n, op, a, i, sh in self._con.execute(
+                         "SELECT node, op, attrs, inputs, shape FROM lineage WHERE proc=? AND step=?",
+                         (proc, self.step))}
             sources = {(span, slot): json.loads(ref) for span, slot, ref in self._con.execute(
                 "SELECT span, slot, ref FROM slot_sources WHERE proc=? AND step=?", (proc, self.step))}
             self._lineage = (nodes, sources)

@@ -74,3 +74,16 @@ def test_one_head_per_rank_split_out_by_a_view_is_sharded_along_the_heads(cases)
     assert verdict(cases, "kv.k_proj:output") == ("shard(1)", "no-reduction")
     assert verdict(cases, "kv.k_norm:input.0") == ("shard(1)", "no-reduction")
     assert verdict(cases, "kv.k_norm:output") == ("shard(1)", "no-reduction")
+
+
+def test_heads_viewed_as_rows_are_an_interleaved_shard_of_the_rows(cases):
+    """SGLang's per-head q/k norms: ``reshape(-1, head_dim)`` of a column shard puts each rank's
+    heads among the rows (dim 0), between the other ranks' (head_dim is whole on every rank);
+    viewed back, the heads' columns again. One KV head per rank: the reshape leaves the local
+    shape as it was, and its -1 says the heads went into the rows."""
+    for name in ("q_norm", "k_norm"):
+        for slot in ("input.0", "output"):
+            assert verdict(cases, f"qk.{name}:{slot}") == ("shard(0)", "no-reduction"), cases[f"qk.{name}:{slot}"]["evidence"]
+    assert any("interleaved" in e for e in cases["qk.q_norm:input.0"]["evidence"])
+    assert verdict(cases, "qk.rope:input.0") == ("shard(1)", "no-reduction")
+    assert verdict(cases, "qk.rope:input.1") == ("shard(1)", "no-reduction")

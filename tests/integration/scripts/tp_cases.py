@@ -106,14 +106,16 @@ HEAD_DIM = 4
 
 class ColumnSlice(nn.Module):
     """A column-parallel projection: rank r computes output features [r*4, r*4+4) of tp*4, one
-    key/value head per rank (GQA with as many KV heads as ranks: Llama-70B's 8 at TP=8)."""
+    key/value head per rank (GQA with as many KV heads as ranks: Llama-70B's 8 at TP=8); with
+    ``heads``, that many heads per rank."""
 
-    def __init__(self):
+    def __init__(self, heads=1, seed=7):
         super().__init__()
         tp, rank = world()
-        g = torch.Generator().manual_seed(7)
-        full = torch.randn(tp * HEAD_DIM, 16, generator=g)
-        self.w = nn.Parameter(full[rank * HEAD_DIM:(rank + 1) * HEAD_DIM].clone())
+        g = torch.Generator().manual_seed(seed)
+        width = heads * HEAD_DIM
+        full = torch.randn(tp * width, 16, generator=g)
+        self.w = nn.Parameter(full[rank * width:(rank + 1) * width].clone())
 
     def forward(self, x):
         return x @ self.w.t()
@@ -137,6 +139,31 @@ class OneHeadPerRank(nn.Module):
         return self.k_norm(k.view(*k.shape[:-1], -1, HEAD_DIM))  # [tokens, 1, HEAD_DIM]: the head dim is split
 
 
+class Rope(nn.Module):
+    """Where the normed heads go next, viewed back to [tokens, heads * head_dim]."""
+
+    def forward(self, q, k):
+        return q * 2, k * 2
+
+
+class FlatHeadNorms(nn.Module):
+    """SGLang's per-head q and k norms (Qwen3's apply_qk_norm): the heads of each rank's column
+    shard viewed as rows, ``reshape(-1, head_dim)``, normed, and viewed back. Two q heads per
+    rank; one KV head per rank, whose reshape leaves the local shape as it was."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj = ColumnSlice(heads=2, seed=11), ColumnSlice()
+        self.q_norm, self.k_norm = HeadNorm(), HeadNorm()
+        self.rope = Rope()
+
+    def forward(self, x):
+        q, k = self.q_proj(x), self.k_proj(x)
+        qn = self.q_norm(q.reshape(-1, HEAD_DIM))  # [tokens * 2, HEAD_DIM]: rows of every token
+        kn = self.k_norm(k.reshape(-1, HEAD_DIM))  # [tokens, HEAD_DIM] here, [tokens * tp, ...] whole
+        return self.rope(qn.view(q.shape), kn.view(k.shape))
+
+
 class Cases(nn.Module):
     def __init__(self):
         super().__init__()
@@ -149,6 +176,7 @@ class Cases(nn.Module):
         self.dp_gather = GatherByAllReduce()
         self.mislabeled = RowParallelLinear()
         self.kv = OneHeadPerRank()
+        self.qk = FlatHeadNorms()
 
     def forward(self, x):
         r = self.replicated(x)
@@ -161,6 +189,7 @@ class Cases(nn.Module):
         m = self.mislabeled(x)
         dist.all_reduce(m)
         self.kv(x)
+        self.qk(x)
         return out, m
 
 
