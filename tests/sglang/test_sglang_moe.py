@@ -122,6 +122,14 @@ def test_qwen3_moe_tp2(qwen3_tp2):
     for p in acts:
         assert pts[p]["placement"] == "shard(1)", pts[p]
         assert pts[p]["reduction"] == "no-reduction", pts[p]
+    # The per-head q and k norms (apply_qk_norm: reshape(-1, head_dim) of the column shard; two
+    # q heads and one KV head per rank here): each rank's heads are rows among the other
+    # ranks' (dim 0), head_dim whole on every rank.
+    attn = placements(qwen3_tp2, "model.layers.1.self_attn.*:*")
+    for name in ("q_norm", "k_norm"):
+        for slot in ("input.0", "output"):
+            point = f"model.layers.1.self_attn.{name}:{slot}"
+            assert verdict(attn, point) == ("shard(0)", "no-reduction"), attn[point]["evidence"]
 
 
 def test_deepseek_v2_tp2(deepseek_tp2):
