@@ -216,7 +216,8 @@ def compute_verdicts(con) -> int:
             items.append(item("sampling", f"unknown in steps {sorted({v['step'] for v in blind})} (not enough "
                                           "evidence there): not counted"))
         if unwatched and len(voting) < len(verdicts):
-            items.append(item("sampling", f"divergent in steps {sorted({v['step'] for v in unwatched})}, "
+            said = sorted({v["placement"] for v in unwatched})
+            items.append(item("sampling", f"{' or '.join(said)} in steps {sorted({v['step'] for v in unwatched})}, "
                                           "whose ops were not recorded (lineage is taken on a schedule): "
                                           "not counted"))
         if len(counts) > 1:
@@ -256,11 +257,14 @@ def vote(verdicts: list, lineage_steps: set) -> tuple:
     with recorded ops that placed it as a shard or a partial sum by those ops (``_OPS_RULES``):
     values that differ across ranks are what those predict, so the step without ops says
     nothing against them (a replicate point, or one placed by its values alone, stays outvoted
-    by it)."""
+    by it); nor, there, a rule that follows the dataflow without those ops."""
     blind = [v for v in verdicts if v["placement"] == "unknown" and v["reduction"] == "unknown"]
     placed = any(v["step"] in lineage_steps and v["rule"] in _OPS_RULES and
                  (v["placement"].startswith("shard(") or v["placement"] == "partial") for v in verdicts)
-    unwatched = [v for v in verdicts if placed and v["rule"] == "divergent" and v["step"] not in lineage_steps]
+    # (nor do such a step's own guesses along the dataflow: a shard derived from the latest one
+    # before it, without the reshape between them that only recorded ops show)
+    unwatched = [v for v in verdicts if placed and v["step"] not in lineage_steps and
+                 (v["rule"] == "divergent" or v["rule"] in _OPS_RULES)]
     voting = [v for v in verdicts if v not in blind and v not in unwatched] or verdicts
     counts = collections.Counter((v["placement"], v["reduction"]) for v in voting)
     (placement, reduction), _ = counts.most_common(1)[0]

@@ -74,3 +74,15 @@ def test_the_analysis_version_follows_its_sources(tmp_path, monkeypatch):
         monkeypatch.undo()
         analysis.version.cache_clear()
     assert analysis.version() == here
+
+
+def test_a_dataflow_guess_in_a_step_without_recorded_ops_does_not_outvote_them():
+    # SGLang's q_norm input: reshape(-1, head_dim) of a column shard is an interleaved shard(0)
+    # by the ops; a step without them derives shard(1) from the latest shard before it
+    verdicts = [v(0, "shard(0)", "no-reduction", "lineage-ops"), v(2, "shard(1)", "no-reduction", "derived-from-shard"),
+                v(3, "shard(1)", "no-reduction", "derived-from-shard"), v(4, "shard(1)", "no-reduction", "same-values")]
+    blind, unwatched, voting, counts, chosen = vote(verdicts, lineage_steps={0, 1})
+    assert chosen["placement"] == "shard(0)" and [u["step"] for u in unwatched] == [2, 3, 4]
+    # in a step with recorded ops such a rule still votes
+    verdicts[1]["step"] = 1
+    assert vote(verdicts, lineage_steps={0, 1})[3][("shard(1)", "no-reduction")] == 1
