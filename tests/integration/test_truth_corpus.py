@@ -13,6 +13,9 @@ Programs (tests/integration/scripts/):
   slices a replicated input (``rowwise_split_input``), norms after the sublayers;
 - ``hf-qwen3``: transformers' Qwen3ForCausalLM likewise (tp_hf_qwen3.py), at TP 2: per-head norms
   (``replicated_with_grad_allreduce``) of a 4-D view of each rank's column-parallel q and k;
+- ``hf-phi3``: transformers' Phi3ForCausalLM likewise (tp_hf_phi3.py), at TP 2: packed
+  ``qkv_proj`` and ``gate_up_proj`` gathered (the activation chunks a whole tensor), dropout
+  modules between the sublayers and their residual adds;
 the others at TP 2 and 3 on CPU gloo. The truth (truth_corpus.py) is derived from the plan the program
 applies and the ParallelStyles' semantics; an untraced run of the same program measures every
 point's local shape (point_probe.py), which checks the truth itself before tensor-trace is judged.
@@ -44,6 +47,7 @@ import tp_api_llama  # noqa: E402  (the programs' own plan and sizes feed the tr
 import tp_hf_llama  # noqa: E402
 import tp_hf_mixtral  # noqa: E402
 import tp_hf_olmo2  # noqa: E402
+import tp_hf_phi3  # noqa: E402
 import tp_hf_qwen3  # noqa: E402
 import truth_corpus as truth  # noqa: E402
 
@@ -51,10 +55,10 @@ STEPS = 2
 TIMEOUT = 240
 SCRIPT = {"titan": SCRIPTS / "tp_api_llama.py", "hf": SCRIPTS / "tp_hf_llama.py",
           "hf-mixtral": SCRIPTS / "tp_hf_mixtral.py", "hf-olmo2": SCRIPTS / "tp_hf_olmo2.py",
-          "hf-qwen3": SCRIPTS / "tp_hf_qwen3.py"}
+          "hf-qwen3": SCRIPTS / "tp_hf_qwen3.py", "hf-phi3": SCRIPTS / "tp_hf_phi3.py"}
 CASES = [("titan", plan, tp) for plan in tp_api_llama.PLANS for tp in (2, 3)] + \
         [("hf", "auto", tp) for tp in (2, 3)] + [("hf-mixtral", "auto", 2), ("hf-olmo2", "auto", 2),
-                                                    ("hf-qwen3", "auto", 2)]
+                                                    ("hf-qwen3", "auto", 2), ("hf-phi3", "auto", 2)]
 
 
 def _torchrun(program, tp, *args):
@@ -121,10 +125,11 @@ def case(request, references, tmp_path_factory):
         args = ["--ckpt", ref_root.parent / f"{program}-ckpt", "--dump", traced]
         applied = json.loads((ref / "plan.json").read_text())
         script = {"hf-mixtral": tp_hf_mixtral, "hf-olmo2": tp_hf_olmo2,
-                  "hf-qwen3": tp_hf_qwen3}.get(program, tp_hf_llama)
+                  "hf-qwen3": tp_hf_qwen3, "hf-phi3": tp_hf_phi3}.get(program, tp_hf_llama)
         walk = truth.hf_llama_truth(applied["plan"], tp, sizes=script.SIZES, batch=script.BATCH,
                                     seq=script.SEQ, version=applied["transformers"], moe=program == "hf-mixtral",
-                                    post_norms=program == "hf-olmo2", head_norms=program == "hf-qwen3")
+                                    post_norms=program == "hf-olmo2", head_norms=program == "hf-qwen3",
+                                    packed=program == "hf-phi3")
     res = record(trace, _torchrun(program, tp, *args, "--steps", STEPS), timeout=TIMEOUT, check=False)
     assert res.returncode == 0, f"traced {program}/{plan} tp{tp}: exit {res.returncode}\n{res.stderr[-3000:]}"
     got = {p["point"]: p for p in _cli("query", "placement", "*:*", "--trace", trace, "--json")}

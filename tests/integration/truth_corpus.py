@@ -290,7 +290,8 @@ def titan_truth(plan: str, tp: int, *, plan_styles, sizes: dict) -> Walk:
 
 
 def hf_llama_truth(plan: dict, tp: int, *, sizes: dict, batch: int, seq: int, version: str,
-                   moe: bool = False, post_norms: bool = False, head_norms: bool = False) -> Walk:
+                   moe: bool = False, post_norms: bool = False, head_norms: bool = False,
+                   packed: bool = False) -> Walk:
     """Truth for tests/integration/scripts/tp_hf_llama.py: transformers' LlamaForCausalLM loaded
     with ``tp_plan="auto"``, whose applied plan (``model.tp_plan``) is ``plan``. The walk follows
     LlamaForCausalLM / LlamaModel / LlamaDecoderLayer.forward of transformers ``version`` (the
@@ -302,14 +303,17 @@ def hf_llama_truth(plan: dict, tp: int, *, sizes: dict, batch: int, seq: int, ve
     post_feedforward_layernorm) before each residual add. ``head_norms``: tp_hf_qwen3.py's
     Qwen3ForCausalLM (Qwen3Attention.forward of 5.x): q and k are viewed as
     ``[batch, seq, heads, head_dim]`` and each normed per head (q_norm, k_norm) on the heads the
-    rank holds: a shard of the heads dim, which the view makes dim 2."""
+    rank holds: a shard of the heads dim, which the view makes dim 2. ``packed``: tp_hf_phi3.py's
+    Phi3ForCausalLM (Phi3DecoderLayer.forward of 5.x): one qkv_proj and one gate_up_proj
+    (``hf_packed_attention``, ``hf_packed_mlp``), and each sublayer's output passed through a
+    dropout module (an identity in eval) before its residual add."""
     major = int(version.split(".")[0])
     layers = sizes["num_hidden_layers"]
     paths = ["model.embed_tokens", "lm_head"]
     for i in range(layers):
-        paths += [f"model.layers.{i}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        paths += [f"model.layers.{i}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")]
         if not moe:
-            paths += [f"model.layers.{i}.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
+            paths += [f"model.layers.{i}.mlp.{n}" for n in ("gate_proj", "up_proj", "gate_up_proj", "down_proj")]
     w = Walk(hf_plan_styles(plan, paths), tp)
     d, heads, kv = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
     hd = sizes.get("head_dim") or d // heads
@@ -341,17 +345,21 @@ def hf_llama_truth(plan: dict, tp: int, *, sizes: dict, batch: int, seq: int, ve
         w.put(f"{p}.self_attn:input.hidden_states", n)
         for k, v in extras.items():
             w.put(f"{p}.self_attn:input.{k}", v)
-        q = w.linear(f"{p}.self_attn.q_proj", n, heads * hd)
-        k_ = w.linear(f"{p}.self_attn.k_proj", n, kv * hd)
-        if post_norms:
-            q = w.norm(f"{p}.self_attn.q_norm", q)
-            w.norm(f"{p}.self_attn.k_norm", k_)
-        if head_norms:
-            for name, t in (("q_norm", q), ("k_norm", k_)):
-                w.norm(f"{p}.self_attn.{name}", heads_view(t, hd))
-        w.linear(f"{p}.self_attn.v_proj", n, kv * hd)
-        # (the attention's output has q's placement: its heads are split as q's features are)
-        a = w.put(f"{p}.self_attn:output.0", w.linear(f"{p}.self_attn.o_proj", q.local_op(), d))
+        if packed:
+            a = w.put(f"{p}.self_attn:output.0", hf_packed_attention(w, f"{p}.self_attn", n, heads, kv, hd, d))
+            a = dropout(w, f"{p}.resid_attn_dropout", a)
+        else:
+            q = w.linear(f"{p}.self_attn.q_proj", n, heads * hd)
+            k_ = w.linear(f"{p}.self_attn.k_proj", n, kv * hd)
+            if post_norms:
+                q = w.norm(f"{p}.self_attn.q_norm", q)
+                w.norm(f"{p}.self_attn.k_norm", k_)
+            if head_norms:
+                for name, t in (("q_norm", q), ("k_norm", k_)):
+                    w.norm(f"{p}.self_attn.{name}", heads_view(t, hd))
+            w.linear(f"{p}.self_attn.v_proj", n, kv * hd)
+            # (the attention's output has q's placement: its heads are split as q's features are)
+            a = w.put(f"{p}.self_attn:output.0", w.linear(f"{p}.self_attn.o_proj", q.local_op(), d))
         if post_norms:
             h1 = add(x, w.norm(f"{p}.post_attention_layernorm", a))
             (xm,) = w.enter(f"{p}.mlp", [h1])
@@ -361,6 +369,8 @@ def hf_llama_truth(plan: dict, tp: int, *, sizes: dict, batch: int, seq: int, ve
             (xm,) = w.enter(f"{p}.mlp", [n2])
         if moe:
             f = hf_moe_mlp(w, plan, f"{p}.mlp", xm, sizes)
+        elif packed:
+            f = dropout(w, f"{p}.resid_mlp_dropout", hf_packed_mlp(w, f"{p}.mlp", xm, sizes["intermediate_size"], d))
         else:
             g = w.linear(f"{p}.mlp.gate_proj", xm, sizes["intermediate_size"])
             w.enter(f"{p}.mlp.act_fn", [g])
@@ -373,6 +383,30 @@ def hf_llama_truth(plan: dict, tp: int, *, sizes: dict, batch: int, seq: int, ve
     last = w.put("model:output.last_hidden_state", w.norm("model.norm", h))
     w.put(":output.logits", w.linear("lm_head", last, sizes["vocab_size"]))
     return w
+
+
+def hf_packed_attention(w: Walk, path: str, n: PlannedTensor, heads: int, kv: int, hd: int, d: int) -> PlannedTensor:
+    """Phi3Attention: q, k and v sliced out of one qkv_proj; o_proj of the attention's output,
+    which has q's placement and q's width."""
+    qkv = w.linear(f"{path}.qkv_proj", n, (heads + 2 * kv) * hd)
+    width = heads * hd if qkv.placement == REP else heads * hd // w.tp
+    return w.linear(f"{path}.o_proj", qkv.local_op(qkv.shape[:-1] + (width,)), d)
+
+
+def hf_packed_mlp(w: Walk, path: str, xm: PlannedTensor, inter: int, d: int) -> PlannedTensor:
+    """Phi3MLP: gate and up chunked out of one gate_up_proj, ``up * activation_fn(gate)``, then
+    down_proj."""
+    gu = w.linear(f"{path}.gate_up_proj", xm, 2 * inter)
+    half = gu.local_op(gu.shape[:-1] + (gu.shape[-1] // 2,))
+    w.enter(f"{path}.activation_fn", [half])
+    act = w.put(f"{path}.activation_fn:output", half.local_op())
+    return w.put(f"{path}:output", w.linear(f"{path}.down_proj", act.local_op(), d))
+
+
+def dropout(w: Walk, path: str, t: PlannedTensor) -> PlannedTensor:
+    """A dropout module in eval: its output is its input, carried unchanged."""
+    w.enter(path, [t])
+    return w.put(f"{path}:output", t)
 
 
 # transformers 5's MoE styles (distributed/tensor_parallel.py): "packed_colwise" splits the stacked
