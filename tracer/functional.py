@@ -98,6 +98,18 @@ def bind_args(names, args, kwargs) -> dict:
     return bound
 
 
+def _traced_only(x) -> bool:
+    """Whether ``x`` (a tensor or a list of them) is one that torch.compile traces with: a
+    FunctionalTensor or a FakeTensor, whose values no collective reads."""
+    t = x[0] if isinstance(x, (list, tuple)) and x else x
+    if type(t) is torch.Tensor or not isinstance(t, torch.Tensor):
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(t, FunctionalTensor) or is_fake(t)
+
+
 def tensors_of(x) -> list:
     """The tensors of a collective's argument or result: a tensor, or those of a list or tuple."""
     if isinstance(x, torch.Tensor):
@@ -233,6 +245,10 @@ class FunctionalCollectives:
             token = attrs = None
             try:
                 bound = bind_args(names, args, kwargs)
+                if _traced_only(bound.get(in_arg)):
+                    # torch.compile tracing the op (its tensors functional or fake): no
+                    # collective runs, and the compiled graph's own calls are not seen
+                    return orig(*args, **kwargs)
                 group = ic.group_seq(bound.get("group_name"))
                 if tracer.tracing_step:
                     x = bound.get(in_arg)
