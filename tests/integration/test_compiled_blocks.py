@@ -66,3 +66,19 @@ def test_tracing_changes_no_result(runs):
         assert len(plain) == len(traced) == STEPS
         for a, b in zip(plain, traced):
             assert torch.equal(a, b)
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: with inductor, the tracer's wrappers on the "
+                   "torch.ops._c10d_functional namespace change the compiled blocks' results (a bare "
+                   "pass-through wrapper object there does too, no tracer running): to be fixed")
+def test_tracing_changes_no_result_under_inductor(tmp_path):
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(TP), SCRIPT, "--plan", "plain", "--steps", "1"]
+    env = base_env(TT_COMPILE_BACKEND="inductor")
+    plain = run_cmd(cmd + ["--dump", tmp_path / "plain"], timeout=600, env=env)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    traced = record(tmp_path / "trace", cmd + ["--dump", tmp_path / "traced"], timeout=600, check=False, env=env)
+    assert traced.returncode == 0, traced.stderr[-3000:]
+    for rank in range(TP):
+        a = torch.load(tmp_path / "plain" / "plain" / f"rank{rank}.pt")
+        b = torch.load(tmp_path / "traced" / "plain" / f"rank{rank}.pt")
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
