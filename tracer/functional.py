@@ -158,6 +158,15 @@ class OpPacketWrapper:
     def __call__(self, *args, **kwargs):
         return self._call(*args, **kwargs)
 
+    @property
+    def __class__(self):
+        # isinstance(w, OpOverloadPacket), as the real packet: torch.compile's inductor registers
+        # its lowerings of these ops on the overloads of what it finds in the namespace, and
+        # expands a packet's overloads only for such an instance. For a plain object it
+        # registered none for them, and compiled TP blocks computed other results
+        # (tests/integration/test_compiled_blocks.py, inductor)
+        return type(self._packet)
+
     def __getattr__(self, name):
         return getattr(self._packet, name)
 
