@@ -290,7 +290,7 @@ class FunctionalCollectives:
 
         def wrapper(tensor, *args, **kwargs):
             result = orig(tensor, *args, **kwargs)
-            if awaiting:
+            if awaiting and not _traced_only(tensor):  # (a traced wait waits for no call of the run)
                 try:
                     # As PyTorch's work registry does: every call registered on the storage
                     # is waited for, whichever of its tensors or views is named.

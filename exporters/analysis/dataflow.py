@@ -79,12 +79,6 @@ def reshape_shard(placement: str, old_shape, new_shape, block=None, asked=None):
     return None
 
 
-def reshape_placement(placement: str, old_shape, new_shape, block=None, asked=None):
-    """The placement after a view or reshape (reshape_shard's, without the block)."""
-    hit = reshape_shard(placement, old_shape, new_shape, block, asked)
-    return hit[0] if hit else None
-
-
 def unbind_placement(placement, dim: int):
     """A shard after ``unbind(dim)``: along d - 1 past the removed dimension, unchanged before
     it; a shard along the removed dimension itself gives no answer (each rank's pieces are
