@@ -66,6 +66,7 @@ for _f, _name, _kind in [
     (torch.clone, "clone", "one"), (T.clone, "clone", "one"),
     (T.view, "view", "one"), (torch.reshape, "reshape", "one"), (T.reshape, "reshape", "one"),
     (torch.flatten, "flatten", "one"), (T.flatten, "flatten", "one"),
+    (torch.unflatten, "unflatten", "one"), (T.unflatten, "unflatten", "one"),
     (T.view_as, "view", "one"), (T.reshape_as, "reshape", "one"),
     (torch.split, "split", "split"), (T.split, "split", "split"),
     (torch.chunk, "chunk", "split"), (T.chunk, "chunk", "split"),
@@ -353,7 +354,7 @@ class LineageRecorder:
         if kind == "many":
             dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
             attrs = {"dim": int(dim)}
-        elif name in ("view", "reshape", "flatten") and isinstance(out, Tensor):
+        elif name in _attrs.RESHAPES and isinstance(out, Tensor):
             attrs = {"shape": list(out.shape)}
             asked = _attrs.asked_shape(name, args, kwargs)
             if asked is not None:

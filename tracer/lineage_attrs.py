@@ -14,8 +14,10 @@ from __future__ import annotations
 import torch
 
 # ops whose node records ``dims`` (and ``part``)
-DIMS_OPS = frozenset(("getitem", "index_select", "transpose", "t", "permute", "unsqueeze", "squeeze",
-                      "repeat_interleave"))
+DIMS_OPS = frozenset(("getitem", "index_select", "transpose", "t", "permute", "movedim", "unsqueeze",
+                      "squeeze", "repeat_interleave"))
+# ops whose result is the same elements under another shape: the node keeps the result's shape
+RESHAPES = frozenset(("view", "reshape", "flatten", "unflatten"))
 
 
 def tracked() -> dict:
@@ -28,6 +30,10 @@ def tracked() -> dict:
         (T.__getitem__, "getitem", "index"), (torch.index_select, "index_select", "index"),
         (T.index_select, "index_select", "index"),
         (torch.transpose, "transpose", "one"), (T.transpose, "transpose", "one"), (torch.t, "t", "one"),
+        (torch.swapaxes, "transpose", "one"), (T.swapaxes, "transpose", "one"),
+        (torch.swapdims, "transpose", "one"), (T.swapdims, "transpose", "one"),
+        (torch.movedim, "movedim", "one"), (T.movedim, "movedim", "one"),
+        (torch.moveaxis, "movedim", "one"), (T.moveaxis, "movedim", "one"),
         (T.t, "t", "one"), (torch.permute, "permute", "one"), (T.permute, "permute", "one"),
         (torch.unsqueeze, "unsqueeze", "one"), (T.unsqueeze, "unsqueeze", "one"),
         (torch.squeeze, "squeeze", "one"), (T.squeeze, "squeeze", "one"),
@@ -92,6 +98,22 @@ def dims_attrs(name, rest, kwargs, shape, out_ndim) -> dict | None:
             dims = [-1] * n
             for j, d in enumerate(perm):
                 dims[_norm(d, n)] = j
+            got = dims, []
+        elif name == "movedim":
+            src = rest[0] if rest else kwargs["source"]
+            dst = rest[1] if len(rest) > 1 else kwargs["destination"]
+            src = [_norm(x, n) for x in (src if isinstance(src, (tuple, list)) else [src])]
+            dst = [_norm(x, n) for x in (dst if isinstance(dst, (tuple, list)) else [dst])]
+            if len(src) != len(dst) or len(set(src)) != len(src) or len(set(dst)) != len(dst):
+                return None
+            dims = [-1] * n
+            for a, b in zip(src, dst):
+                dims[a] = b
+            taken = set(dst)
+            free = iter(j for j in range(n) if j not in taken)  # the others keep their order
+            for i in range(n):
+                if dims[i] < 0:
+                    dims[i] = next(free)
             got = dims, []
         elif name == "unsqueeze":
             d = _norm(rest[0] if rest else kwargs["dim"], n + 1)
@@ -210,7 +232,16 @@ def asked_shape(name, args, kwargs):
     rest of the elements go to: across ranks, the one that holds the ranks' parts), else None."""
     if name == "flatten":
         return None
-    sizes = args[1:] if len(args) > 1 else kwargs.get("shape") or kwargs.get("size") or ()
+    if name == "unflatten":  # unflatten(x, dim, sizes): the asked sizes in place of dim
+        x = args[0]
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        part = args[2] if len(args) > 2 else kwargs.get("sizes")
+        if not isinstance(dim, int) or not isinstance(part, (tuple, list, torch.Size)):
+            return None
+        dim = _norm(dim, x.dim())
+        sizes = list(x.shape[:dim]) + list(part) + list(x.shape[dim + 1:])
+    else:
+        sizes = args[1:] if len(args) > 1 else kwargs.get("shape") or kwargs.get("size") or ()
     if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
         sizes = sizes[0]
     if not sizes or not all(isinstance(n, int) for n in sizes) or -1 not in sizes:

@@ -15,12 +15,12 @@ from tensor_trace.format.lineage_refs import REF_PARAM
 
 # single-input ops that keep every value (a dtype, layout or memory change)
 _KEEP = {"clone", "to", "contiguous", "detach"}
-_RESHAPE = {"view", "reshape", "flatten"}
+_RESHAPE = {"view", "reshape", "flatten", "unflatten"}
 _PARTS = {"split", "chunk", "unbind"}
 MAX_DEPTH = 32
 # dimension moves (tracer/lineage_attrs.py), as the evidence names them
 _DIMS = {"getitem": "[...]", "index_select": "index_select", "transpose": "transpose", "t": "t",
-         "permute": "permute", "unsqueeze": "unsqueeze", "squeeze": "squeeze",
+         "permute": "permute", "movedim": "movedim", "unsqueeze": "unsqueeze", "squeeze": "squeeze",
          "repeat_interleave": "repeat_interleave"}
 
 
@@ -38,7 +38,9 @@ def reshape_shard(placement: str, old_shape, new_shape, block=None, asked=None):
     shard of the hidden dim; a size-1 heads dim, GQA's KV heads at TP = their count, being the
     outermost), else inside the new dim that spans it: an interleaved slice of that dim, in
     runs of the new ``block`` (a dim split into heads, then merged with the tokens before it:
-    ``view(-1, head_dim)`` of a column shard, as SGLang's per-head q/k norms take it).
+    ``view(-1, head_dim)`` of a column shard, as SGLang's per-head q/k norms take it). Size-1
+    dims end at the same stride as the dim after them; the old shape's size-1 dims just before
+    d (one token in a decode step) take the first of those, as DTensor's view rule pairs them.
 
     ``asked``: the sizes the op was given, where one is -1, the dim that grows with the ranks'
     parts when the others are fixed sizes. The rank is taken to be in it where the stride is its
@@ -66,13 +68,19 @@ def reshape_shard(placement: str, old_shape, new_shape, block=None, asked=None):
     below = [math.prod(new[i + 1:]) for i in range(len(new))]
     if asked is not None and len(asked) == len(new) and list(asked).count(-1) == 1:
         m = list(asked).index(-1)
-        if below[m] * new[m] == stride:
+        if below[m] * new[m] == stride and new[m] > 1:  # (a size-1 -1: one token, says nothing)
             return f"shard({m})", None
         if below[m] == stride and list(old) == new:  # (a local no-op: -1 is all it says)
             return f"shard({m})", 1
-    for i, n in enumerate(new):
-        if below[i] * n == stride:
-            return f"shard({i})", None
+    run = [i for i, n in enumerate(new) if below[i] * n == stride]
+    if run:
+        # Several dims end at that stride only where all but the last are size 1 (one token: a
+        # decode step's [1, heads, head_dim]): the size-1 dims just before d in the old shape
+        # are the first of them, the rank's dim is the one after those.
+        ones = 0
+        while ones < d and old[d - 1 - ones] == 1:
+            ones += 1
+        return f"shard({min(run[0] + ones, run[-1])})", None
     for i, n in enumerate(new):
         if below[i] < stride < below[i] * n and stride % below[i] == 0:
             return f"shard({i})", stride // below[i]
@@ -122,6 +130,9 @@ class LineageWalk:
         self.nodes, self.sources = judge.v.lineage()
         self.proc = judge.v.procs[0]
         self.ops: list = []  # op names along the way, for the evidence
+        # a reshape that left the local shape as it was moved the shard by its -1 alone: a
+        # reading the shapes cannot confirm (reshape_shard), which steps that show it outvote
+        self.read_from_asked = False
 
     def slot_ref(self):
         t = self.j.v.times.get(self.pt.key)
@@ -172,6 +183,8 @@ class LineageWalk:
             if src.placement is None or src.shape is None or new_shape is None:
                 return Placed(src.placement) if src.placement in ("replicate", "partial") else NOTHING
             hit = reshape_shard(src.placement, src.shape, new_shape, src.block, attrs.get("asked"))
+            if hit and hit[0] != src.placement and list(src.shape) == list(new_shape):
+                self.read_from_asked = True
             return Placed(hit[0], tuple(new_shape), hit[1]) if hit else NOTHING
         if op in dataflow_ops.PRODUCTS:
             # each operand's own chain, inside the product's parentheses
@@ -236,9 +249,18 @@ def _cuts(src: Placed, dim: int) -> bool:
     return dim == d
 
 
-def placement_from_lineage(judge, pt):
-    """(placement, ops text, block) for ``pt`` from the recorded ops that built it, or None;
-    ``block``: reshape_shard's, for an interleaved slice of the shard's dim."""
+class FromLineage(NamedTuple):
+    """A point placed by the ops that built it: ``block``, reshape_shard's, for an interleaved
+    slice of the shard's dim; ``read_from_asked``, a shard moved by a local no-op reshape's -1."""
+
+    placement: str
+    ops: str
+    block: int | None
+    read_from_asked: bool
+
+
+def placement_from_lineage(judge, pt) -> FromLineage | None:
+    """What the recorded ops that built ``pt`` say of its placement, or None."""
     walk = LineageWalk(judge, pt)
     ref = walk.slot_ref()
     if ref is None:
@@ -249,4 +271,5 @@ def placement_from_lineage(judge, pt):
     d = _shard_dim(found.placement)
     if d is not None and d >= pt.ndim:
         return None
-    return found.placement, ", ".join(reversed(walk.ops)), found.block if d is not None else None
+    return FromLineage(found.placement, ", ".join(reversed(walk.ops)), found.block if d is not None else None,
+                       walk.read_from_asked and d is not None)

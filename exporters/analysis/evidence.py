@@ -15,6 +15,11 @@ from __future__ import annotations
 DECISIVE = ("collective", "concat", "weights", "dataflow", "declared", "semantics", "capture", "missing", "group")
 
 
+# the kind of the item that says a shard was placed by a local no-op reshape's -1 alone, which
+# verdicts.vote counts only where no step's shapes placed the point
+READ_FROM_ASKED = "read-from-asked"
+
+
 def item(kind: str, text: str, **refs) -> dict:
     return dict(kind=kind, text=text, refs={k: v for k, v in refs.items() if v is not None})
 

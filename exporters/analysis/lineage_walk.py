@@ -22,7 +22,7 @@ def _op_text(op, attrs) -> str:
     if op in ("cat", "stack", "split", "chunk", "unbind") and "dim" in attrs:
         extra = f", part {attrs['index']} of {attrs['of']}" if "index" in attrs else ""
         return f"{op}(dim={attrs['dim']}{extra})"
-    if op in ("view", "reshape", "flatten") and "shape" in attrs:
+    if op in ("view", "reshape", "flatten", "unflatten") and "shape" in attrs:
         return f"{op}({attrs['shape']})"
     if op == "to" and "dtype" in attrs:
         return f"to({attrs['dtype']})"

@@ -7,7 +7,7 @@ local derivation of a shard.
 from __future__ import annotations
 
 from tensor_trace.exporters.analysis import dataflow
-from tensor_trace.exporters.analysis.evidence import decide, item
+from tensor_trace.exporters.analysis.evidence import READ_FROM_ASKED, decide, item
 from tensor_trace.exporters.analysis.step_view import coll_json, next_sum_reduction
 from tensor_trace.exporters.analysis.tolerance import FLOAT_DTYPES, linked
 
@@ -28,7 +28,7 @@ def lineage_ops(j, pt):
     hit = dataflow.placement_from_lineage(j, pt)
     if hit is None:
         return None
-    placement, ops, block = hit
+    placement, ops, block, read = hit
     if placement == "replicate" and pt.equal is False:
         # Values that differ across ranks are not whole, whatever the ops say: an index or a
         # slice taken differently on each rank (DP attention's own tokens) is not seen in them.
@@ -36,7 +36,9 @@ def lineage_ops(j, pt):
     c = next_sum_reduction(j.v, pt) if placement == "partial" else None
     reduction = "pre-reduction" if c else ("unknown" if placement == "partial" else "no-reduction")
     verdict = decide(pt, placement, reduction, "lineage-ops", coll_json(c, pt.procs[0]) if c else None,
-                     item("dataflow", f"built by recorded ops: {ops}"), *_interleaved(pt, placement, block))
+                     item("dataflow", f"built by recorded ops: {ops}"), *_interleaved(pt, placement, block),
+                     *([item(READ_FROM_ASKED, "a reshape left the local shape as it was: the ranks are taken to be "
+                                              "in its -1 dim, which the shapes alone cannot confirm")] if read else []))
     verdict.block = block
     return verdict
 
@@ -88,6 +90,19 @@ def same_values_as_producer(j, pt):
     return None
 
 
+def _derived_dim(src_shape, d, shape, ndim) -> int:
+    """Where a shard of dim ``d`` of ``src_shape`` is taken to lie in a tensor of another rank
+    derived from it, with no recorded op between them: where the shapes first differ at d (the
+    sharded dim split into heads, ``[t, 64]`` to ``[t, 2, 16]``, or heads merged back), the
+    outermost dim of what it became; else the last dim."""
+    if src_shape is None or shape is None or d >= ndim:
+        return ndim - 1
+    same = 0
+    while same < min(len(src_shape), len(shape)) and src_shape[same] == shape[same]:
+        same += 1
+    return d if d <= same else ndim - 1
+
+
 def derived_from_shard(j, pt):
     """Computed locally from a shard: an output from its call's sharded input, or a tensor
     inside a call from the latest shard before it in that call."""
@@ -105,7 +120,8 @@ def derived_from_shard(j, pt):
     d = int(placement[6:-1])
     src_t = j.v.points[src].get(pt.procs[0])
     same_rank = src_t is not None and len(src_t.shape) == pt.ndim and d < pt.ndim
-    dim = d if same_rank else pt.ndim - 1
+    dim = d if same_rank else _derived_dim(src_t.shape if src_t is not None else None, d,
+                                           pt.tref.shape if pt.tref is not None else None, pt.ndim)
     verdict = decide(pt, f"shard({dim})", "no-reduction", "derived-from-shard", None,
                      item("dataflow", f"derived locally from {j.name(src)}, {placement}"
                                       + ("" if same_rank else f" (another rank of tensor: dim {dim} assumed)"),

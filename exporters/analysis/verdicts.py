@@ -8,7 +8,7 @@ import json
 
 from tensor_trace import schema
 from tensor_trace.exporters.analysis import declared, groups
-from tensor_trace.exporters.analysis.evidence import item, texts
+from tensor_trace.exporters.analysis.evidence import READ_FROM_ASKED, item, texts
 from tensor_trace.exporters.analysis.judge import Judge
 from tensor_trace.exporters.analysis.step_view import StepView
 from tensor_trace.format.fingerprints import decode_fingerprints
@@ -220,6 +220,11 @@ def compute_verdicts(con) -> int:
             items.append(item("sampling", f"{' or '.join(said)} in steps {sorted({v['step'] for v in unwatched})}, "
                                           "whose ops were not recorded (lineage is taken on a schedule): "
                                           "not counted"))
+        read = [v for v in verdicts if v not in voting and _read_from_asked(v)]
+        if read:
+            said = sorted({v["placement"] for v in read})
+            items.append(item("sampling", f"{' or '.join(said)} in steps {sorted({v['step'] for v in read})}, "
+                                          "from a reshape's -1 alone (the local shape unchanged): not counted"))
         if len(counts) > 1:
             items.append(item("sampling", "other steps disagree: " + ", ".join(
                 f"{p}/{r} in {n}" for (p, r), n in counts.items() if (p, r) != (placement, reduction))))
@@ -266,10 +271,19 @@ def vote(verdicts: list, lineage_steps: set) -> tuple:
     unwatched = [v for v in verdicts if placed and v["step"] not in lineage_steps and
                  (v["rule"] == "divergent" or v["rule"] in _OPS_RULES)]
     voting = [v for v in verdicts if v not in blind and v not in unwatched] or verdicts
+    # A shard that a local no-op reshape's -1 alone placed (a decode step's [1, q_size] viewed
+    # (-1, q_size)) says nothing against steps whose shapes placed the point by the same ops.
+    read = [v for v in voting if _read_from_asked(v)]
+    if read and len(read) < len(voting):
+        voting = [v for v in voting if v not in read]
     counts = collections.Counter((v["placement"], v["reduction"]) for v in voting)
     (placement, reduction), _ = counts.most_common(1)[0]
     chosen = next(v for v in voting if (v["placement"], v["reduction"]) == (placement, reduction))
     return blind, unwatched, voting, counts, chosen
+
+
+def _read_from_asked(v) -> bool:
+    return any(i["kind"] == READ_FROM_ASKED for i in v.get("items", ()))
 
 
 def _grouping(verdict) -> str | None:

@@ -14,17 +14,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 VENV_BIN = os.path.dirname(sys.executable)
 
 
-@pytest.fixture(scope="module", params=[2, 4])
-def cases(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"cases{request.param}") / "t"
-    cmd = [os.path.join(VENV_BIN, "tensor-trace"), "record", "-o", str(out), "--",
-           os.path.join(VENV_BIN, "torchrun"), "--standalone", "--nproc-per-node", str(request.param),
+def _run_cases(out, tp, *options):
+    cmd = [os.path.join(VENV_BIN, "tensor-trace"), "record", "-o", str(out), *options, "--",
+           os.path.join(VENV_BIN, "torchrun"), "--standalone", "--nproc-per-node", str(tp),
            os.path.join(HERE, "scripts", "tp_cases.py")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = CliRunner().invoke(main, ["query", "placement", "*:*", "--trace", str(out), "--json"])
     assert r.exit_code == 0, r.output
     return {p["point"]: p for p in json.loads(r.stdout)}
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def cases(request, tmp_path_factory):
+    return _run_cases(tmp_path_factory.mktemp(f"cases{request.param}") / "t", request.param)
 
 
 def verdict(pts, name):
@@ -87,3 +90,38 @@ def test_heads_viewed_as_rows_are_an_interleaved_shard_of_the_rows(cases):
     assert any("interleaved" in e for e in cases["qk.q_norm:input.0"]["evidence"])
     assert verdict(cases, "qk.rope:input.0") == ("shard(1)", "no-reduction")
     assert verdict(cases, "qk.rope:input.1") == ("shard(1)", "no-reduction")
+
+
+@pytest.mark.parametrize("path", ["heads", "heads_one"])
+def test_heads_unflattened_from_a_column_shard_are_sharded_along_the_heads(cases, path):
+    """Gemma3's ``unflatten(-1, (heads, head_dim))`` of a column shard: sharded along the heads
+    (dim 1; one KV head per rank, local size 1), head_dim whole; the attention's output viewed
+    back to ``(-1, heads * head_dim)`` is the column shard again, contiguous. The same with one
+    token (``heads_one``), where the tokens dim is size 1 too."""
+    for point in ("q_norm:input.0", "q_norm:output", "k_norm:input.0", "k_norm:output", "attn:output"):
+        p = cases[f"{path}.{point}"]
+        assert (p["placement"], p["reduction"]) == ("shard(1)", "no-reduction"), (point, p["evidence"])
+    p = cases[f"{path}.o:input.0"]
+    assert (p["placement"], p["reduction"]) == ("shard(1)", "no-reduction"), p["evidence"]
+    assert not any("interleaved" in e for e in p["evidence"]), p["evidence"]
+
+
+def test_a_decode_steps_no_op_view_does_not_outvote_the_steps_whose_shapes_place_it(cases):
+    """SGLang's torch_native attention returns [1, heads * head_dim] for one token: its view
+    ``(-1, heads * head_dim)`` is then a local no-op whose -1 alone would put the ranks in the
+    tokens; a step with 8 tokens, whose shapes show the heads' columns, decides."""
+    p = cases["heads_decode.o:input.0"]
+    assert (p["placement"], p["reduction"]) == ("shard(1)", "no-reduction"), p["evidence"]
+    assert any("from a reshape's -1 alone" in e for e in p["evidence"]), p["evidence"]
+    assert not any("other steps disagree" in e for e in p["evidence"]), p["evidence"]
+
+
+def test_without_recorded_ops_heads_split_from_a_shard_are_taken_along_the_heads(tmp_path):
+    """``--no-lineage``: no op is seen between the column shard [t, 8] and the norm's input
+    [t, 2, 4]; the shard is derived where the shapes first differ (the heads), not in the
+    last dim (head_dim, whole on every rank)."""
+    pts = _run_cases(tmp_path / "t", 2, "--no-lineage")
+    for path in ("heads", "heads_one"):
+        for point in ("q_norm:input.0", "k_norm:input.0"):
+            p = pts[f"{path}.{point}"]
+            assert (p["placement"], p["reduction"]) == ("shard(1)", "no-reduction"), (path, point, p["evidence"])

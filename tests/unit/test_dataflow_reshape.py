@@ -4,6 +4,7 @@ view, from local shapes alone."""
 import pytest
 
 from tensor_trace.exporters.analysis.dataflow import reshape_shard
+from tensor_trace.exporters.analysis.rules_dataflow import _derived_dim
 
 
 @pytest.mark.parametrize("placement, old, new, want", [
@@ -55,3 +56,36 @@ def test_shard_after_reshape(placement, old, new, want):
 ])
 def test_interleaved_shards_through_reshapes(placement, block, old, new, asked, want):
     assert reshape_shard(placement, old, new, block, asked) == want
+
+
+@pytest.mark.parametrize("placement, old, new, asked, want", [
+    # a decode step's one token: [1, heads, head_dim] back to [1, heads * head_dim] (the -1 is
+    # the tokens, size 1 here, which says nothing) keeps the heads' columns; with more tokens
+    # the same view gives the same answer
+    ("shard(1)", [1, 2, 16], [1, 32], [-1, 32], "shard(1)"),
+    ("shard(1)", [3, 2, 16], [3, 32], [-1, 32], "shard(1)"),
+    # ... and split into heads (Gemma3's q.unflatten(-1, (heads, head_dim))), one head per rank
+    ("shard(1)", [1, 32], [1, 2, 16], [1, 2, 16], "shard(1)"),
+    ("shard(1)", [1, 16], [1, 1, 16], [1, -1, 16], "shard(1)"),
+    ("shard(1)", [1, 16], [1, 1, 16], None, "shard(1)"),
+    ("shard(1)", [4, 16], [4, 1, 16], None, "shard(1)"),
+    # with no size-1 dim before it, a new leading size-1 dim is still the outermost
+    ("shard(0)", [16], [1, 16], None, "shard(0)"),
+    # view(1, -1) asks for the whole in one row: the -1 (size > 1) says where the ranks go
+    ("shard(0)", [16], [1, 16], [1, -1], "shard(1)"),
+    # a sequence shard of batch 1, flattened: still the rows
+    ("shard(1)", [1, 5, 32], [5, 32], [-1, 32], "shard(0)"),
+])
+def test_size_one_dims_before_the_shard(placement, old, new, asked, want):
+    assert reshape_shard(placement, old, new, None, asked)[0] == want
+
+
+@pytest.mark.parametrize("src, d, shape, want", [
+    ([3, 64], 1, [3, 2, 16], 1),  # heads split out of a column shard: the heads
+    ([1, 64], 1, [1, 1, 16], 1),  # one token, one head per rank
+    ([3, 2, 16], 1, [3, 32], 1),  # heads merged back: the columns
+    ([2, 5, 32], 2, [10, 32], 1),  # tokens flattened: cannot tell where, the last dim
+    (None, 1, [3, 2, 16], 2),
+])
+def test_where_a_shard_is_derived_without_recorded_ops(src, d, shape, want):
+    assert _derived_dim(src, d, shape, len(shape)) == want

@@ -38,8 +38,8 @@ def _pt(equal=False):
 
 
 def test_the_experts_act_fn_input_is_the_shard_of_the_packed_weight():
-    placement, ops, block = dataflow.placement_from_lineage(_judge(), _pt())
-    assert placement == "shard(1)"
+    placement, ops, block, read = dataflow.placement_from_lineage(_judge(), _pt())
+    assert placement == "shard(1)" and not read
     assert ops.startswith("chunk, grouped_mm([...], from model.layers.0.mlp.experts:input.0 (replicate); ")
     assert "gate_up_proj (shard(1): a DTensor _StridedShard(dim=1, sf=2))" in ops
     verdict = lineage_ops(_judge(), _pt())

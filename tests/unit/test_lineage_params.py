@@ -12,6 +12,7 @@ import torch.nn as nn
 from tensor_trace import schema, tracer
 from tensor_trace.exporters.pipeline import merge_ranks, store_path
 from tensor_trace.exporters.store.reader import iter_records, rank_files
+from tensor_trace.tracer import lineage_attrs as _attrs
 from tensor_trace.tracer.lineage_attrs import dims_attrs
 
 
@@ -123,16 +124,36 @@ x = torch.zeros(4, 5, 6)
     ("unsqueeze", (x, 1), {"dims": [0, 2, 3]}),
     ("repeat_interleave", (x, 2, 0), {"dims": [0, 1, 2], "part": [0]}),
     ("repeat_interleave", (x, 2), None),  # flattened
+    ("movedim", (x, 0, -1), {"dims": [2, 0, 1]}),
+    ("movedim", (x, (2, 0), (0, 1)), {"dims": [1, 2, 0]}),
+    ("movedim", (x, (0, 0), (1, 2)), None),  # a dim moved twice: no dims
+    ("swapaxes", (x, 0, 2), {"dims": [2, 1, 0]}),
 ])
 def test_dims_of_dimension_moves(name, args, want):
     op = {"getitem": torch.Tensor.__getitem__, "index_select": torch.index_select, "transpose": torch.transpose,
           "permute": torch.permute, "Tensor.permute": torch.Tensor.permute, "unsqueeze": torch.unsqueeze,
-          "repeat_interleave": torch.repeat_interleave}[name]
+          "repeat_interleave": torch.repeat_interleave, "movedim": torch.movedim, "swapaxes": torch.swapaxes}[name]
     try:
         out = op(*args)
     except (IndexError, RuntimeError):
         out = torch.zeros(1)
-    assert dims_attrs(name.replace("Tensor.", ""), args[1:], {}, args[0].shape, out.dim()) == want
+    tracked = _attrs.tracked()[op][0]  # (swapaxes is recorded as the transpose it is)
+    got = dims_attrs(tracked, args[1:], {}, args[0].shape, out.dim())
+    assert got == want
+    if got is not None and not got.get("part"):  # each input dim lands where its size did
+        assert all(out.shape[d] == args[0].shape[i] for i, d in enumerate(got["dims"]) if d >= 0)
+
+
+@pytest.mark.parametrize("name, args, kwargs, want", [
+    ("view", (torch.zeros(2, 6), -1, 3), {}, [-1, 3]),
+    ("reshape", (torch.zeros(2, 6), (2, 6)), {}, None),  # no -1: nothing the shape does not say
+    ("unflatten", (torch.zeros(3, 32), -1, (2, 16)), {}, None),
+    ("unflatten", (torch.zeros(3, 32), -1, (-1, 16)), {}, [3, -1, 16]),
+    ("unflatten", (torch.zeros(3, 32, 5), 1, (-1, 16)), {}, [3, -1, 16, 5]),
+    ("flatten", (torch.zeros(3, 32),), {}, None),
+])
+def test_sizes_a_reshape_was_asked_for(name, args, kwargs, want):
+    assert _attrs.asked_shape(name, args, kwargs) == want
 
 
 def test_squeeze_dims_from_the_shape():

@@ -1,5 +1,6 @@
 """The vote over a point's sampled steps (verdicts.vote): which steps count."""
 
+from tensor_trace.exporters.analysis.evidence import READ_FROM_ASKED
 from tensor_trace.exporters.analysis.verdicts import vote
 
 
@@ -86,3 +87,24 @@ def test_a_dataflow_guess_in_a_step_without_recorded_ops_does_not_outvote_them()
     # in a step with recorded ops such a rule still votes
     verdicts[1]["step"] = 1
     assert vote(verdicts, lineage_steps={0, 1})[3][("shard(1)", "no-reduction")] == 1
+
+
+def read(step, placement):
+    d = v(step, placement, "no-reduction", "lineage-ops")
+    d["items"] = [dict(kind=READ_FROM_ASKED, text="...", refs={})]
+    return d
+
+
+def test_a_shard_read_from_a_no_op_reshape_does_not_outvote_steps_whose_shapes_placed_it():
+    # Gemma3 in SGLang: the attention's output [3, 2, 16] viewed (-1, 32) in the extend steps,
+    # [1, 32] viewed (-1, 32) in the decode steps (a no-op, whose -1 alone says shard(0))
+    verdicts = [v(0, "shard(1)", "no-reduction", "lineage-ops"), read(1, "shard(0)"), read(2, "shard(0)")]
+    blind, unwatched, voting, counts, chosen = vote(verdicts, lineage_steps={0, 1, 2})
+    assert chosen["placement"] == "shard(1)" and list(counts) == [("shard(1)", "no-reduction")]
+
+
+def test_a_shard_read_from_a_no_op_reshape_in_every_step_stands():
+    # one KV head per rank, k.reshape(-1, head_dim) of [tokens, head_dim]: no step shows more
+    verdicts = [read(0, "shard(0)"), read(1, "shard(0)")]
+    blind, unwatched, voting, counts, chosen = vote(verdicts, lineage_steps={0, 1})
+    assert chosen["placement"] == "shard(0)" and len(voting) == 2

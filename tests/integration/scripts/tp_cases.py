@@ -164,6 +164,41 @@ class FlatHeadNorms(nn.Module):
         return self.rope(qn.view(q.shape), kn.view(k.shape))
 
 
+class Attend(nn.Module):
+    """Stands for the attention: takes the normed q and k heads, returns q's shape; with
+    ``flat_for_one``, [1, heads * head_dim] for one token (SGLang's torch_native decode)."""
+
+    def __init__(self, flat_for_one=False):
+        super().__init__()
+        self.flat_for_one = flat_for_one
+
+    def forward(self, q, k):
+        out = q + k.mean(dim=1, keepdim=True)
+        return out.flatten(1) if self.flat_for_one and out.shape[0] == 1 else out
+
+
+class Out(nn.Module):
+    def forward(self, x):
+        return x * 1.0
+
+
+class UnflattenedHeadNorms(nn.Module):
+    """Gemma3's attention in SGLang: ``q.unflatten(-1, (heads, head_dim))`` of the column shard
+    (two heads per rank; k one), per-head norms of the 3-D tensors, the attention's output
+    reshaped back to ``(-1, heads * head_dim)``. Run on 8 tokens and on one (a decode step)."""
+
+    def __init__(self, flat_for_one=False):
+        super().__init__()
+        self.q_proj, self.k_proj = ColumnSlice(heads=2, seed=13), ColumnSlice(seed=17)
+        self.q_norm, self.k_norm = HeadNorm(), HeadNorm()
+        self.attn, self.o = Attend(flat_for_one), Out()
+
+    def forward(self, x):
+        q = self.q_norm(self.q_proj(x).unflatten(-1, (2, HEAD_DIM)))
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (1, HEAD_DIM)))
+        return self.o(self.attn(q, k).reshape(-1, 2 * HEAD_DIM))
+
+
 class Cases(nn.Module):
     def __init__(self):
         super().__init__()
@@ -177,6 +212,10 @@ class Cases(nn.Module):
         self.mislabeled = RowParallelLinear()
         self.kv = OneHeadPerRank()
         self.qk = FlatHeadNorms()
+        self.heads, self.heads_one = UnflattenedHeadNorms(), UnflattenedHeadNorms()
+        # one token in the second step (the first two have their ops recorded), else 8: the
+        # attention's output for one token is already flat
+        self.heads_decode, self.calls = UnflattenedHeadNorms(flat_for_one=True), 0
 
     def forward(self, x):
         r = self.replicated(x)
@@ -190,6 +229,10 @@ class Cases(nn.Module):
         dist.all_reduce(m)
         self.kv(x)
         self.qk(x)
+        self.heads(x)
+        self.heads_one(x[:1])
+        self.heads_decode(x[:1] if self.calls == 1 else x)
+        self.calls += 1
         return out, m
 
 
