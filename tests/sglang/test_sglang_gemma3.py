@@ -1,0 +1,74 @@
+"""Gemma3 in real SGLang 0.5.23 on CPU, traced at TP=2: per-head norms of 3-D heads.
+
+SGLang's Gemma3 attention splits each rank's column shard into heads with
+``q.unflatten(-1, (heads, head_dim))`` and norms each head (``q_norm`` / ``k_norm`` of
+``[tokens, heads, head_dim]``; two q heads and one KV head per rank here); its torch_native
+attention returns ``[tokens, heads, head_dim]`` for a prefill and ``[1, heads * head_dim]`` for a
+decode step, viewed ``(-1, q_size)`` before ``o_proj``. Every rank holds whole heads: the shard
+is the heads dim, never head_dim. Served traced and untraced at once; the tokens must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from tensor_trace.cli import main
+
+import tt_sglang_server as server  # noqa: E402  (loaded by conftest.py)
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1200)]
+
+TT = str(server.VENV / "bin" / "tensor-trace")
+MODEL = server.REPO_ROOT / "tests" / "data" / "sglang-models" / "gemma3"
+
+
+def _serve(log, prefix=()):
+    srv = server.SGLangServer(2, model_path=MODEL, log_path=log, prefix=list(prefix), standins=("wide_dummy",),
+                              startup_timeout=600, stop_timeout=120)
+    with srv:
+        tokens = server.output_ids(srv.generate(server.DEFAULT_INPUT_IDS, max_new_tokens=3))
+        time.sleep(1.0)  # let the ranks' flush threads write the last steps before SIGINT
+    assert not srv.killed, srv.log_tail()
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gemma3")
+    out = d / "trace"
+    traced, plain = server.at_once(
+        lambda: _serve(d / "traced.log", [TT, "record", "--replace", "-o", str(out), "--"]),
+        lambda: _serve(d / "plain.log"))
+    return dict(out=str(out), tokens=traced, plain=plain)
+
+
+def placements(run, pattern):
+    r = CliRunner().invoke(main, ["query", "placement", pattern, "--trace", run["out"], "--json"])
+    assert r.exit_code == 0, r.output
+    return {p["point"]: p for p in json.loads(r.stdout)}
+
+
+def test_tracing_changes_no_token(gemma3):
+    assert gemma3["tokens"] == gemma3["plain"]
+
+
+def test_per_head_norms_of_unflattened_heads_are_sharded_along_the_heads(gemma3):
+    pts = placements(gemma3, "model.layers.*.self_attn.*:*")
+    for layer in (0, 1):
+        at = f"model.layers.{layer}.self_attn"
+        for point in ("q_norm:input.0", "q_norm:output", "k_norm:input.0", "k_norm:output",
+                      "attn:input.0", "attn:input.1", "attn:output"):
+            p = pts[f"{at}.{point}"]
+            assert (p["placement"], p["reduction"]) == ("shard(1)", "no-reduction"), (point, p["evidence"])
+        assert pts[f"{at}.q_norm:input.0"]["shapes"]["0"][1:] == [2, 16]
+        # the attention's output viewed back for o_proj: the heads' columns in every kind of
+        # step (a decode step's view is a local no-op, which its -1 alone does not decide)
+        p = pts[f"{at}.o_proj:input.0"]
+        assert (p["placement"], p["reduction"]) == ("shard(1)", "no-reduction"), p["evidence"]
+        assert not any("other steps disagree" in e or "interleaved" in e for e in p["evidence"]), p["evidence"]
+        p = pts[f"{at}.o_proj:output.0"]
+        assert (p["placement"], p["reduction"]) == ("replicate", "post-reduction"), p["evidence"]
