@@ -6,6 +6,8 @@ local derivation of a shard.
 
 from __future__ import annotations
 
+import math
+
 from tensor_trace.exporters.analysis import dataflow
 from tensor_trace.exporters.analysis.evidence import READ_FROM_ASKED, decide, item
 from tensor_trace.exporters.analysis.step_view import coll_json, next_sum_reduction
@@ -92,15 +94,16 @@ def same_values_as_producer(j, pt):
 
 def _derived_dim(src_shape, d, shape, ndim) -> int:
     """Where a shard of dim ``d`` of ``src_shape`` is taken to lie in a tensor of another rank
-    derived from it, with no recorded op between them: where the shapes first differ at d (the
-    sharded dim split into heads, ``[t, 64]`` to ``[t, 2, 16]``, or heads merged back), the
-    outermost dim of what it became; else the last dim."""
-    if src_shape is None or shape is None or d >= ndim:
+    derived from it, with no recorded op between them: where the dims before d are the same and
+    the dims from d on split (a part of) the sharded dim (heads split out of a column shard,
+    ``[t, 64]`` to ``[t, 2, 16]``), the outermost of them; else the last dim (heads merged back,
+    perhaps after a transpose that no op recorded)."""
+    if src_shape is None or shape is None or d >= ndim or d >= len(src_shape):
         return ndim - 1
-    same = 0
-    while same < min(len(src_shape), len(shape)) and src_shape[same] == shape[same]:
-        same += 1
-    return d if d <= same else ndim - 1
+    rest = math.prod(shape[d:])
+    if list(src_shape[:d]) == list(shape[:d]) and rest > 0 and src_shape[d] % rest == 0:
+        return d
+    return ndim - 1
 
 
 def derived_from_shard(j, pt):

@@ -125,3 +125,15 @@ def test_without_recorded_ops_heads_split_from_a_shard_are_taken_along_the_heads
         for point in ("q_norm:input.0", "k_norm:input.0"):
             p = pts[f"{path}.{point}"]
             assert (p["placement"], p["reduction"]) == ("shard(1)", "no-reduction"), (path, point, p["evidence"])
+
+
+def test_heads_transposed_for_sdpa_and_merged_back_are_the_column_shard(cases):
+    """transformers' Gemma3 attention: the heads' norms on [b, heads, s, head_dim] (shard(1));
+    SDPA's output is linked to nothing recorded, so o_proj's input [b, s, heads * head_dim] is
+    derived from the last shard before it: the merged heads' columns (dim 2), not dim 1 (the
+    sequence here, where the heads were before the transpose back)."""
+    for point in ("q_norm:input.0", "k_norm:output"):
+        p = cases[f"hf_heads.{point}"]
+        assert (p["placement"], p["reduction"]) == ("shard(1)", "no-reduction"), (point, p["evidence"])
+    p = cases["hf_heads.o:input.0"]
+    assert (p["placement"], p["reduction"]) == ("shard(2)", "no-reduction"), p["evidence"]

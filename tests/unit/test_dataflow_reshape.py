@@ -84,6 +84,7 @@ def test_size_one_dims_before_the_shard(placement, old, new, asked, want):
     ([3, 64], 1, [3, 2, 16], 1),  # heads split out of a column shard: the heads
     ([1, 64], 1, [1, 1, 16], 1),  # one token, one head per rank
     ([3, 2, 16], 1, [3, 32], 1),  # heads merged back: the columns
+    ([2, 3, 12, 8], 1, [2, 12, 24], 2),  # transformers' [b, heads, s, d] back to [b, s, heads * d]
     ([2, 5, 32], 2, [10, 32], 1),  # tokens flattened: cannot tell where, the last dim
     (None, 1, [3, 2, 16], 2),
 ])

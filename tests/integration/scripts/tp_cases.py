@@ -199,6 +199,25 @@ class UnflattenedHeadNorms(nn.Module):
         return self.o(self.attn(q, k).reshape(-1, 2 * HEAD_DIM))
 
 
+class HfHeads(nn.Module):
+    """transformers' Gemma3 attention: ``view(b, s, -1, head_dim).transpose(1, 2)`` of the column
+    shard, per-head norms of [b, heads, s, head_dim], SDPA (whose output no recorded op links to
+    its inputs), then ``transpose(1, 2).reshape(b, s, -1)`` for o_proj."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj = ColumnSlice(heads=2, seed=19), ColumnSlice(heads=2, seed=23)
+        self.q_norm, self.k_norm = HeadNorm(), HeadNorm()
+        self.o = Out()
+
+    def forward(self, x):
+        b, s = 2, x.shape[0] // 2
+        q = self.q_norm(self.q_proj(x).view(b, s, -1, HEAD_DIM).transpose(1, 2))
+        k = self.k_norm(self.k_proj(x).view(b, s, -1, HEAD_DIM).transpose(1, 2))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, k)
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
 class Cases(nn.Module):
     def __init__(self):
         super().__init__()
@@ -216,6 +235,7 @@ class Cases(nn.Module):
         # one token in the second step (the first two have their ops recorded), else 8: the
         # attention's output for one token is already flat
         self.heads_decode, self.calls = UnflattenedHeadNorms(flat_for_one=True), 0
+        self.hf_heads = HfHeads()
 
     def forward(self, x):
         r = self.replicated(x)
@@ -233,6 +253,7 @@ class Cases(nn.Module):
         self.heads_one(x[:1])
         self.heads_decode(x[:1] if self.calls == 1 else x)
         self.calls += 1
+        self.hf_heads(x)
         return out, m
 
 
