@@ -51,6 +51,9 @@ class Judge:
         self.done: dict = {}  # key -> Verdict
         self.inputs_of: dict = {}  # (module, call) -> [keys of its input slots judged so far]
         self.by_fp0: dict = {}  # (fingerprint, numel) on the first proc -> key of its producer
+        # a point of this step was judged a shard although its values are equal on every rank:
+        # the ranks' shards are identical (dummy weights), so equal values say nothing of a place
+        self.identical_shards = False
 
     def name(self, key) -> str:
         """A point's name as queries show it (``#K`` where its module runs more than once)."""
@@ -146,8 +149,9 @@ class Judge:
             return None
         return per
 
-    def enclosing_shard(self, pt: Point):
-        """The latest shard point before ``pt`` under the same enclosing module call."""
+    def enclosing_shard(self, pt: Point, shape=None):
+        """The latest shard point before ``pt`` under the same enclosing module call (with
+        ``shape``: the latest of that local shape)."""
         v = self.v
         proc = v.procs[0]
         t_key = v.times.get(pt.key)
@@ -161,6 +165,10 @@ class Judge:
             t_o = v.times.get(other)
             if t_o is None or t_o >= t_key:
                 continue
+            if shape is not None:
+                o = v.points[other].get(proc)
+                if o is None or tuple(o.shape) != shape:
+                    continue
             if v.span_of.get((proc, t_o[1]), (None, None, -2))[2] == parent or t_o[1] == parent:
                 if best is None or t_o > v.times[best]:
                     best = other

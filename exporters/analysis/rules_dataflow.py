@@ -57,14 +57,33 @@ def _interleaved(pt, placement, block) -> list:
 
 
 def derived_from_shard_inputs(j, pt):
-    """An output of a parameter-free module all of whose floating-point inputs are shards."""
-    if not pt.is_output or j.params.get((pt.procs[0], pt.module)):
+    """An output of a module all of whose floating-point inputs are shards: one without
+    parameters, or one whose output has its first input's shape (a norm of each rank's heads,
+    whose weight is the same on every rank)."""
+    if not pt.is_output:
         return None
     inputs = [(k, vd) for k, vd in j.call_inputs(pt)
               if (j.v.points[k].get(pt.procs[0]) or pt.tref).dtype.startswith(FLOAT_DTYPES)]
     if not inputs or not all(vd.placement.startswith("shard(") for _, vd in inputs):
         return None
+    if j.params.get((pt.procs[0], pt.module)):
+        first = j.v.points[inputs[0][0]].get(pt.procs[0])
+        if first is None or pt.tref is None or tuple(first.shape) != tuple(pt.tref.shape):
+            return None
     return derived_from_shard(j, pt)
+
+
+def input_shaped_as_shard(j, pt):
+    """A module's input built by ops no lineage records (a rotary embedding's products) from
+    the latest shard before it in the enclosing call, and of that shard's local shape: where
+    the ranks' shards are identical, what tells it from a whole tensor (whose shape would be
+    the tensor's whole one)."""
+    if pt.is_output or pt.tref is None:
+        return None
+    src = j.enclosing_shard(pt, tuple(pt.tref.shape))
+    if src is None:
+        return None
+    return derived_from_shard(j, pt, src)
 
 
 def same_values_as_producer(j, pt):
@@ -106,16 +125,12 @@ def _derived_dim(src_shape, d, shape, ndim) -> int:
     return ndim - 1
 
 
-def derived_from_shard(j, pt):
-    """Computed locally from a shard: an output from its call's sharded input, or a tensor
-    inside a call from the latest shard before it in that call."""
-    src = None
-    if pt.is_output:
-        for k, vd in j.call_inputs(pt):
-            if vd.placement.startswith("shard("):
-                src = k
-                break
-    else:
+def derived_from_shard(j, pt, src=None):
+    """Computed locally from a shard (``src``, else found): an output from its call's sharded
+    input, or a tensor inside a call from the latest shard before it in that call."""
+    if src is None and pt.is_output:
+        src = next((k for k, vd in j.call_inputs(pt) if vd.placement.startswith("shard(")), None)
+    elif src is None:
         src = j.enclosing_shard(pt)
     if src is None:
         return None

@@ -17,6 +17,13 @@ def equal_values(j, pt):
     """Values equal on every rank: replicate, unless a declaration says the layer is sharded."""
     if not pt.equal:
         return None
+    verdict = _equal_values(j, pt)
+    if verdict.placement.startswith("shard("):
+        j.identical_shards = True
+    return verdict
+
+
+def _equal_values(j, pt):
     says = declared.dtensor_placement_at(pt)
     note = item("values", "values equal on every rank: identical shards, e.g. dummy weights")
     if says and says != "replicate":
@@ -43,8 +50,11 @@ def equal_values(j, pt):
         return decide(pt, "replicate", "no-reduction", "equal-values", None,
                       item("values", "integer values (ids, positions, lengths) equal on every rank"))
     # Computed from a shard that only looks whole (identical shards): the dataflow says so.
-    for rule in (rules_dataflow.lineage_ops, rules_dataflow.same_values_as_producer,
-                 rules_dataflow.derived_from_shard_inputs):
+    rules = (rules_dataflow.lineage_ops, rules_dataflow.same_values_as_producer,
+             rules_dataflow.derived_from_shard_inputs)
+    if j.identical_shards:  # (where equal values hide shards, a shard's shape is the evidence left)
+        rules += (rules_dataflow.input_shaped_as_shard,)
+    for rule in rules:
         verdict = rule(j, pt)
         if verdict is not None and verdict.placement != "replicate":
             verdict.items.append(note)

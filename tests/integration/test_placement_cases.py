@@ -137,3 +137,22 @@ def test_heads_transposed_for_sdpa_and_merged_back_are_the_column_shard(cases):
         assert (p["placement"], p["reduction"]) == ("shard(1)", "no-reduction"), (point, p["evidence"])
     p = cases["hf_heads.o:input.0"]
     assert (p["placement"], p["reduction"]) == ("shard(2)", "no-reduction"), p["evidence"]
+
+
+def test_identical_shards_follow_the_dataflow_past_norms_and_unrecorded_ops(cases):
+    """Dummy weights: every point of the attention has equal values on every rank. The
+    projection is a shard by its layer class; the heads split from it, their norms (a module
+    with a weight), the rotated heads (built by products no lineage records, of the norms'
+    shape) and the attention's output stay shards; o_proj's output is no reduction here."""
+    for point in ("qkv_proj:output", "q_norm:input.0", "q_norm:output", "k_norm:output",
+                  "attn:input.0", "attn:input.1", "attn:output", "o:input.0"):
+        p = cases[f"dummy_heads.{point}"]
+        assert (p["placement"], p["reduction"]) == ("shard(1)", "no-reduction"), (point, p["evidence"])
+        assert p["fingerprint"] is None or any("identical shards" in e for e in p["evidence"]), (point, p["evidence"])
+
+
+def test_equal_values_beside_a_shard_of_another_shape_stay_replicate(cases):
+    """The guard of the rule above: a whole tensor given to a module after the shards of the
+    same call (equal on every rank, of none of their shapes) is not made a shard."""
+    p = cases["dummy_heads.whole:input.0"]
+    assert (p["placement"], p["reduction"]) == ("replicate", "no-reduction"), p["evidence"]

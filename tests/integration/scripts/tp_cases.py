@@ -218,6 +218,58 @@ class HfHeads(nn.Module):
         return self.o(out.transpose(1, 2).reshape(b, s, -1))
 
 
+class QKVParallelLinear(nn.Module):
+    """SGLang's QKV projection (its class name and ``gather_output``) under ``--load-format
+    dummy``: SGLang's dummy loader seeds each parameter by its shape, so every rank's shard holds
+    the same values. Two q heads and one KV head per rank."""
+
+    gather_output = False
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(29)  # (the same on every rank)
+        self.w = nn.Parameter(torch.randn(3 * HEAD_DIM, 16, generator=g))
+
+    def forward(self, x):
+        return x @ self.w.t()
+
+
+QKVParallelLinear.__module__ = "sglang.srt.layers.linear"
+
+
+class WeightedHeadNorm(HeadNorm):
+    """A per-head norm with its weight (Gemma3's q_norm / k_norm), the same on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(HEAD_DIM))
+
+    def forward(self, x):
+        return super().forward(x) * self.weight
+
+
+class IdenticalShardHeads(nn.Module):
+    """Gemma3's attention in SGLang with dummy weights: identical shards everywhere, so equal
+    values say nothing of placement. The heads unflattened from the projection's shard, normed
+    (a module with a weight), rotated by ops no lineage records (products with a table), fed to
+    the attention and viewed back for o_proj."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear()
+        self.q_norm, self.k_norm = WeightedHeadNorm(), WeightedHeadNorm()
+        self.attn, self.o, self.whole = Attend(), Out(), Out()
+        self.register_buffer("cos", torch.linspace(0.5, 1.0, HEAD_DIM))
+
+    def forward(self, x):
+        q, k = self.qkv_proj(x).split([2 * HEAD_DIM, HEAD_DIM], dim=-1)
+        q = self.q_norm(q.unflatten(-1, (2, HEAD_DIM))) * self.cos
+        k = self.k_norm(k.unflatten(-1, (1, HEAD_DIM))) * self.cos
+        out = self.o(self.attn(q, k).reshape(-1, 2 * HEAD_DIM))
+        self.whole(torch.tanh(x))  # a whole tensor after the shards, of none of their shapes
+        return out
+
+
 class Cases(nn.Module):
     def __init__(self):
         super().__init__()
@@ -236,6 +288,7 @@ class Cases(nn.Module):
         # attention's output for one token is already flat
         self.heads_decode, self.calls = UnflattenedHeadNorms(flat_for_one=True), 0
         self.hf_heads = HfHeads()
+        self.dummy_heads = IdenticalShardHeads()
 
     def forward(self, x):
         r = self.replicated(x)
@@ -254,6 +307,7 @@ class Cases(nn.Module):
         self.heads_decode(x[:1] if self.calls == 1 else x)
         self.calls += 1
         self.hf_heads(x)
+        self.dummy_heads(x)
         return out, m
 
 
