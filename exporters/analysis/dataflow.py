@@ -74,13 +74,21 @@ def reshape_shard(placement: str, old_shape, new_shape, block=None, asked=None):
             return f"shard({m})", 1
     run = [i for i, n in enumerate(new) if below[i] * n == stride]
     if run:
-        # Several dims end at that stride only where all but the last are size 1 (one token: a
-        # decode step's [1, heads, head_dim]): the size-1 dims just before d in the old shape
-        # are the first of them, the rank's dim is the one after those.
+        if block is None and list(old) == new:
+            return placement, None  # (the same shape, and no -1 that says otherwise)
+        # Several dims end at that stride only where all but the last are size 1: the old
+        # shape's size-1 dims just before d (one token: a decode step's [1, heads, head_dim])
+        # are the first of them; a size-1 dim after those is the rank's where the dims from it
+        # split d alone (one KV head per rank: [t, head_dim] to [t, 1, head_dim]), not where
+        # the last of them also holds the dims after d ([2, 16] of one token's two heads viewed
+        # back to [1, 32]: the 1 is the token).
         ones = 0
         while ones < d and old[d - 1 - ones] == 1:
             ones += 1
-        return f"shard({min(run[0] + ones, run[-1])})", None
+        at = min(run[0] + ones, run[-1])
+        if at < run[-1] and below[run[-1]] != math.prod(old[d + 1:]):
+            at = run[-1]
+        return f"shard({at})", None
     for i, n in enumerate(new):
         if below[i] < stride < below[i] * n and stride % below[i] == 0:
             return f"shard({i})", stride // below[i]

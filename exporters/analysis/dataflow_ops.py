@@ -69,7 +69,14 @@ def product_placement(op: str, placements: list, ndims: list):
       the contracted dim give partial; a partial times a whole operand stays partial;
     - ``grouped_mm(a [S, K], b [E, K, N])``: a replicate and b shard(2) give shard(1); a
       shard(1) and b shard(1) give partial;
+    - ``bmm``/``matmul`` with ``a`` sharded along a batch dim: that dim of the output, whatever
+      ``b`` is (not placed: a weight made after loading, as DeepSeek's absorbed ``w_kc``): a
+      batched product keeps each batch's rows where they are;
     - every operand replicate: replicate. Anything else: None."""
+    if op in ("bmm", "matmul") and len(placements) == 2 and len(ndims) == 2 and min(ndims) >= 3:
+        da = _shard_dim(placements[0] or "")
+        if da is not None and da < ndims[0] - 2:
+            return f"shard({da + max(ndims) - ndims[0]})"
     if op not in PRODUCTS or len(placements) < 2 or len(ndims) != len(placements) or None in placements:
         return None
     if all(p == "replicate" for p in placements):

@@ -84,6 +84,8 @@ class Judge:
             t0 = obs.get(v.procs[0])
             if t0 is not None and t0.fp is not None and pt.is_output:
                 self.by_fp0.setdefault((t0.fp, t0.numel), key)
+        for d in out.values():  # (verdicts.vote: equal values in such a step say nothing of a place)
+            d["identical_shards"] = self.identical_shards
         return out
 
     def judge(self, pt: Point) -> Verdict:

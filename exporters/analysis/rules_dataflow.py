@@ -59,18 +59,26 @@ def _interleaved(pt, placement, block) -> list:
 def derived_from_shard_inputs(j, pt):
     """An output of a module all of whose floating-point inputs are shards: one without
     parameters, or one whose output has its first input's shape (a norm of each rank's heads,
-    whose weight is the same on every rank)."""
+    whose weight is the same on every rank). Where the step's shards are identical (equal
+    values hide them), a module of shards and whole tensors too: its output follows the input
+    of its own shape (a rotary embedding's q and k), else the first shard (an attention's
+    output from its q heads and a whole latent k and v)."""
     if not pt.is_output:
         return None
     inputs = [(k, vd) for k, vd in j.call_inputs(pt)
               if (j.v.points[k].get(pt.procs[0]) or pt.tref).dtype.startswith(FLOAT_DTYPES)]
-    if not inputs or not all(vd.placement.startswith("shard(") for _, vd in inputs):
+    shards = [k for k, vd in inputs if vd.placement.startswith("shard(")]
+    if not shards or (len(shards) < len(inputs) and not j.identical_shards):
         return None
-    if j.params.get((pt.procs[0], pt.module)):
-        first = j.v.points[inputs[0][0]].get(pt.procs[0])
-        if first is None or pt.tref is None or tuple(first.shape) != tuple(pt.tref.shape):
-            return None
-    return derived_from_shard(j, pt)
+    shape = tuple(pt.tref.shape) if pt.tref is not None else None
+    same = [k for k, _ in inputs if (t := j.v.points[k].get(pt.procs[0])) is not None and tuple(t.shape) == shape]
+    if j.params.get((pt.procs[0], pt.module)) and (not same or same[0] != inputs[0][0]):
+        return None
+    if len(shards) < len(inputs) and same:
+        if same[0] not in shards:
+            return None  # (the whole input of its shape: a whole output)
+        return derived_from_shard(j, pt, same[0])
+    return derived_from_shard(j, pt, shards[0])
 
 
 def input_shaped_as_shard(j, pt):

@@ -50,15 +50,16 @@ def _equal_values(j, pt):
         return decide(pt, "replicate", "no-reduction", "equal-values", None,
                       item("values", "integer values (ids, positions, lengths) equal on every rank"))
     # Computed from a shard that only looks whole (identical shards): the dataflow says so.
-    rules = (rules_dataflow.lineage_ops, rules_dataflow.same_values_as_producer,
-             rules_dataflow.derived_from_shard_inputs)
-    if j.identical_shards:  # (where equal values hide shards, a shard's shape is the evidence left)
-        rules += (rules_dataflow.input_shaped_as_shard,)
-    for rule in rules:
+    whole = False  # (the ops that built it, or a producer of the same values, say it is whole)
+    for rule in (rules_dataflow.lineage_ops, rules_dataflow.same_values_as_producer,
+                 rules_dataflow.derived_from_shard_inputs, rules_dataflow.input_shaped_as_shard):
+        if rule is rules_dataflow.input_shaped_as_shard and (whole or not j.identical_shards):
+            break  # (a shard's shape is evidence only where equal values hide shards)
         verdict = rule(j, pt)
         if verdict is not None and verdict.placement != "replicate":
             verdict.items.append(note)
             return verdict
+        whole = whole or verdict is not None
     return decide(pt, "replicate", "no-reduction", "equal-values", None,
                   item("values", "not the output of a sum-reduction: computed locally from whole values"))
 

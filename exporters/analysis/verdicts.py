@@ -268,8 +268,10 @@ def vote(verdicts: list, lineage_steps: set) -> tuple:
                  (v["placement"].startswith("shard(") or v["placement"] == "partial") for v in verdicts)
     # (nor do such a step's own guesses along the dataflow: a shard derived from the latest one
     # before it, without the reshape between them that only recorded ops show)
+    # (nor, in a step whose shards are identical, values equal on every rank: a shard's too)
     unwatched = [v for v in verdicts if placed and v["step"] not in lineage_steps and
-                 (v["rule"] == "divergent" or v["rule"] in _OPS_RULES)]
+                 (v["rule"] == "divergent" or v["rule"] in _OPS_RULES or
+                  (v["rule"] == "equal-values" and v.get("identical_shards")))]
     voting = [v for v in verdicts if v not in blind and v not in unwatched] or verdicts
     # A shard that a local no-op reshape's -1 alone placed (a decode step's [1, q_size] viewed
     # (-1, q_size)) says nothing against steps whose shapes placed the point by the same ops.

@@ -156,3 +156,13 @@ def test_equal_values_beside_a_shard_of_another_shape_stay_replicate(cases):
     same call (equal on every rank, of none of their shapes) is not made a shard."""
     p = cases["dummy_heads.whole:input.0"]
     assert (p["placement"], p["reduction"]) == ("replicate", "no-reduction"), p["evidence"]
+
+
+def test_identical_shards_through_modules_of_shards_and_whole_tensors(cases):
+    """Dummy weights, DeepSeek's MLA pattern: a rotary embedding of sharded q heads and a whole
+    k gives a sharded q and a whole k; an attention of sharded q and whole k is sharded."""
+    want = {"rope:output.0": "shard(1)", "rope:output.1": "replicate", "mla_attn:output": "shard(1)",
+            "mla_attn:input.1": "replicate"}
+    for point, placement in want.items():
+        p = cases[f"dummy_heads.{point}"]
+        assert (p["placement"], p["reduction"]) == (placement, "no-reduction"), (point, p["evidence"])

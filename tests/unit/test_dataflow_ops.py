@@ -81,6 +81,12 @@ def test_dimension_moves_carry_a_shard_to_its_new_dim(placement, attrs, want):
     ("linear", ["replicate", "replicate"], [2, 2], "replicate"),
     ("linear", ["replicate", "shard(1)"], [2, 2], None),
     ("linear", [None, "shard(0)"], [2, 2], None),
+    # DeepSeek's absorbed MLA: bmm(q_nope [heads/tp, T, d] shard(0), w_kc [heads/tp, d, r]), a
+    # weight made after loading that no record places: each head's rows stay on its rank
+    ("bmm", ["shard(0)", None], [3, 3], "shard(0)"),
+    ("matmul", ["shard(1)", None], [4, 3], "shard(1)"),
+    ("bmm", ["shard(1)", None], [3, 3], None),  # the rows, not a batch: b decides
+    ("bmm", [None, "shard(0)"], [3, 3], None),
     ("add", ["replicate", "replicate"], [2, 2], None),
 ])
 def test_products_follow_dtensor_matmul_propagation(op, placements, ndims, want):

@@ -71,6 +71,11 @@ def test_interleaved_shards_through_reshapes(placement, block, old, new, asked, 
     ("shard(1)", [4, 16], [4, 1, 16], None, "shard(1)"),
     # with no size-1 dim before it, a new leading size-1 dim is still the outermost
     ("shard(0)", [16], [1, 16], None, "shard(0)"),
+    # one token's two q heads as rows [2, 16] (Qwen3's reshape(-1, head_dim)) viewed back to
+    # [1, 32]: the 1 is the token; the heads' columns hold the ranks
+    ("shard(0)", [2, 16], [1, 32], None, "shard(1)"),
+    # ... and one KV head per rank, one token: [1, 16] to [1, 1, 16], the heads dim
+    ("shard(1)", [1, 16], [1, 1, 16], [1, 1, 16], "shard(1)"),
     # view(1, -1) asks for the whole in one row: the -1 (size > 1) says where the ranks go
     ("shard(0)", [16], [1, 16], [1, -1], "shard(1)"),
     # a sequence shard of batch 1, flattened: still the rows

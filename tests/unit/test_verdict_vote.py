@@ -108,3 +108,17 @@ def test_a_shard_read_from_a_no_op_reshape_in_every_step_stands():
     verdicts = [read(0, "shard(0)"), read(1, "shard(0)")]
     blind, unwatched, voting, counts, chosen = vote(verdicts, lineage_steps={0, 1})
     assert chosen["placement"] == "shard(0)" and len(voting) == 2
+
+
+def test_equal_values_in_a_step_of_identical_shards_without_ops_do_not_outvote_the_ops():
+    # --load-format dummy: every rank's shard alike, so a step whose ops were not recorded sees
+    # only equal values (replicate); the steps whose ops placed the shard decide
+    whole = v(2, "replicate", "no-reduction", "equal-values")
+    whole["identical_shards"] = True
+    verdicts = [v(0, "shard(0)", "no-reduction", "lineage-ops"), whole, dict(whole, step=3)]
+    blind, unwatched, voting, counts, chosen = vote(verdicts, lineage_steps={0, 1})
+    assert chosen["placement"] == "shard(0)" and [u["step"] for u in unwatched] == [2, 3]
+    # without identical shards in those steps, equal values there still vote
+    verdicts = [v(0, "shard(0)", "no-reduction", "lineage-ops"), v(2, "replicate", "no-reduction", "equal-values"),
+                v(3, "replicate", "no-reduction", "equal-values")]
+    assert vote(verdicts, lineage_steps={0, 1})[4]["placement"] == "replicate"

@@ -248,6 +248,14 @@ class WeightedHeadNorm(HeadNorm):
         return super().forward(x) * self.weight
 
 
+class MixedRope(nn.Module):
+    """A rotary embedding of sharded q heads and a whole k (DeepSeek's MLA: k_pe is cut from
+    a replicated projection): each output follows the input of its own shape."""
+
+    def forward(self, q, k):
+        return q * 0.5, k * 0.5
+
+
 class IdenticalShardHeads(nn.Module):
     """Gemma3's attention in SGLang with dummy weights: identical shards everywhere, so equal
     values say nothing of placement. The heads unflattened from the projection's shard, normed
@@ -259,6 +267,7 @@ class IdenticalShardHeads(nn.Module):
         self.qkv_proj = QKVParallelLinear()
         self.q_norm, self.k_norm = WeightedHeadNorm(), WeightedHeadNorm()
         self.attn, self.o, self.whole = Attend(), Out(), Out()
+        self.rope, self.mla_attn = MixedRope(), Attend()
         self.register_buffer("cos", torch.linspace(0.5, 1.0, HEAD_DIM))
 
     def forward(self, x):
@@ -267,6 +276,10 @@ class IdenticalShardHeads(nn.Module):
         k = self.k_norm(k.unflatten(-1, (1, HEAD_DIM))) * self.cos
         out = self.o(self.attn(q, k).reshape(-1, 2 * HEAD_DIM))
         self.whole(torch.tanh(x))  # a whole tensor after the shards, of none of their shapes
+        # MLA-like: sharded q heads, one whole k head cut from a whole tensor by recorded ops
+        # (of the sharded k's shape: only those ops tell it from a shard)
+        qr, kr = self.rope(q, x[:, :HEAD_DIM].unsqueeze(1))
+        self.mla_attn(qr, kr)
         return out
 
 
