@@ -66,6 +66,37 @@ def deepseek_tp2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def deepseek_dummy(tmp_path_factory):
+    """DeepSeek-V2 traced with SGLang's own ``--load-format dummy`` weights (no wide_dummy):
+    every rank's shards alike, so every point's values are equal on both ranks."""
+    d = tmp_path_factory.mktemp("deepseek-v2-dummy")
+    out = d / "trace"
+    srv = server.SGLangServer(2, model_path=MODELS / "deepseek-v2", log_path=d / "traced.log",
+                              prefix=[TT, "record", "--replace", "-o", str(out), "--"],
+                              standins=("moe_kernels", "mla_backend"), startup_timeout=600, stop_timeout=120)
+    with srv:
+        tokens = server.output_ids(srv.generate(server.DEFAULT_INPUT_IDS, max_new_tokens=MAX_NEW_TOKENS))
+        time.sleep(1.0)
+    assert tokens and not srv.killed, srv.log_tail()
+    return dict(out=str(out))
+
+
+# DeepSeek's MLA attention at TP=2: q heads sharded from q_b_proj, the latent k/v and the rope
+# key cut from the replicated fused_qkv_a_proj (whole on every rank)
+MLA_POINTS = {"rotary_emb:input.1": "shard(1)", "rotary_emb:input.2": "replicate",
+              "rotary_emb:output.0": "shard(1)", "rotary_emb:output.1": "replicate",
+              "attn_mqa:input.0": "shard(1)", "attn_mqa:input.1": "replicate",
+              "attn_mqa:input.2": "replicate", "attn_mqa:output": "shard(1)"}
+
+
+def _check_mla(run):
+    pts = placements(run, "model.layers.1.self_attn.*:*")
+    for point, placement in MLA_POINTS.items():
+        p = pts[f"model.layers.1.self_attn.{point}"]
+        assert verdict(pts, f"model.layers.1.self_attn.{point}") == (placement, "no-reduction"), (point, p["evidence"])
+
+
+@pytest.fixture(scope="module")
 def qwen3_ep2(tmp_path_factory):
     return _traced_and_plain("qwen3-moe-ep2", "qwen3-moe", ["--ep-size", "2"], tmp_path_factory)
 
@@ -148,6 +179,16 @@ def test_deepseek_v2_tp2(deepseek_tp2):
     # MLA: the replicated latent projection, the column-parallel q_b_proj.
     assert verdict(pts, "model.layers.1.self_attn.fused_qkv_a_proj_with_mqa:output.0")[0] == "replicate"
     assert pts["model.layers.1.self_attn.q_b_proj:output.0"]["placement"].startswith("shard(")
+    _check_mla(deepseek_tp2)
+
+
+def test_deepseek_v2_with_plain_dummy_weights(deepseek_dummy):
+    """Identical shards: the projection is a shard by its layer class, and the dataflow (the
+    rotary embedding's own-shape outputs, the absorbed bmm of the sharded q heads, the
+    attention of sharded q and whole latent) carries it, not the equal values."""
+    _check_mla(deepseek_dummy)
+    pts = placements(deepseek_dummy, "model.layers.1.self_attn.*:*")
+    assert verdict(pts, "model.layers.1.self_attn.q_b_proj:output.0") == ("shard(1)", "no-reduction")
 
 
 def test_qwen3_moe_ep2(qwen3_ep2):
