@@ -245,6 +245,28 @@ class LineageWalk:
         return Placed(hit[0], tuple(rows[0][0]))
 
 
+def built_by_sum(judge, pt) -> bool:
+    """Whether the step's recorded ops built ``pt`` by adding tensors (behind views, clones or
+    casts): then its values may equal a reduction's output (an addend lost to the other's
+    rounding, as dummy weights' tiny layer outputs are in bf16), but it is not that output
+    carried on."""
+    walk = LineageWalk(judge, pt)
+    ref = walk.slot_ref()
+    for _ in range(MAX_DEPTH):
+        if not ref or ref[0] != 1 or ref[1] != judge.v.step:
+            return False
+        node = walk.nodes.get(ref[2])
+        if node is None:
+            return False
+        op, _attrs, inputs = node[:3]
+        if op in ("add", "add_"):
+            return len(inputs) >= 2
+        if (op not in _KEEP and op not in _RESHAPE) or len(inputs) != 1:
+            return False
+        ref = inputs[0]
+    return False
+
+
 def _cuts(src: Placed, dim: int) -> bool:
     """Whether a split along ``dim`` cuts ``src``'s sharded dim (unknown rank: taken to)."""
     d = _shard_dim(src.placement or "")

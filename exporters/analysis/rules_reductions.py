@@ -11,7 +11,7 @@ each is tried.
 
 from __future__ import annotations
 
-from tensor_trace.exporters.analysis import declared
+from tensor_trace.exporters.analysis import dataflow, declared
 from tensor_trace.exporters.analysis.evidence import coll_item, decide, item
 from tensor_trace.exporters.analysis.step_view import GATHER, REDUCE_SCATTER, REDUCING, coll_desc, coll_json
 from tensor_trace.exporters.analysis.tolerance import Observed, close, disjoint_sum, fp_equal, linked
@@ -99,6 +99,10 @@ def reduction_output(j, pt, exact=True):
             return decide(pt, "replicate", "no-reduction", "gathered-by-all-reduce", coll_json(c, pt.procs[0]),
                           coll_item(c, f"equals the output of {coll_desc(c)}{times}, whose inputs are zero "
                                        f"outside one slice each: a gather, not a reduction"))
+        if dataflow.built_by_sum(j, pt):
+            pt.items.append(coll_item(c, f"equals the output of {coll_desc(c)}{times} in value, but the "
+                                         "recorded ops built it by an add: not that output carried on"))
+            return None
         return decide(pt, "replicate" if pt.equal else "divergent", "post-reduction",
                       "reduction-output", coll_json(c, pt.procs[0]),
                       coll_item(c, f"equals the output of {coll_desc(c)} on every rank{times}"))

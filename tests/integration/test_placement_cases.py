@@ -166,3 +166,13 @@ def test_identical_shards_through_modules_of_shards_and_whole_tensors(cases):
     for point, placement in want.items():
         p = cases[f"dummy_heads.{point}"]
         assert (p["placement"], p["reduction"]) == (placement, "no-reduction"), (point, p["evidence"])
+
+
+def test_an_add_that_leaves_a_reduced_tensor_unchanged_in_value_is_no_reduction(cases):
+    """design.md: post-reduction is a reduction's output carried unchanged (a view, clone, cast,
+    common scale); an add is not, even where the addend is lost to rounding."""
+    p = cases["residual_add:input.0"]
+    assert (p["placement"], p["reduction"]) == ("replicate", "post-reduction"), p["evidence"]
+    p = cases["residual_add:output"]
+    assert (p["placement"], p["reduction"]) == ("replicate", "no-reduction"), p["evidence"]
+    assert any("built it by an add" in e for e in p["evidence"]), p["evidence"]

@@ -283,6 +283,19 @@ class IdenticalShardHeads(nn.Module):
         return out
 
 
+class ResidualAdd(nn.Module):
+    """A residual add of a reduced tensor and an addend too small to change it in float32 (a
+    layer's output under SGLang's dummy weights, in bf16): equal in value to the reduction's
+    output, yet built by an add."""
+
+    def __init__(self):
+        super().__init__()
+        self.branch = Out()  # (a child: a leaf module's own ops are not watched)
+
+    def forward(self, reduced):
+        return reduced + self.branch(reduced) * 1e-30
+
+
 class Cases(nn.Module):
     def __init__(self):
         super().__init__()
@@ -302,6 +315,7 @@ class Cases(nn.Module):
         self.heads_decode, self.calls = UnflattenedHeadNorms(flat_for_one=True), 0
         self.hf_heads = HfHeads()
         self.dummy_heads = IdenticalShardHeads()
+        self.residual_add = ResidualAdd()
 
     def forward(self, x):
         r = self.replicated(x)
@@ -321,6 +335,9 @@ class Cases(nn.Module):
         self.calls += 1
         self.hf_heads(x)
         self.dummy_heads(x)
+        reduced = x * 2.0
+        dist.all_reduce(reduced)
+        self.residual_add(reduced)
         return out, m
 
 
