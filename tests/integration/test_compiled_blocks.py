@@ -81,3 +81,32 @@ def test_tracing_changes_no_result_under_inductor(tmp_path):
         a = torch.load(tmp_path / "plain" / "plain" / f"rank{rank}.pt")
         b = torch.load(tmp_path / "traced" / "plain" / f"rank{rank}.pt")
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("fullgraph", ["0", "1"])
+def test_c10d_all_reduce_inside_compiled_blocks(tmp_path, fullgraph):
+    """``dist.all_reduce`` inside a compiled block (Megatron-style layers, not DTensor): dynamo
+    makes it a collective of the graph, even through the tracer's wrapper and with
+    ``fullgraph=True``; results stay bit-equal and the blocks' outputs are judged."""
+    script = HERE / "scripts" / "c10d_compiled.py"
+    env = base_env(TT_FULLGRAPH=fullgraph)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "traced").mkdir()
+    plain = run_cmd([TORCHRUN, "--standalone", "--nproc-per-node", str(TP), script, tmp_path / "plain"],
+                    timeout=300, env=env)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    traced = record(tmp_path / "trace", [TORCHRUN, "--standalone", "--nproc-per-node", str(TP), script,
+                                         tmp_path / "traced"], timeout=300, check=False, env=env)
+    assert traced.returncode == 0, traced.stderr[-3000:]
+    for rank in range(TP):
+        a = torch.load(tmp_path / "plain" / f"rank{rank}.pt")
+        b = torch.load(tmp_path / "traced" / f"rank{rank}.pt")
+        assert len(a) == len(b) == 3 and all(torch.equal(x, y) for x, y in zip(a, b))
+    traces = [load_rank_file(f) for f in rank_files(tmp_path / "trace")]
+    assert len(traces) == TP and all(not t.errors and len(t.steps) == 3 for t in traces)
+    r = CliRunner().invoke(cli_main, ["query", "placement", "layers.*", "--trace", str(tmp_path / "trace"), "--json"])
+    assert r.exit_code == 0, r.output
+    got = {p["point"]: p for p in json.loads(r.stdout)}
+    for i in range(2):  # x + the reduced MLP output: whole on every rank, a sum, not the reduction's output
+        p = got[f"layers.{i}:output"]
+        assert (p["placement"], p["reduction"]) == ("replicate", "no-reduction"), p["evidence"]
