@@ -131,6 +131,10 @@ class LineageMode(TorchFunctionMode):
             tracer.busy = True
             try:
                 rec.node(hit[0], hit[1], args, kwargs, out)
+                if "out" in kwargs and isinstance(out, T) and out is kwargs["out"]:
+                    # A result written into a given tensor (``torch.bmm(a, b, out=buf.view(...))``,
+                    # DeepSeek's absorbed MLA): a write into that buffer, as copy_ is.
+                    rec.write("copy_", "write", (out, out), {}, out)
             except Exception as exc:
                 tracer.on_error("lineage", exc)
             finally:
@@ -475,12 +479,19 @@ class LineageRecorder:
                 if _disjoint(geom, mine):
                     continue  # another part of the storage (a neighbouring view)
                 region = _box(geom, mine)
-            prev = self._write_node(name, t, region, sref, src, prev)
+            prev = self._write_node(name, t, region, sref, src, prev,
+                                    None if region is not None or geom is None else (geom, mine))
 
-    def _write_node(self, name, result, region, sref, src, prev):
+    def _write_node(self, name, result, region, sref, src, prev, geoms=None):
         attrs = {"into": list(result.shape)}
         if region is not None:
             attrs["at"], attrs["len"] = region
+        elif geoms is not None:
+            # no box of the result (a transposed view of it): the written view's offset, sizes
+            # and strides and the result's strides, from which the placement walk maps a shard
+            (voff, vshape, vstride), (boff, _bshape, bstride) = geoms
+            attrs["view"] = [voff - boff, list(vshape), list(vstride)]
+            attrs["strides"] = list(bstride)
         unknown = []
         if sref is None:
             sref = [3, list(src.shape)]

@@ -17,6 +17,7 @@ from tensor_trace.format.lineage_refs import REF_PARAM
 _KEEP = {"clone", "to", "contiguous", "detach"}
 _RESHAPE = {"view", "reshape", "flatten", "unflatten"}
 _PARTS = {"split", "chunk", "unbind"}
+_WRITES = {"copy_", "setitem", "index_copy_"}
 MAX_DEPTH = 32
 # dimension moves (tracer/lineage_attrs.py), as the evidence names them
 _DIMS = {"getitem": "[...]", "index_select": "index_select", "transpose": "transpose", "t": "t",
@@ -92,6 +93,28 @@ def reshape_shard(placement: str, old_shape, new_shape, block=None, asked=None):
     for i, n in enumerate(new):
         if below[i] < stride < below[i] * n and stride % below[i] == 0:
             return f"shard({i})", stride // below[i]
+    return None
+
+
+def strided_shard(placement: str, vshape, vstride, shape, strides):
+    """(placement, block) of a tensor of ``shape`` / ``strides`` whose elements were all
+    written through a view of it (``vshape`` / ``vstride``, the same storage) holding
+    ``placement``, or None. The rank's part of the view's sharded dim d spans ``vstride[d] *
+    vshape[d]`` storage elements: the result's dim that ends there holds the ranks, one that
+    spans more holds them interleaved, in runs (as reshape_shard, with strides for positions)."""
+    d = _shard_dim(placement)
+    if d is None:
+        return placement, None
+    if d >= len(vshape):
+        return None
+    extent = vstride[d] * vshape[d]
+    dims = sorted(range(len(shape)), key=lambda i: -strides[i])
+    for i in dims:
+        if shape[i] > 1 and strides[i] * shape[i] == extent:
+            return f"shard({i})", None
+    for i in dims:
+        if strides[i] > 0 and strides[i] < extent < strides[i] * shape[i] and extent % strides[i] == 0:
+            return f"shard({i})", extent // strides[i]
     return None
 
 
@@ -213,6 +236,18 @@ class LineageWalk:
             if src.placement is None:
                 return NOTHING
             return Placed(dataflow_ops.dims_placement(src.placement, attrs), out_shape, src.block)
+        if op in _WRITES and attrs and "view" in attrs and len(inputs) == 1:
+            # the whole of a buffer written through a view that is no box of it (a product
+            # written with out= into a transposed view: DeepSeek's absorbed MLA)
+            src = self.placement_of(inputs[0], depth + 1)
+            self.ops.append(f"{op}(into {attrs['into']})")
+            off, vshape, vstride = attrs["view"]
+            into, strides = attrs["into"], attrs.get("strides")
+            if (src.placement is None or src.block is not None or off != 0 or strides is None
+                    or math.prod(vshape) != math.prod(into)):
+                return NOTHING
+            hit = strided_shard(src.placement, vshape, vstride, into, strides)
+            return Placed(hit[0], tuple(into), hit[1]) if hit else NOTHING
         if op in ("add", "add_", "cat", "stack"):
             parts = [self.placement_of(r, depth + 1) for r in inputs]
             self.ops.append(op + (f"(dim={attrs['dim']})" if "dim" in attrs else ""))

@@ -176,3 +176,12 @@ def test_an_add_that_leaves_a_reduced_tensor_unchanged_in_value_is_no_reduction(
     p = cases["residual_add:output"]
     assert (p["placement"], p["reduction"]) == ("replicate", "no-reduction"), p["evidence"]
     assert any("built it by an add" in e for e in p["evidence"]), p["evidence"]
+
+
+def test_a_product_written_with_out_into_a_transposed_view_keeps_its_heads(cases):
+    """``torch.bmm(q_heads, w, out=buf.view(t, heads, d).transpose(0, 1))``: the buffer o_proj
+    reads is built by that write; the heads' shard (dim 0 of the product) is the buffer's
+    columns (dim 1), by the view's strides."""
+    p = cases["out_written.o:input.0"]
+    assert (p["placement"], p["reduction"]) == ("shard(1)", "no-reduction"), p["evidence"]
+    assert any("copy_(into" in e and "bmm(" in e for e in p["evidence"]), p["evidence"]

@@ -3,7 +3,9 @@ view, from local shapes alone."""
 
 import pytest
 
-from tensor_trace.exporters.analysis.dataflow import reshape_shard
+import torch
+
+from tensor_trace.exporters.analysis.dataflow import reshape_shard, strided_shard
 from tensor_trace.exporters.analysis.rules_dataflow import _derived_dim
 
 
@@ -95,3 +97,22 @@ def test_size_one_dims_before_the_shard(placement, old, new, asked, want):
 ])
 def test_where_a_shard_is_derived_without_recorded_ops(src, d, shape, want):
     assert _derived_dim(src, d, shape, len(shape)) == want
+
+
+def _views(shape, make):
+    base = torch.empty(*shape)
+    view = make(base)
+    return list(view.shape), list(view.stride()), list(base.shape), list(base.stride())
+
+
+@pytest.mark.parametrize("placement, shape, make, want", [
+    # DeepSeek's absorbed MLA: bmm(..., out=buf.view(t, heads, d).transpose(0, 1)), the heads'
+    # shard (dim 0 of the written view) is the buffer's columns; the tokens its rows
+    ("shard(0)", (3, 32), lambda b: b.view(-1, 2, 16).transpose(0, 1), ("shard(1)", None)),
+    ("shard(1)", (3, 32), lambda b: b.view(-1, 2, 16).transpose(0, 1), ("shard(0)", None)),
+    # head_dim sharded inside each head: the columns, interleaved in runs of 16 (one head's part)
+    ("shard(2)", (3, 32), lambda b: b.view(-1, 2, 16).transpose(0, 1), ("shard(1)", 16)),
+    ("replicate", (3, 32), lambda b: b.t(), ("replicate", None)),
+])
+def test_a_shard_written_through_a_view(placement, shape, make, want):
+    assert strided_shard(placement, *_views(shape, make)) == want

@@ -296,6 +296,26 @@ class ResidualAdd(nn.Module):
         return reduced + self.branch(reduced) * 1e-30
 
 
+class OutWrittenHeads(nn.Module):
+    """DeepSeek's absorbed MLA in SGLang: each rank's heads [heads, t, d] multiplied by a
+    per-head weight made after loading (a plain tensor: no record places it), the product
+    written with ``torch.bmm(..., out=buf.view(t, heads, d).transpose(0, 1))`` into a buffer
+    [t, heads * d] that o_proj then reads."""
+
+    def __init__(self):
+        super().__init__()
+        tp, rank = world()
+        self.q_proj, self.o = ColumnSlice(heads=2, seed=31), Out()
+        g = torch.Generator().manual_seed(37)
+        self.w_vc = torch.randn(tp * 2, HEAD_DIM, HEAD_DIM, generator=g)[rank * 2:(rank + 1) * 2].clone()
+
+    def forward(self, x):
+        q = self.q_proj(x).view(x.shape[0], 2, HEAD_DIM).transpose(0, 1)
+        buf = torch.empty(x.shape[0], 2 * HEAD_DIM)
+        torch.bmm(q, self.w_vc, out=buf.view(-1, 2, HEAD_DIM).transpose(0, 1))
+        return self.o(buf)
+
+
 class Cases(nn.Module):
     def __init__(self):
         super().__init__()
@@ -316,6 +336,7 @@ class Cases(nn.Module):
         self.hf_heads = HfHeads()
         self.dummy_heads = IdenticalShardHeads()
         self.residual_add = ResidualAdd()
+        self.out_written = OutWrittenHeads()
 
     def forward(self, x):
         r = self.replicated(x)
@@ -338,6 +359,7 @@ class Cases(nn.Module):
         reduced = x * 2.0
         dist.all_reduce(reduced)
         self.residual_add(reduced)
+        self.out_written(x)
         return out, m
 
 
