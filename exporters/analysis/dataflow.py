@@ -280,26 +280,33 @@ class LineageWalk:
         return Placed(hit[0], tuple(rows[0][0]))
 
 
-def built_by_sum(judge, pt) -> bool:
-    """Whether the step's recorded ops built ``pt`` by adding tensors (behind views, clones or
-    casts): then its values may equal a reduction's output (an addend lost to the other's
-    rounding, as dummy weights' tiny layer outputs are in bf16), but it is not that output
-    carried on."""
+def built_by_sum(judge, pt) -> str | None:
+    """How ``pt`` is known to be a sum of tensors, or None: the step's recorded ops built it by
+    an add (behind views, clones or casts), or it is, or carries, a module output that its
+    layer class declares a residual sum. Its values may then equal a reduction's output (an
+    addend lost to the other's rounding, as dummy weights' tiny layer outputs are in bf16), but
+    it is not that output carried on."""
+    says = judge.residual_sum(pt.key)
+    if says:
+        return says
     walk = LineageWalk(judge, pt)
     ref = walk.slot_ref()
     for _ in range(MAX_DEPTH):
+        if ref and ref[0] == 0 and ref[1] == judge.v.step:  # a point of the step, as is
+            key = judge.v.slot_key.get((walk.proc, ref[2], ref[3]))
+            return judge.residual_sum(key) if key else None
         if not ref or ref[0] != 1 or ref[1] != judge.v.step:
-            return False
+            return None
         node = walk.nodes.get(ref[2])
         if node is None:
             return False
         op, _attrs, inputs = node[:3]
         if op in ("add", "add_"):
-            return len(inputs) >= 2
+            return "the recorded ops built it by an add" if len(inputs) >= 2 else None
         if (op not in _KEEP and op not in _RESHAPE) or len(inputs) != 1:
-            return False
+            return None
         ref = inputs[0]
-    return False
+    return None
 
 
 def _cuts(src: Placed, dim: int) -> bool:

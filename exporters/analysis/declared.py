@@ -112,6 +112,17 @@ def expected_by_layer(attrs: dict | None, slot: str, ranks: int) -> dict | None:
     return None
 
 
+_FUSED_ADD_NORMS = ("RMSNorm", "GemmaRMSNorm", "LayerNorm")
+
+
+def residual_sum(attrs: dict | None, slot: str, inputs: int) -> str | None:
+    """What a framework's layer class says of an output that is a residual sum (SGLang's norms
+    called with a residual return ``x + residual`` second), or None."""
+    if attrs and attrs.get("sglang_class") in _FUSED_ADD_NORMS and slot == "output.1" and inputs >= 2:
+        return f"SGLang's {attrs['sglang_class']} returns x + residual as its second output"
+    return None
+
+
 def moe_split(attrs: dict | None) -> dict | None:
     """How an SGLang FusedMoE layer splits its experts across ranks, or None where every rank
     holds all of them whole: ``tp`` (moe_tp_size: every rank holds a slice of every expert's

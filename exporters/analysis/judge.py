@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import bisect
 
-from tensor_trace.exporters.analysis import rules
+from tensor_trace.exporters.analysis import declared, rules
 from tensor_trace.exporters.analysis.evidence import Verdict, item
 from tensor_trace.exporters.analysis.step_view import GATHER, REDUCING
 from tensor_trace.exporters.analysis.tolerance import Observed, fp_equal, linked, sum_tol
@@ -151,9 +151,18 @@ class Judge:
             return None
         return per
 
-    def enclosing_shard(self, pt: Point, shape=None):
+    def residual_sum(self, key) -> str | None:
+        """What the layer class of ``key``'s module says of it as a residual sum, or None."""
+        module, call, slot = key
+        attrs = self.layer_attrs.get(module)
+        if not attrs or slot != "output.1":
+            return None
+        inputs = sum(1 for k in self.v.points if k[0] == module and k[1] == call and k[2].startswith("input"))
+        return declared.residual_sum(attrs, slot, inputs)
+
+    def enclosing_shard(self, pt: Point, shape=None, whole=False):
         """The latest shard point before ``pt`` under the same enclosing module call (with
-        ``shape``: the latest of that local shape)."""
+        ``shape``: the latest of that local shape; ``whole``: the latest replicate one)."""
         v = self.v
         proc = v.procs[0]
         t_key = v.times.get(pt.key)
@@ -162,7 +171,7 @@ class Judge:
         parent = v.span_of.get((proc, t_key[1]), (None, None, -1))[2]
         best = None
         for other, verdict in self.done.items():
-            if not verdict.placement.startswith("shard"):
+            if not (verdict.placement == "replicate" if whole else verdict.placement.startswith("shard")):
                 continue
             t_o = v.times.get(other)
             if t_o is None or t_o >= t_key:

@@ -83,14 +83,15 @@ def derived_from_shard_inputs(j, pt):
 
 def input_shaped_as_shard(j, pt):
     """A module's input built by ops no lineage records (a rotary embedding's products) from
-    the latest shard before it in the enclosing call, and of that shard's local shape: where
-    the ranks' shards are identical, what tells it from a whole tensor (whose shape would be
-    the tensor's whole one)."""
+    the latest shard before it in the enclosing call, and of that shard's local shape, where
+    no whole tensor of the call has it: where the ranks' shards are identical, what tells it
+    from a whole tensor (whose shape would be the tensor's whole one)."""
     if pt.is_output or pt.tref is None:
         return None
-    src = j.enclosing_shard(pt, tuple(pt.tref.shape))
-    if src is None:
-        return None
+    shape = tuple(pt.tref.shape)
+    src = j.enclosing_shard(pt, shape)
+    if src is None or j.enclosing_shard(pt, shape, whole=True) is not None:
+        return None  # (whole tensors of that shape in the call too: the shape tells nothing)
     return derived_from_shard(j, pt, src)
 
 

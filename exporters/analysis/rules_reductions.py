@@ -99,9 +99,12 @@ def reduction_output(j, pt, exact=True):
             return decide(pt, "replicate", "no-reduction", "gathered-by-all-reduce", coll_json(c, pt.procs[0]),
                           coll_item(c, f"equals the output of {coll_desc(c)}{times}, whose inputs are zero "
                                        f"outside one slice each: a gather, not a reduction"))
-        if dataflow.built_by_sum(j, pt):
-            pt.items.append(coll_item(c, f"equals the output of {coll_desc(c)}{times} in value, but the "
-                                         "recorded ops built it by an add: not that output carried on"))
+        summed = dataflow.built_by_sum(j, pt)
+        if summed:
+            note = coll_item(c, f"a sum ({summed}), not the output of {coll_desc(c)}{times} carried on, "
+                                "though its values equal it")
+            if note not in pt.items:  # (asked again for a scaled link)
+                pt.items.append(note)
             return None
         return decide(pt, "replicate" if pt.equal else "divergent", "post-reduction",
                       "reduction-output", coll_json(c, pt.procs[0]),

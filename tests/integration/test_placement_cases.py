@@ -185,3 +185,14 @@ def test_a_product_written_with_out_into_a_transposed_view_keeps_its_heads(cases
     p = cases["out_written.o:input.0"]
     assert (p["placement"], p["reduction"]) == ("shard(1)", "no-reduction"), p["evidence"]
     assert any("copy_(into" in e and "bmm(" in e for e in p["evidence"]), p["evidence"]
+
+
+def test_a_fused_add_norms_residual_output_is_a_sum_whatever_its_values(cases):
+    """SGLang's RMSNorm(x, residual) returns x + residual second (EAGLE-3 captures it as the
+    residual stream): no-reduction, though under dummy weights its values equal the reduced
+    residual's (the layer's output lost to bf16 rounding)."""
+    p = cases["fused_norm:output.1"]
+    assert (p["placement"], p["reduction"]) == ("replicate", "no-reduction"), p["evidence"]
+    assert any("returns x + residual" in e for e in p["evidence"]), p["evidence"]
+    p = cases["fused_norm:input.1"]
+    assert (p["placement"], p["reduction"]) == ("replicate", "post-reduction"), p["evidence"]

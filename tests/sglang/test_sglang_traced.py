@@ -243,6 +243,12 @@ def test_dummy_weights_follow_the_collectives_and_the_layer_classes(traced_dummy
             assert any("dummy weights" in e for e in p["evidence"]), p
     r = q("reduction", "model.embed_tokens", "--trace", traced_dummy)
     assert (r["verdict"], r["placement"]) == ("post-reduction", "replicate"), r
+    # The residual stream entering each later layer (RMSNorm(x, residual)'s second output,
+    # what EAGLE-3 captures): x + residual, no-reduction, though with these weights the layer's
+    # x is lost to bf16 rounding and the values equal the embedding's all_reduce output.
+    for layer in range(1, LAYERS):
+        p = pts[f"model.layers.{layer}.input_layernorm:output.1"]
+        assert (p["placement"], p["reduction"]) == ("replicate", "no-reduction"), p
 
 
 def test_a_closed_window_leaves_the_server_serving(traced_dummy):

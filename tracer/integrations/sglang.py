@@ -314,12 +314,19 @@ _ATTRS = ("gather_output", "reduce_results", "input_is_parallel", "parallel_grou
           "intermediate_size_per_partition")
 
 
+# SGLang's norms, which given a residual return (norm(x + residual), x + residual): their second
+# output is a residual sum, whatever its values (dummy weights' layer outputs vanish in it)
+_NORM_CLASSES = ("RMSNorm", "GemmaRMSNorm", "LayerNorm")
+
+
 def module_attrs(module) -> dict | None:
     """SGLang's parallel layers: their class (the nearest known one in the MRO) and the
-    attributes that decide their output's placement."""
+    attributes that decide their output's placement; SGLang's norms: their class."""
     known = next((c.__name__ for c in type(module).__mro__ if c.__name__ in _PARALLEL_CLASSES), None)
     if known is None:
-        return None
+        norm = next((c.__name__ for c in type(module).__mro__
+                     if c.__name__ in _NORM_CLASSES and c.__module__.startswith("sglang.")), None)
+        return {"sglang_class": norm} if norm else None
     out = {"sglang_class": known}
     for name in _ATTRS:
         value = getattr(module, name, None)
