@@ -299,7 +299,7 @@ def built_by_sum(judge, pt) -> str | None:
             return None
         node = walk.nodes.get(ref[2])
         if node is None:
-            return False
+            return None
         op, _attrs, inputs = node[:3]
         if op in ("add", "add_"):
             return "the recorded ops built it by an add" if len(inputs) >= 2 else None

@@ -112,14 +112,12 @@ def expected_by_layer(attrs: dict | None, slot: str, ranks: int) -> dict | None:
     return None
 
 
-_FUSED_ADD_NORMS = ("RMSNorm", "GemmaRMSNorm", "LayerNorm")
-
-
 def residual_sum(attrs: dict | None, slot: str, inputs: int) -> str | None:
-    """What a framework's layer class says of an output that is a residual sum (SGLang's norms
-    called with a residual return ``x + residual`` second), or None."""
-    if attrs and attrs.get("sglang_class") in _FUSED_ADD_NORMS and slot == "output.1" and inputs >= 2:
-        return f"SGLang's {attrs['sglang_class']} returns x + residual as its second output"
+    """What a framework's layer class says of an output that is a residual sum, or None: the
+    integration names that output (``residual_sum_output``: SGLang's norms, called with a
+    residual, return ``x + residual`` second)."""
+    if attrs and attrs.get("residual_sum_output") == slot and inputs >= 2:
+        return f"SGLang's {attrs.get('sglang_class')} returns x + residual as its {slot}"
     return None
 
 

@@ -155,7 +155,7 @@ class Judge:
         """What the layer class of ``key``'s module says of it as a residual sum, or None."""
         module, call, slot = key
         attrs = self.layer_attrs.get(module)
-        if not attrs or slot != "output.1":
+        if not attrs or attrs.get("residual_sum_output") != slot:
             return None
         inputs = sum(1 for k in self.v.points if k[0] == module and k[1] == call and k[2].startswith("input"))
         return declared.residual_sum(attrs, slot, inputs)

@@ -448,6 +448,19 @@ def make_seeded_checkpoint(dest: Path | str, seed: int = SEED, config: Path | st
     return dest
 
 
+def serve_once(tp: int, model_path, log_path, *, prefix=(), standins=(), extra_args=(),
+               max_new_tokens: int = 3, flush_s: float = 1.0):
+    """Start a server, generate once from DEFAULT_INPUT_IDS, give the ranks' flush threads
+    ``flush_s`` to write the last steps before SIGINT, stop it: (output token ids, server)."""
+    srv = SGLangServer(tp, model_path=model_path, extra_args=list(extra_args), log_path=log_path,
+                       prefix=list(prefix), standins=tuple(standins), startup_timeout=600, stop_timeout=120)
+    with srv:
+        tokens = output_ids(srv.generate(DEFAULT_INPUT_IDS, max_new_tokens=max_new_tokens))
+        time.sleep(flush_s)
+    assert not srv.killed, srv.log_tail()
+    return tokens, srv
+
+
 def output_ids(result: dict) -> list[int]:
     """The generated token ids of one /generate result."""
     if "output_ids" in result:

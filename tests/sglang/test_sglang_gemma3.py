@@ -12,7 +12,6 @@ A third server, traced, runs SGLang's own dummy weights (identical shards on eve
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from click.testing import CliRunner
@@ -28,13 +27,7 @@ MODEL = server.REPO_ROOT / "tests" / "data" / "sglang-models" / "gemma3"
 
 
 def _serve(log, prefix=(), standins=("wide_dummy",)):
-    srv = server.SGLangServer(2, model_path=MODEL, log_path=log, prefix=list(prefix), standins=standins,
-                              startup_timeout=600, stop_timeout=120)
-    with srv:
-        tokens = server.output_ids(srv.generate(server.DEFAULT_INPUT_IDS, max_new_tokens=3))
-        time.sleep(1.0)  # let the ranks' flush threads write the last steps before SIGINT
-    assert not srv.killed, srv.log_tail()
-    return tokens
+    return server.serve_once(2, MODEL, log, prefix=prefix, standins=standins)[0]
 
 
 @pytest.fixture(scope="module")

@@ -33,14 +33,9 @@ STANDINS = ("wide_dummy", "moe_kernels", "mla_backend", "ep_ids")
 MAX_NEW_TOKENS = 3
 
 
-def _serve(tp, model, extra, log, prefix=()):
-    srv = server.SGLangServer(tp, model_path=MODELS / model, extra_args=extra, log_path=log,
-                              prefix=list(prefix), standins=STANDINS, startup_timeout=600, stop_timeout=120)
-    with srv:
-        tokens = server.output_ids(srv.generate(server.DEFAULT_INPUT_IDS, max_new_tokens=MAX_NEW_TOKENS))
-        time.sleep(1.0)  # let the ranks' flush threads write the last steps before SIGINT
-    assert not srv.killed, srv.log_tail()
-    return tokens, srv
+def _serve(tp, model, extra, log, prefix=(), standins=STANDINS):
+    return server.serve_once(tp, MODELS / model, log, prefix=prefix, standins=standins, extra_args=extra,
+                             max_new_tokens=MAX_NEW_TOKENS)
 
 
 def _traced_and_plain(name, model, extra, tmp_path_factory):
@@ -71,13 +66,9 @@ def deepseek_dummy(tmp_path_factory):
     every rank's shards alike, so every point's values are equal on both ranks."""
     d = tmp_path_factory.mktemp("deepseek-v2-dummy")
     out = d / "trace"
-    srv = server.SGLangServer(2, model_path=MODELS / "deepseek-v2", log_path=d / "traced.log",
-                              prefix=[TT, "record", "--replace", "-o", str(out), "--"],
-                              standins=("moe_kernels", "mla_backend"), startup_timeout=600, stop_timeout=120)
-    with srv:
-        tokens = server.output_ids(srv.generate(server.DEFAULT_INPUT_IDS, max_new_tokens=MAX_NEW_TOKENS))
-        time.sleep(1.0)
-    assert tokens and not srv.killed, srv.log_tail()
+    tokens, _ = _serve(2, "deepseek-v2", [], d / "traced.log", [TT, "record", "--replace", "-o", str(out), "--"],
+                       standins=("moe_kernels", "mla_backend"))
+    assert tokens
     return dict(out=str(out))
 
 

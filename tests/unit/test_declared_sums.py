@@ -4,7 +4,21 @@ from tensor_trace.exporters.analysis.declared import residual_sum
 
 
 def test_a_fused_add_norms_second_output_is_declared_a_residual_sum():
-    assert "x + residual" in residual_sum({"sglang_class": "RMSNorm"}, "output.1", 2)
-    assert residual_sum({"sglang_class": "RMSNorm"}, "output.0", 2) is None  # the norm itself
-    assert residual_sum({"sglang_class": "RMSNorm"}, "output.1", 1) is None  # no residual given
+    norm = {"sglang_class": "RMSNorm", "residual_sum_output": "output.1"}  # (integrations/sglang.py)
+    assert "x + residual" in residual_sum(norm, "output.1", 2)
+    assert residual_sum(norm, "output.0", 2) is None  # the norm itself
+    assert residual_sum(norm, "output.1", 1) is None  # no residual given
     assert residual_sum({"sglang_class": "RowParallelLinear"}, "output.1", 2) is None
+
+
+def test_the_sglang_integration_names_the_residual_sum_of_its_norms_only():
+    import torch.nn as nn
+
+    from tensor_trace.tracer.integrations.sglang import module_attrs
+
+    class RMSNorm(nn.Module):
+        pass
+
+    RMSNorm.__module__ = "sglang.srt.layers.layernorm"
+    assert module_attrs(RMSNorm())["residual_sum_output"] == "output.1"
+    assert module_attrs(nn.LayerNorm(4)) is None  # torch's own: no residual argument

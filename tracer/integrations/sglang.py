@@ -326,7 +326,7 @@ def module_attrs(module) -> dict | None:
     if known is None:
         norm = next((c.__name__ for c in type(module).__mro__
                      if c.__name__ in _NORM_CLASSES and c.__module__.startswith("sglang.")), None)
-        return {"sglang_class": norm} if norm else None
+        return {"sglang_class": norm, "residual_sum_output": "output.1"} if norm else None
     out = {"sglang_class": known}
     for name in _ATTRS:
         value = getattr(module, name, None)
