@@ -59,7 +59,8 @@ GROUP = 6  # group id, name, ranks (list of global ranks), backend, c10d group n
 STEP_BEGIN = 7  # step, root path string id, mono_ns, attrs (dict)[, fingerprinted (bool): whether
 #                 the step takes fingerprints (TraceConfig.fingerprint_every); absent: as the header's
 #                 config says for every step, from a tracer that fingerprinted every step or none]
-STEP_END = 8  # step, mono_ns, n_spans, n_collectives
+STEP_END = 8  # step, mono_ns, n_spans, n_collectives[, attrs (dict): attributes learnt during the
+#               step (Tracer.add_step_attrs), over STEP_BEGIN's; absent when none]
 SPAN = 9  # step, index, parent index (-1 = none), path id, call, t0, dur, layout id,
 #            fp_pre, fp_post, n_pre, flags (format/records.py names every kind's fields)
 COLLECTIVE = 10  # step, index, parent span index, op id, reduce-op id (-1 none), group id, seq,

@@ -132,6 +132,7 @@ class Tracer:
         self.written_groups: set = set()
         self._reported: set = set()
         self.step_attrs: dict | None = None
+        self.step_end_attrs: dict | None = None  # learnt during the step: written with its end
         self.step_root = None
         self.step_frame = None  # the frame running the step root's _call_impl (stale detection)
         self.identity: dict = {}
@@ -434,6 +435,16 @@ class Tracer:
         """Start a step whose root a framework calls with ``root.forward(...)`` directly (so the
         root's own hooks never fire). Returns whether a step was started."""
         return steps.begin_external_step(self, root, args, attrs)
+
+    def add_step_attrs(self, **attrs) -> None:
+        """Attributes of the current step that a framework learns only after it began (SGLang
+        pads a DP-attention batch inside the forward that is the step): written with the step's
+        end, over the attributes it began with. Outside a traced step it does nothing."""
+        if not self.tracing_step:
+            return
+        if self.step_end_attrs is None:
+            self.step_end_attrs = {}
+        self.step_end_attrs.update(attrs)
 
     def end_external_step(self, root, result, error: bool = False) -> None:
         """End the step ``begin_external_step`` started at ``root``."""

@@ -229,6 +229,7 @@ def begin_step(t, root, args) -> None:
         dev = _first_device(args)
         if dev is not None:
             t.update_identity(device=dev)
+    t.step_end_attrs = None
     t.writer.add((schema.STEP_BEGIN, t.step, path_id, t.step_t0, attrs, fp_now))
     t.step_info = (entry[0], entry[1], attrs)
     spans.push_root(t, root, args, entry, t0, path_id)
@@ -318,7 +319,12 @@ def end_step(t, error: bool = False, result=None, kwargs=None) -> None:
     if t._tracing_step:
         if t.collectives is not None:
             t.collectives.end_step()
-        t.writer.add((schema.STEP_END, step, t.absolute(_now()), t.counters.span_count, t.coll_count))
+        if t.step_end_attrs:
+            t.writer.add((schema.STEP_END, step, t.absolute(_now()), t.counters.span_count, t.coll_count,
+                          t.step_end_attrs))
+            t.step_end_attrs = None
+        else:
+            t.writer.add((schema.STEP_END, step, t.absolute(_now()), t.counters.span_count, t.coll_count))
         fps = t.fps
         if t.capturing:
             _end_captured_step(t, step)

@@ -276,6 +276,8 @@ class FileLoader:
             st = self.steps.get(rec[1])
             if st is not None:
                 st[2], st[3], st[4] = rec[2], rec[3], rec[4]
+                if len(rec) > 5 and rec[5]:  # attributes learnt during the step, over its begin's
+                    st[5] = json.dumps({**json.loads(st[5]), **rec[5]}, sort_keys=True)
             self._close_step()
         elif kind == schema.GROUP:
             self.groups[rec[1]] = self.g.group(rec[2], rec[3], rec[4], rec[5] if len(rec) > 5 else "")

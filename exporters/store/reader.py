@@ -298,7 +298,11 @@ def load_rank_file(path: str) -> RankTrace:
                 st.fingerprinted = begin.fingerprinted
                 begun.add(begin.step)
             elif kind == schema.STEP_END:
-                step_of(rec[1]).t_end = decode(rec).mono_ns
+                ended = decode(rec)
+                st = step_of(ended.step)
+                st.t_end = ended.mono_ns
+                if ended.attrs:  # attributes learnt during the step, over its begin's
+                    st.attrs = {**(st.attrs or {}), **ended.attrs}
             elif kind == schema.FINGERPRINTS:
                 fps = decode(rec)
                 decode_fingerprints(fps.first, fps.data, fps.indices, step_of(fps.step).fingerprints)

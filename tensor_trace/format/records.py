@@ -45,6 +45,7 @@ class StepEnd(NamedTuple):
     mono_ns: int
     n_spans: int
     n_collectives: int
+    attrs: dict | None = None  # learnt during the step, over StepBegin's (None: none)
 
 
 class FingerprintsRecord(NamedTuple):

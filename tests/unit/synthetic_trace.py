@@ -119,7 +119,7 @@ class SyntheticTrace:
         self.params: list = []  # (module, name, Vals, meta)
         self.layer_attrs: dict = {}
         self.groups = {"tp": (0, list(tp_ranks or range(world_size)))}
-        self.steps: list = []  # [(attrs, events)]
+        self.steps: list = []  # [(attrs, events, end attrs)]
         self._events = None
 
     # -- declaring ------------------------------------------------------------------------
@@ -131,12 +131,13 @@ class SyntheticTrace:
         self.layer_attrs[module] = attrs
 
     @contextlib.contextmanager
-    def step(self, attrs=None, per_rank=None):
+    def step(self, attrs=None, per_rank=None, end_per_rank=None):
         """One step; ``per_rank`` (rank -> attrs) adds to ``attrs`` where ranks ran different
-        batches (DP attention's token counts)."""
+        batches (DP attention's token counts); ``end_per_rank`` (rank -> attrs) are written with
+        the step's end (what a framework learnt during the step: ``Tracer.add_step_attrs``)."""
         self._events = []
         yield self
-        self.steps.append(({"": attrs or {}, **(per_rank or {})}, self._events))
+        self.steps.append(({"": attrs or {}, **(per_rank or {})}, self._events, end_per_rank or {}))
         self._events = None
 
     @contextlib.contextmanager
@@ -181,7 +182,7 @@ class SyntheticTrace:
         coll_attrs = store_has("collectives", "attrs")
         seq = {g: 0 for g in self.groups}
         written_groups = set()
-        for step, (attrs_of, events) in enumerate(self.steps):
+        for step, (attrs_of, events, end_of) in enumerate(self.steps):
             step_attrs = dict(attrs_of[""], **attrs_of.get(rank, {}))
             fp_rec: dict = {}  # index -> (sum, sumsq)
             counter = [0]
@@ -246,7 +247,10 @@ class SyntheticTrace:
             assert len(stack) == 1, "a call was left open"
             t += 10
             w.add((schema.SPAN, step, 0, -1, w.string(self.root), 0, 0, t, w.layout(()), -1, -1, 0, 0))
-            w.add((schema.STEP_END, step, base + t, n_spans, n_colls))
+            if end_of.get(rank):
+                w.add((schema.STEP_END, step, base + t, n_spans, n_colls, end_of[rank]))
+            else:
+                w.add((schema.STEP_END, step, base + t, n_spans, n_colls))
             if fp_rec:
                 w.add(_fingerprints(step, fp_rec))
         w.add((schema.END, dict(reason="exit", stats={})))
