@@ -19,6 +19,7 @@ them are judged as before, over their TP groups.
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 from tensor_trace.exporters.analysis.evidence import item
 from tensor_trace.exporters.analysis.rules import NONFINITE_RULE
@@ -57,9 +58,31 @@ def dp_subgroups(con, procs, rank_of: dict) -> list | None:
     return [(members, sizes[key]) for key, members in by_group.items()]
 
 
+class StepCounts(NamedTuple):
+    """One process's counts of a step, as recorded: its own tokens and requests, every DP rank's
+    tokens, and the rows it and every DP rank ran once SGLang padded the batch (``rows``,
+    ``batch_rows``, ``dp_rows``: in its MAX_LEN mode every DP rank runs as many rows as the
+    longest, an idle one too; the counts before padding where the step does not say)."""
+    tokens: int | None
+    batch: int | None
+    dp_tokens: list | None
+    rows: int | None
+    batch_rows: int | None
+    dp_rows: list | None
+
+    def padding(self) -> int:
+        """Rows this process ran past its own tokens."""
+        return max(0, (self.rows or 0) - (self.tokens or 0))
+
+
 def step_counts(view) -> dict:
-    """proc -> (tokens, batch size, DP ranks' token counts) of the view's step, as recorded."""
-    return {p: (a.get("tokens"), a.get("batch_size"), a.get("dp_tokens")) for p, a in view.step_attrs.items()}
+    """proc -> ``StepCounts`` of the view's step."""
+    out = {}
+    for p, a in view.step_attrs.items():
+        tokens, batch, dp_tokens = a.get("tokens"), a.get("batch_size"), a.get("dp_tokens")
+        rows = a.get("rows", tokens)
+        out[p] = StepCounts(tokens, batch, dp_tokens, rows, a.get("batch_rows", batch), a.get("dp_rows") or dp_tokens)
+    return out
 
 
 # Rules of rules.py that link a point to a collective of the TP group: its values are those of
@@ -75,7 +98,7 @@ def dp_local_points(view, counts: dict, verdicts: dict) -> set:
     not its rank's own and whose values meet a collective of the TP group (``verdicts``, across
     the whole TP group) holds every DP rank's tokens: the MoE block's input, its partial sums."""
     procs = view.procs
-    if len(counts) < len(procs) or any(counts[p][0] is None for p in procs):
+    if len(counts) < len(procs) or any(counts[p].rows is None for p in procs):
         return set()
     told = {}
     for key, obs in view.points.items():
@@ -125,27 +148,47 @@ def _by_rows(view, counts, key, obs):
     gathered count; ``MAYBE`` where they match but are also the gathered count (one DP rank holds
     every token: the others are idle); None where its rows do not tell (the gathered count may
     also be a rank's tokens times heads). An idle DP rank runs a padded batch (its rows are not
-    tokens of its own) or skips a module altogether (the point is then seen on the others only)."""
+    tokens of its own) or skips a module altogether (the point is then seen on the others only).
+
+    The counts are those of the rows SGLang ran once it padded the batch, or else of the tokens
+    as the step began: the step's own inputs were recorded before the padding."""
     procs = view.procs
     seen = [p for p in procs if p in obs]
-    if not seen or any(counts[p][0] for p in procs if p not in obs):
+    if not seen or any(not obs[p].shape for p in seen):
         return None
-    if any(not obs[p].shape for p in seen):
-        return None
-    gathered = counts[procs[0]][2]
-    holders = [p for p in seen if counts[p][0]] if gathered else seen
+    maybe = None
+    for own_of, gathered_of in _COUNTS:
+        says = _rows_are(procs, seen, obs, counts, own_of, gathered_of)
+        if says is True:
+            return True
+        maybe = maybe or says
+    return maybe
+
+
+# (a rank's own count, every DP rank's): the rows run after SGLang's padding first
+_COUNTS = (("rows", "dp_rows"), ("batch_rows", "dp_rows"), ("tokens", "dp_tokens"), ("batch", "dp_tokens"))
+
+
+def _rows_are(procs, seen, obs, counts, own_of, gathered_of):
+    """``_by_rows`` by one kind of count."""
+    if any(getattr(counts[p], own_of) for p in procs if p not in obs):
+        return None  # a rank that ran rows of its own and has no such point
+    gathered = getattr(counts[procs[0]], gathered_of)
+    holders = [p for p in seen if getattr(counts[p], own_of)] if gathered else seen
     if not holders:
         return None
-    rows = {p: obs[p].shape[0] for p in holders}
-    for which in (0, 1):
-        own = {p: counts[p][which] for p in holders}
-        if any(n is None for n in own.values()) or rows != own:
-            continue
-        if gathered and all(n == sum(gathered) for n in own.values()):
-            return MAYBE if len(holders) < len(procs) else None
-        if len(holders) < len(procs) or len(set(own.values())) > 1 or gathered:
-            return True
+    own = {p: getattr(counts[p], own_of) for p in holders}
+    if any(n is None for n in own.values()) or any(obs[p].shape[0] != n for p, n in own.items()):
+        return None
+    if gathered and all(n == sum(gathered) for n in own.values()):
+        return MAYBE if len(holders) < len(procs) else None
+    if len(holders) < len(procs) or len(set(own.values())) > 1 or gathered:
+        return True
     return None
+
+
+# what a DP-local point's rows are, by the count they match (``_COUNTS``'s order)
+_WHAT = (("rows", "tokens"), ("batch_rows", "requests"), ("tokens", "tokens"), ("batch", "requests"))
 
 
 def tp_group_info(procs, size, rank_of) -> dict:
@@ -168,20 +211,32 @@ def rejudge_dp_local(ctx, con, step, view, verdicts: dict, subgroups: list) -> N
         per_group.append((members, size, sub))
     for key in local:
         whole = verdicts[key]
+        if whole["placement"] == "unknown" and all(o.fp is None for o in view.points[key].values()):
+            # Without values no collective could show that the point holds every DP rank's
+            # tokens (an expert's input may number a rank's own tokens): where its shapes did
+            # not place it either, its rows alone do not make it DP-local, nor its one-rank
+            # attention-TP group make it whole.
+            continue
         found = [(members, size, sub[key]) for members, size, sub in per_group if key in sub]
         if not found:
             continue
         # the first DP rank that holds tokens speaks for the point; the others' verdicts are evidence
-        found.sort(key=lambda f: -sum(view.points[key][p].shape[0] for p in f[0] if p in view.points[key]))
+        # (a DP rank's own tokens before the rows SGLang padded its batch with)
+        found.sort(key=lambda f: (-sum(counts[p].tokens or 0 for p in f[0] if p in view.points[key]),
+                                  -sum(view.points[key][p].shape[0] for p in f[0] if p in view.points[key])))
         members, size, chosen = found[0]
         seen = [p for p in view.procs if p in view.points[key]]
         rows = {rank_of[p]: view.points[key][p].shape[0] for p in seen}
-        holders = [p for p in seen if counts[p][0]] or seen
-        what = next((w for i, w in ((0, "tokens"), (1, "requests"))
-                     if all(rows[rank_of[p]] == counts[p][i] for p in holders)), "rows")
+        counted, what = next(((c, w) for c, w in _WHAT if all(
+            rows[rank_of[p]] == getattr(counts[p], c) for p in ([p for p in seen if getattr(counts[p], c)] or seen))),
+            (None, "rows"))
         split = dict(over="attn_dp", dim=0, rows=rows, what=what)
+        padded = {rank_of[p]: counts[p].padding() for p in seen if counted == "rows" and counts[p].padding()}
+        if padded:
+            split["padding"] = padded
         text = (f"data split over the attention-DP ranks: each holds its own {split['what']} along dim 0 ("
-                + ", ".join(f"rank {r}: {n}" for r, n in sorted(rows.items()))
+                + ", ".join(f"rank {r}: {n}" + (f" ({padded[r]} of them padding)" if r in padded else "")
+                            for r, n in sorted(rows.items()))
                 + f"); judged across its attention-TP group ({size} rank{'s' if size > 1 else ''})")
         items = [item("group", text)] + list(chosen["items"])
         for other_members, _, other in found[1:]:

@@ -148,3 +148,44 @@ def test_dp_gather_all_reduce_judged_a_gather(traced):
     assert gathered, sorted({p["rule"] for p in pts})
     for p in gathered:
         assert p["collective"]["op"] == "all_reduce" and p["reduction"] == "no-reduction", p
+
+
+def _padded_steps(traced) -> list:
+    """Steps where SGLang padded an idle DP rank to the others' rows (MAX_LEN): the rank ran
+    rows though it held no tokens. A request decoding alone (ALONE) has such steps."""
+    padded = set()
+    for t in _ranks(traced):
+        for s, st in t.steps.items():
+            a = st.attrs
+            if a.get("dp_padding") == "max_len" and a.get("tokens") == 0 and a.get("rows", 0) > 0:
+                padded.add(s)
+    return sorted(padded)
+
+
+def test_padded_idle_rank_recorded_with_the_rows_it_ran(traced):
+    padded = _padded_steps(traced)
+    assert padded, "no step padded an idle DP rank"
+    for t in _ranks(traced):
+        st = t.steps[padded[0]]
+        assert st.attrs["dp_rows"] == [max(st.attrs["dp_tokens"])] * 2, st.attrs
+
+
+def test_every_step_alone_agrees_with_the_others(traced):
+    """Each step judged alone (``--step``) gives every point one verdict: which steps the
+    analysis samples depends on the requests' timing (a padded idle DP rank's step among
+    them or not), so none may disagree. The padded steps' DP-local points are a data split
+    whose rows on the idle rank are padding (where the step took values: the fingerprint
+    schedule counts steps by which DP ranks hold tokens, so which ones did depends on timing
+    too; tests/unit/test_analysis_dp_groups.py judges one for certain)."""
+    by_point: dict = {}
+    steps = sorted({s for t in _ranks(traced) for s in t.steps})
+    padded = _padded_steps(traced)
+    for step in steps:
+        for p in q("placement", "*:*", "--trace", traced["out"], "--step", step):
+            if (p["placement"], p["reduction"]) != ("unknown", "unknown") and ".mlp.experts.SiluAndMul" not in p["point"]:
+                by_point.setdefault(p["point"], {}).setdefault((p["placement"], p["reduction"]), []).append(step)
+            if step in padded and p["point"] == "model.layers.0.post_attention_layernorm:output.0" \
+                    and p["placement"] != "unknown":  # (a padded step not fingerprinted: unknown there)
+                assert p["data_split"] and p["data_split"].get("padding"), p
+    split = {point: said for point, said in by_point.items() if len(said) > 1}
+    assert not split, split

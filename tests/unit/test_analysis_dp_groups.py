@@ -137,3 +137,66 @@ def test_nan_padding_is_no_evidence_and_does_not_outvote_the_steps_that_have_it(
     assert (nan_step["placement"], nan_step["rule"]) == ("unknown", "non-finite-values"), nan_step["evidence"]
     assert nan_step.get("data_split") is None, nan_step
     assert any("non-finite values (NaN or inf) on ranks [0, 1]" in e for e in nan_step["evidence"])
+
+
+def _max_len_padded_step(tr, rng, tokens, learnt=True):
+    """SGLang's MAX_LEN padding (a decode step with an idle DP rank): inside the forward every
+    DP rank is padded to max(tokens) rows, the idle one included, the post-attention norm runs
+    on them, all_gather_into_tensor gathers them for the MoE block and reduce_scatter takes its
+    sums back. The step began before the padding: its ``tokens`` and ``dp_tokens`` are the
+    unpadded ones, and the rows run come with the step's end (``learnt``), as the SGLang
+    integration writes them."""
+    width = max(tokens)
+    n = width * len(R)
+    begin = {r: dict(tokens=tokens[r], batch_size=1 if tokens[r] else 0, dp_tokens=list(tokens)) for r in R}
+    end = {r: dict(rows=width, batch_rows=width, dp_rows=[width] * len(R), dp_padding="max_len") for r in R}
+    with tr.step(dict(forward_mode="decode"), per_rank=begin, end_per_rank=end if learnt else None):
+        with tr.call("model.embed_tokens", arrays({r: np.arange(tokens[r], dtype=np.int64) for r in R})) as c:
+            c.returns(arrays({r: pos(rng, tokens[r], H) for r in R}))
+        hidden = {r: pos(rng, width, H) for r in R}  # the idle rank's padding row: finite
+        normed = {r: pos(rng, width, H) for r in R}
+        with tr.call("model.layers.0.post_attention_layernorm", arrays(hidden)) as c:
+            c.returns(arrays(normed))
+        gathered = np.concatenate([normed[r] for r in R])
+        tr.coll("all_gather_into_tensor", [arrays(normed)], [same(gathered, R)])
+        parts = {r: pos(rng, n, H) for r in R}
+        with tr.call("model.layers.0.mlp", same(gathered, R)) as c:
+            c.returns(arrays(parts))
+        tr.coll("reduce_scatter_tensor", [arrays(parts)],
+                [arrays({r: (parts[0] + parts[1])[r * width:(r + 1) * width] for r in R})])
+
+
+def _norm_steps(tr, rng, tokens):
+    """A step whose DP ranks both hold tokens, the norm's rows their own (SUM_LEN: no padding)."""
+    per_rank = {r: dict(tokens=tokens[r], batch_size=1, dp_tokens=list(tokens)) for r in R}
+    with tr.step(dict(forward_mode="decode"), per_rank=per_rank):
+        with tr.call("model.layers.0.post_attention_layernorm", arrays({r: pos(rng, tokens[r], H) for r in R})) as c:
+            c.returns(arrays({r: pos(rng, tokens[r], H) for r in R}))
+
+
+@pytest.mark.parametrize("learnt", [True, False])
+def test_a_max_len_padded_idle_rank_holds_padding_of_its_own(tmp_path, learnt):
+    """The idle DP rank's padded rows are its own (padding), not every DP rank's tokens: the
+    norm's output that the DP gather takes is DP-local in the padded step as in the others.
+    Without the rows the step ran (an older trace) its rows looked like nobody's and the
+    all_gather's input made it a shard of the TP group (the CI failure of 2026-12-04)."""
+    rng = gen(11)
+    tr = SyntheticTrace(2, tp_ranks=R, identity={r: _groups(r) for r in R})
+    _norm_steps(tr, rng, (2, 1))
+    _max_len_padded_step(tr, rng, (1, 0), learnt=learnt)
+    _norm_steps(tr, rng, (1, 2))
+    con = tr.merge(tmp_path)
+    (padded,) = query.placement(con, "model.layers.0.post_attention_layernorm:output", step=1)
+    if not learnt:
+        assert (padded["placement"], padded["rule"]) == ("shard(0)", "gather-input"), padded["evidence"]
+        assert padded.get("data_split") is None
+        return
+    check(padded, "replicate", "no-reduction", "one-rank-group")
+    assert padded["data_split"]["rows"] == {0: 1, 1: 1} and padded["data_split"]["padding"] == {1: 1}, padded
+    assert any("rank 1: 1 (1 of them padding)" in e for e in padded["evidence"]), padded["evidence"]
+    p = point(con, "model.layers.0.post_attention_layernorm:output")
+    check(p, "replicate", "no-reduction", "one-rank-group")
+    assert not any("other steps disagree" in e for e in p["evidence"]), p["evidence"]
+    # the MoE block's gathered input and partial sums stay in the TP group
+    moe = point(con, "model.layers.0.mlp:output")
+    assert moe["placement"] == "partial" and moe["group"]["name"] == "tp", moe

@@ -46,7 +46,7 @@ def patch(name: str, module) -> None:
         _patch_group_coordinator(module.GroupCoordinator)
     elif name == "sglang.srt.model_executor.model_runner":
         _patch_model_runner(module.ModelRunner)
-        _register_context(module)
+        _patch_forward_batch(_register_context(module))
     elif name in ("sglang.srt.model_executor.runner.decode_cuda_graph_runner",
                   "sglang.srt.model_executor.runner.prefill_cuda_graph_runner"):
         for value in vars(module).values():
@@ -257,9 +257,10 @@ def parallel_groups() -> dict:
     return out
 
 
-def _register_context(model_runner_module) -> None:
+def _register_context(model_runner_module):
     """SGLang's ForwardBatch is the step's context: its tensors are recorded among the step
-    root's inputs, not again in every layer and attention module it is passed to."""
+    root's inputs, not again in every layer and attention module it is passed to. Returns the
+    class (None where it is not found)."""
     import sys
 
     from tensor_trace.tracer import tensor_slots
@@ -268,6 +269,50 @@ def _register_context(model_runner_module) -> None:
     cls = getattr(info, "ForwardBatch", None) or getattr(model_runner_module, "ForwardBatch", None)
     if isinstance(cls, type):
         tensor_slots.add_context_type(cls)
+        return cls
+    return None
+
+
+def _patch_forward_batch(cls) -> None:
+    if cls is not None:
+        wrap_method(cls, "prepare_mlp_sync_batch", _prepare_mlp_sync_batch)
+
+
+def _prepare_mlp_sync_batch(orig):
+    """Under DP attention SGLang pads the batch inside the forward (``prepare_mlp_sync_batch``):
+    in its MAX_LEN mode every DP rank runs as many rows as the longest, an idle one included,
+    and gathers them with all_gather. The rows each DP rank then runs (``dp_rows``), this
+    rank's rows and requests (``rows``, ``batch_rows``) and the mode (``dp_padding``) are added
+    to the step, whose tokens were counted before the padding: without them a padded idle
+    rank's rows look like nobody's."""
+    def prepare(self, *args, **kwargs):
+        result = orig(self, *args, **kwargs)
+        tr = current()
+        if tr is not None and tr.tracing_step:
+            try:
+                tr.add_step_attrs(**_padded_rows(self))
+            except Exception as exc:
+                tr.on_error("sglang dp padding", exc)
+        return result
+
+    return prepare
+
+
+def _padded_rows(forward_batch) -> dict:
+    out = {}
+    rows = getattr(forward_batch, "global_num_tokens_cpu", None)
+    if isinstance(rows, (list, tuple)) and len(rows) > 1:
+        out["dp_rows"] = [int(n) for n in rows]
+    ids = getattr(forward_batch, "input_ids", None)
+    if ids is not None and hasattr(ids, "numel"):
+        out["rows"] = int(ids.numel())
+    bs = getattr(forward_batch, "batch_size", None)
+    if isinstance(bs, int):
+        out["batch_rows"] = bs
+    mode = getattr(forward_batch, "dp_padding_mode", None)
+    if mode is not None:
+        out["dp_padding"] = str(getattr(mode, "name", mode)).lower()
+    return out
 
 
 _MAX_RIDS = 64  # request ids kept per step (a step's attrs stay small at any batch size)
