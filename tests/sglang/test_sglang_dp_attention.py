@@ -10,6 +10,7 @@ different forward passes, each while the other DP rank is idle).
 At TP=2 with two attention-DP ranks each attention-TP group has one rank: attention, norms and
 the residual stream hold each DP rank's own tokens (nothing to compare across ranks, a data
 split), while the MoE block runs on the tokens of both, gathered, across the TP group.
+DeepSeek-V2 (MLA) runs the same requests under DP attention, traced only.
 """
 
 from __future__ import annotations
@@ -170,6 +171,21 @@ def test_padded_idle_rank_recorded_with_the_rows_it_ran(traced):
         assert st.attrs["dp_rows"] == [max(st.attrs["dp_tokens"])] * 2, st.attrs
 
 
+def _each_step_alone(out, padded=()) -> dict:
+    """point -> {(placement, reduction): steps} over every step judged alone (``--step``),
+    unknown left out; the DP-local points of ``padded`` steps are checked to say their padding."""
+    by_point: dict = {}
+    steps = sorted({s for t in _ranks(dict(out=out)) for s in t.steps})
+    for step in steps:
+        for p in q("placement", "*:*", "--trace", out, "--step", step):
+            if (p["placement"], p["reduction"]) != ("unknown", "unknown") and ".mlp.experts.SiluAndMul" not in p["point"]:
+                by_point.setdefault(p["point"], {}).setdefault((p["placement"], p["reduction"]), []).append(step)
+            if step in padded and p["point"] == "model.layers.0.post_attention_layernorm:output.0" \
+                    and p["placement"] != "unknown":  # (a padded step not fingerprinted: unknown there)
+                assert p["data_split"] and p["data_split"].get("padding"), p
+    return by_point
+
+
 def test_every_step_alone_agrees_with_the_others(traced):
     """Each step judged alone (``--step``) gives every point one verdict: which steps the
     analysis samples depends on the requests' timing (a padded idle DP rank's step among
@@ -177,15 +193,44 @@ def test_every_step_alone_agrees_with_the_others(traced):
     whose rows on the idle rank are padding (where the step took values: the fingerprint
     schedule counts steps by which DP ranks hold tokens, so which ones did depends on timing
     too; tests/unit/test_analysis_dp_groups.py judges one for certain)."""
-    by_point: dict = {}
-    steps = sorted({s for t in _ranks(traced) for s in t.steps})
-    padded = _padded_steps(traced)
-    for step in steps:
-        for p in q("placement", "*:*", "--trace", traced["out"], "--step", step):
-            if (p["placement"], p["reduction"]) != ("unknown", "unknown") and ".mlp.experts.SiluAndMul" not in p["point"]:
-                by_point.setdefault(p["point"], {}).setdefault((p["placement"], p["reduction"]), []).append(step)
-            if step in padded and p["point"] == "model.layers.0.post_attention_layernorm:output.0" \
-                    and p["placement"] != "unknown":  # (a padded step not fingerprinted: unknown there)
-                assert p["data_split"] and p["data_split"].get("padding"), p
+    by_point = _each_step_alone(traced["out"], _padded_steps(traced))
     split = {point: said for point, said in by_point.items() if len(said) > 1}
     assert not split, split
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """DeepSeek-V2 (MLA attention, a dense first layer, routed and shared experts) under DP
+    attention, as Kimi-K2 and DeepSeek-V3 servers often run: traced only, the same requests."""
+    d = tmp_path_factory.mktemp("sglang-dp-attention-deepseek")
+    out = d / "trace"
+    srv = server.SGLangServer(2, model_path=MODEL.parent / "deepseek-v2", extra_args=ARGS,
+                              standins=STANDINS + ("moe_kernels", "mla_backend"), log_path=d / "traced.log",
+                              prefix=[TT, "record", "-o", str(out), "--"], startup_timeout=STARTUP_S)
+    with srv:
+        srv.generate(ALONE, max_new_tokens=NEW_TOKENS)
+        srv.request("/generate", {"input_ids": TOGETHER, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0}})
+    assert not srv.killed, srv.log_tail()
+    return str(out)
+
+
+def test_deepseek_mla_is_dp_local_and_its_mlp_judged_across_the_tp_group(deepseek):
+    for t in _ranks(dict(out=deepseek)):
+        assert not t.errors, t.errors
+    by_point = _each_step_alone(deepseek)
+    split = {point: said for point, said in by_point.items() if len(said) > 1}
+    assert not split, split
+    pts = {p["point"]: p for p in q("placement", "*:*", "--trace", deepseek)}
+    for name in ("model.layers.0.self_attn.fused_qkv_a_proj_with_mqa:output.0", "model.layers.0.self_attn.attn_mqa:output",
+                 "model.layers.1.self_attn.o_proj:output.0", "model.layers.1.post_attention_layernorm:output.0"):
+        p = pts[name]
+        assert (p["placement"], p["reduction"]) == ("replicate", "no-reduction"), (name, p["evidence"])
+        assert p["group"]["name"] == "attn_tp" and p["data_split"]["over"] == "attn_dp", (name, p)
+    # the dense first layer's MLP and the second's experts run on every DP rank's tokens, TP-sharded
+    for name, want in (("model.layers.0.mlp.gate_up_proj:output.0", ("shard(1)", "no-reduction")),
+                       ("model.layers.0.mlp:output", ("partial", "pre-reduction")),
+                       ("model.layers.1.mlp.shared_experts.down_proj:output.0", ("partial", "pre-reduction")),
+                       ("model.layers.1.mlp.experts:output", ("partial", "pre-reduction"))):
+        p = pts[name]
+        assert (p["placement"], p["reduction"]) == want, (name, p["evidence"])
+        assert p["group"]["name"] == "tp" and not p.get("data_split"), (name, p)
