@@ -157,7 +157,7 @@ def _by_rows(view, counts, key, obs):
     if not seen or any(not obs[p].shape for p in seen):
         return None
     maybe = None
-    for own_of, gathered_of in _COUNTS:
+    for own_of, gathered_of, _what in _COUNTS:
         says = _rows_are(procs, seen, obs, counts, own_of, gathered_of)
         if says is True:
             return True
@@ -165,8 +165,10 @@ def _by_rows(view, counts, key, obs):
     return maybe
 
 
-# (a rank's own count, every DP rank's): the rows run after SGLang's padding first
-_COUNTS = (("rows", "dp_rows"), ("batch_rows", "dp_rows"), ("tokens", "dp_tokens"), ("batch", "dp_tokens"))
+# (a rank's own count, every DP rank's, what the rows then are): the rows run after SGLang's
+# padding first
+_COUNTS = (("rows", "dp_rows", "tokens"), ("batch_rows", "dp_rows", "requests"),
+           ("tokens", "dp_tokens", "tokens"), ("batch", "dp_tokens", "requests"))
 
 
 def _rows_are(procs, seen, obs, counts, own_of, gathered_of):
@@ -185,10 +187,6 @@ def _rows_are(procs, seen, obs, counts, own_of, gathered_of):
     if len(holders) < len(procs) or len(set(own.values())) > 1 or gathered:
         return True
     return None
-
-
-# what a DP-local point's rows are, by the count they match (``_COUNTS``'s order)
-_WHAT = (("rows", "tokens"), ("batch_rows", "requests"), ("tokens", "tokens"), ("batch", "requests"))
 
 
 def tp_group_info(procs, size, rank_of) -> dict:
@@ -227,7 +225,7 @@ def rejudge_dp_local(ctx, con, step, view, verdicts: dict, subgroups: list) -> N
         members, size, chosen = found[0]
         seen = [p for p in view.procs if p in view.points[key]]
         rows = {rank_of[p]: view.points[key][p].shape[0] for p in seen}
-        counted, what = next(((c, w) for c, w in _WHAT if all(
+        counted, what = next(((c, w) for c, _, w in _COUNTS if all(
             rows[rank_of[p]] == getattr(counts[p], c) for p in ([p for p in seen if getattr(counts[p], c)] or seen))),
             (None, "rows"))
         split = dict(over="attn_dp", dim=0, rows=rows, what=what)
