@@ -35,6 +35,10 @@ STANDINS = ("wide_dummy", "dp_attention")
 NEW_TOKENS = 3
 ALONE = [1, 2, 3]
 TOGETHER = [[5, 6, 7, 8, 9], [10, 11]]
+# three at once: two on one DP rank, one on the other, so the decode steps are [2, 1], which
+# SGLang pads to [2, 2] (MAX_LEN): a DP rank holding tokens runs padding rows too
+THREE = [[20, 21, 22], [23, 24, 25, 26], [27, 28]]
+THREE_NEW_TOKENS = 6  # decode steps enough that both DP ranks decode in some, whatever the timing
 # 25-45 s on an idle 2-core machine with its 4 processes (launcher, DP controller, 2 schedulers)
 STARTUP_S = float(os.environ.get("TT_SGLANG_STARTUP_S", "600"))
 
@@ -46,7 +50,9 @@ def _serve(log, prefix=()):
         alone = server.output_ids(srv.generate(ALONE, max_new_tokens=NEW_TOKENS))
         both = srv.request("/generate", {"input_ids": TOGETHER,
                                          "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0}})
-        tokens = [alone] + [server.output_ids(r) for r in both]
+        three = srv.request("/generate", {"input_ids": THREE,
+                                          "sampling_params": {"max_new_tokens": THREE_NEW_TOKENS, "temperature": 0}})
+        tokens = [alone] + [server.output_ids(r) for r in both] + [server.output_ids(r) for r in three]
     assert not srv.killed, srv.log_tail()
     return tokens
 
@@ -55,7 +61,9 @@ def _serve(log, prefix=()):
 def traced(tmp_path_factory):
     d = tmp_path_factory.mktemp("sglang-dp-attention")
     out = d / "trace"
-    tokens, plain = server.at_once(lambda: _serve(d / "traced.log", [TT, "record", "-o", str(out), "--"]),
+    # every step fingerprinted: each step's verdicts are compared, the padded ones included
+    tokens, plain = server.at_once(lambda: _serve(d / "traced.log", [TT, "record", "--fingerprint-every", "1",
+                                                                   "-o", str(out), "--"]),
                                    lambda: _serve(d / "plain.log"))
     return dict(out=str(out), tokens=tokens, plain=plain)
 
@@ -72,7 +80,7 @@ def _ranks(traced):
 
 def test_tokens_unchanged_and_no_tracer_errors(traced):
     assert traced["tokens"] == traced["plain"]
-    assert all(len(t) == NEW_TOKENS for t in traced["tokens"]), traced["tokens"]
+    assert [len(t) for t in traced["tokens"]] == [NEW_TOKENS] * 3 + [THREE_NEW_TOKENS] * 3, traced["tokens"]
     traces = _ranks(traced)
     assert sorted(t.identity["rank"] for t in traces) == [0, 1]
     for t in traces:
@@ -151,30 +159,34 @@ def test_dp_gather_all_reduce_judged_a_gather(traced):
         assert p["collective"]["op"] == "all_reduce" and p["reduction"] == "no-reduction", p
 
 
-def _padded_steps(traced) -> list:
-    """Steps where SGLang padded an idle DP rank to the others' rows (MAX_LEN): the rank ran
-    rows though it held no tokens. A request decoding alone (ALONE) has such steps."""
+def _padded_steps(traced, idle=True) -> list:
+    """Steps where SGLang padded a DP rank to the others' rows (MAX_LEN): an idle one, that ran
+    rows though it held no tokens (a request decoding alone, ALONE, has such steps), or
+    (``idle`` false) one holding fewer tokens than another (THREE's decode steps)."""
     padded = set()
     for t in _ranks(traced):
         for s, st in t.steps.items():
             a = st.attrs
-            if a.get("dp_padding") == "max_len" and a.get("tokens") == 0 and a.get("rows", 0) > 0:
+            if a.get("dp_padding") == "max_len" and a.get("rows", 0) > a.get("tokens", 0) \
+                    and (a.get("tokens") == 0) == idle:
                 padded.add(s)
     return sorted(padded)
 
 
-def test_padded_idle_rank_recorded_with_the_rows_it_ran(traced):
-    padded = _padded_steps(traced)
-    assert padded, "no step padded an idle DP rank"
-    for t in _ranks(traced):
-        st = t.steps[padded[0]]
-        assert st.attrs["dp_rows"] == [max(st.attrs["dp_tokens"])] * 2, st.attrs
+def test_padded_ranks_recorded_with_the_rows_they_ran(traced):
+    for idle in (True, False):
+        padded = _padded_steps(traced, idle)
+        assert padded, f"no step padded a DP rank (idle: {idle})"
+        for t in _ranks(traced):
+            st = t.steps[padded[0]]
+            assert st.attrs["dp_rows"] == [max(st.attrs["dp_tokens"])] * 2, st.attrs
 
 
-def _each_step_alone(out, padded=()) -> dict:
-    """point -> {(placement, reduction): steps} over every step judged alone (``--step``),
-    unknown left out; the DP-local points of ``padded`` steps are checked to say their padding."""
+def _each_step_alone(out, padded=()) -> tuple:
+    """(point -> {(placement, reduction): steps} over every step judged alone (``--step``),
+    unknown left out; the padded steps whose DP-local points were judged to say their padding)."""
     by_point: dict = {}
+    said_padding = set()
     steps = sorted({s for t in _ranks(dict(out=out)) for s in t.steps})
     for step in steps:
         for p in q("placement", "*:*", "--trace", out, "--step", step):
@@ -183,17 +195,18 @@ def _each_step_alone(out, padded=()) -> dict:
             if step in padded and p["point"] == "model.layers.0.post_attention_layernorm:output.0" \
                     and p["placement"] != "unknown":  # (a padded step not fingerprinted: unknown there)
                 assert p["data_split"] and p["data_split"].get("padding"), p
-    return by_point
+                said_padding.add(step)
+    return by_point, said_padding
 
 
 def test_every_step_alone_agrees_with_the_others(traced):
     """Each step judged alone (``--step``) gives every point one verdict: which steps the
-    analysis samples depends on the requests' timing (a padded idle DP rank's step among
-    them or not), so none may disagree. The padded steps' DP-local points are a data split
-    whose rows on the idle rank are padding (where the step took values: the fingerprint
-    schedule counts steps by which DP ranks hold tokens, so which ones did depends on timing
-    too; tests/unit/test_analysis_dp_groups.py judges one for certain)."""
-    by_point = _each_step_alone(traced["out"], _padded_steps(traced))
+    analysis samples depends on the requests' timing (a padded DP rank's step among them or
+    not), so none may disagree. The padded steps' DP-local points are a data split whose rows
+    on the padded rank are partly or all padding."""
+    padded = _padded_steps(traced) + _padded_steps(traced, idle=False)
+    by_point, said_padding = _each_step_alone(traced["out"], padded)
+    assert said_padding == set(padded), (said_padding, padded)  # every step fingerprinted
     split = {point: said for point, said in by_point.items() if len(said) > 1}
     assert not split, split
 
@@ -217,7 +230,7 @@ def deepseek(tmp_path_factory):
 def test_deepseek_mla_is_dp_local_and_its_mlp_judged_across_the_tp_group(deepseek):
     for t in _ranks(dict(out=deepseek)):
         assert not t.errors, t.errors
-    by_point = _each_step_alone(deepseek)
+    by_point, _ = _each_step_alone(deepseek)
     split = {point: said for point, said in by_point.items() if len(said) > 1}
     assert not split, split
     pts = {p["point"]: p for p in q("placement", "*:*", "--trace", deepseek)}
