@@ -319,12 +319,11 @@ def end_step(t, error: bool = False, result=None, kwargs=None) -> None:
     if t._tracing_step:
         if t.collectives is not None:
             t.collectives.end_step()
+        rec = (schema.STEP_END, step, t.absolute(_now()), t.counters.span_count, t.coll_count)
         if t.step_end_attrs:
-            t.writer.add((schema.STEP_END, step, t.absolute(_now()), t.counters.span_count, t.coll_count,
-                          t.step_end_attrs))
+            rec += (t.step_end_attrs,)
             t.step_end_attrs = None
-        else:
-            t.writer.add((schema.STEP_END, step, t.absolute(_now()), t.counters.span_count, t.coll_count))
+        t.writer.add(rec)
         fps = t.fps
         if t.capturing:
             _end_captured_step(t, step)

@@ -299,19 +299,31 @@ def _prepare_mlp_sync_batch(orig):
 
 
 def _padded_rows(forward_batch) -> dict:
-    out = {}
-    rows = getattr(forward_batch, "global_num_tokens_cpu", None)
-    if isinstance(rows, (list, tuple)) and len(rows) > 1:
-        out["dp_rows"] = [int(n) for n in rows]
-    ids = getattr(forward_batch, "input_ids", None)
-    if ids is not None and hasattr(ids, "numel"):
-        out["rows"] = int(ids.numel())
-    bs = getattr(forward_batch, "batch_size", None)
-    if isinstance(bs, int):
-        out["batch_rows"] = bs
+    out = {_PADDED_NAMES[k]: v for k, v in _batch_counts(forward_batch).items()}
     mode = getattr(forward_batch, "dp_padding_mode", None)
     if mode is not None:
         out["dp_padding"] = str(getattr(mode, "name", mode)).lower()
+    return out
+
+
+# a batch's counts as the step began (_batch_counts's names) -> once SGLang padded it
+_PADDED_NAMES = {"batch_size": "batch_rows", "tokens": "rows", "dp_tokens": "dp_rows"}
+
+
+def _batch_counts(forward_batch) -> dict:
+    """The batch's requests (``batch_size``), this rank's tokens (``tokens``) and, under DP
+    attention, every DP rank's (``dp_tokens``: the split of the batch), as the batch holds them
+    now (before or after SGLang pads it)."""
+    out = {}
+    bs = getattr(forward_batch, "batch_size", None)
+    if isinstance(bs, int):
+        out["batch_size"] = bs
+    ids = getattr(forward_batch, "input_ids", None)
+    if ids is not None and hasattr(ids, "numel"):
+        out["tokens"] = int(ids.numel())
+    dp_tokens = getattr(forward_batch, "global_num_tokens_cpu", None)
+    if isinstance(dp_tokens, (list, tuple)) and len(dp_tokens) > 1:
+        out["dp_tokens"] = [int(n) for n in dp_tokens]
     return out
 
 
@@ -324,16 +336,7 @@ def _step_attrs(forward_batch) -> dict:
         mode = getattr(forward_batch, "forward_mode", None)
         if mode is not None:
             attrs["forward_mode"] = str(getattr(mode, "name", mode)).lower()
-        bs = getattr(forward_batch, "batch_size", None)
-        if isinstance(bs, int):
-            attrs["batch_size"] = bs
-        ids = getattr(forward_batch, "input_ids", None)
-        if ids is not None and hasattr(ids, "numel"):
-            attrs["tokens"] = int(ids.numel())
-        # DP attention: every DP rank's token count in this forward (the split of the batch)
-        dp_tokens = getattr(forward_batch, "global_num_tokens_cpu", None)
-        if isinstance(dp_tokens, (list, tuple)) and len(dp_tokens) > 1:
-            attrs["dp_tokens"] = [int(n) for n in dp_tokens]
+        attrs.update(_batch_counts(forward_batch))
         # For pairing steps across runs (tensor-trace compare): host-side values SGLang already
         # holds, read once per step, never per module call.
         seq_lens_sum = getattr(forward_batch, "seq_lens_sum", None)
