@@ -122,6 +122,7 @@ class Tracer:
         self.root_classes: list = []  # prefixes given to roots, in order (the first has none)
         # interception (tracer/intercept.py)
         self.global_handles: list = []
+        self.late_hooks: dict = {}  # id(module) -> its own forward hooks that record its calls (intercept.late_post_hook)
         self.quiet_hooks = False  # the global hooks are the lineage-quiet variants
         self.hook_fns: dict = {}  # quiet -> (pre, post) hook functions
         self.pre_fn = self.post_fn = None  # what the call wrapper calls (plain or quiet)
@@ -365,7 +366,8 @@ class Tracer:
 
     def hook_count(self) -> int:
         """How many hooks this tracer holds now (a stopped tracer holds none)."""
-        return len(self.global_handles) + sum(len(h) for h in self.roots.values())
+        return (len(self.global_handles) + sum(len(h) for h in self.roots.values())
+                + sum(len(h) for h in self.late_hooks.values()))
 
     # ------------------------------------------------------------------ identity
     def update_identity(self, **extra) -> None:

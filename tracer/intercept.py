@@ -79,6 +79,10 @@ def use_native_call(t) -> None:
 
 
 def remove_global_hooks(t) -> None:
+    for handles in t.late_hooks.values():
+        for h in handles:
+            h.remove()
+    t.late_hooks.clear()
     for h in t.global_handles:
         h.remove()
         # torch's handle forgets the hook's with_kwargs flag: left there, it makes
@@ -185,7 +189,31 @@ def global_pre(t, module, args):
         stack.append([module, index, parent, path_id, call, _now(), slots, fp_pre, True])
     else:
         stack.append([module, index, parent, path_id, call, _now(), args, -1, True])
+    if module._forward_hooks and t.config.intercept == "hooks":
+        late_post_hook(t, module)
     return None
+
+
+def late_post_hook(t, module) -> None:
+    """``--intercept hooks``: torch runs global forward hooks before a module's own, so the
+    global post-hook would see an output the module's hooks then change (a DTensor plan's
+    RowwiseParallel reduces its partial sums in one). For such a call, a forward hook of the
+    module's own, registered now and so after its others, records the call instead, and is
+    removed as it runs (or at stop)."""
+    try:
+        h = module.register_forward_hook(functools.partial(late_post, t), with_kwargs=True, always_call=True)
+        t.late_hooks.setdefault(id(module), []).append(h)
+    except Exception as exc:
+        t.on_error("forward pre-hook", exc)
+
+
+def late_post(t, module, args, *rest):
+    handles = t.late_hooks.get(id(module))
+    if handles:
+        handles.pop().remove()
+        if not handles:
+            del t.late_hooks[id(module)]
+    return t.post_fn(module, args, *rest)
 
 
 def pre_outside(t, module, args):
@@ -208,6 +236,8 @@ def global_post(t, module, args, *rest):
     # goes through pop_record.
     if _get_ident() != t.active_thread:
         return None
+    if module._forward_hooks and t.late_hooks and id(module) in t.late_hooks:
+        return None  # (--intercept hooks: late_post records it, after the module's own hooks)
     stack = t.stack
     if len(stack) <= 1:
         return None  # the root's own post-hook ends the step
