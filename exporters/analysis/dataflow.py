@@ -192,6 +192,9 @@ class LineageWalk:
         node = self.nodes.get(ref[2])
         if node is None:
             return NOTHING
+        seen = self._judged_point(ref[2])
+        if seen is not None:
+            return seen
         op, attrs, inputs = node[:3]
         out_shape = tuple(node[3]) if len(node) > 3 and node[3] is not None else None  # (the op's result)
         if op in _KEEP or op in _PARTS:
@@ -264,6 +267,19 @@ class LineageWalk:
                     placement = f"shard({d + 1})"
             return Placed(placement, out_shape, parts[0].block if parts else None)
         return NOTHING
+
+    def _judged_point(self, node) -> Placed | None:
+        """The node's result as a point judged earlier in the step knows it (a residual sum
+        that the next norm received): its verdict, from the values, outranks a walk through
+        the ops that built it (whose sources may be hidden, as a DTensor's redistribution is)."""
+        for key in self.j.v.node_points().get(node, ()):
+            verdict = self.j.done.get(key)
+            if key == self.pt.key or verdict is None or verdict.placement in ("unknown", "divergent"):
+                continue
+            t = self.j.v.points[key].get(self.proc)
+            self.ops.append(f"as {self.j.name(key)} ({verdict.placement})")
+            return Placed(verdict.placement, t.shape if t is not None else None, verdict.block)
+        return None
 
     def param(self, module, name) -> Placed:
         """A module's parameter, placed from its records on every rank."""

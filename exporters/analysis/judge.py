@@ -100,6 +100,13 @@ class Judge:
         """Verdicts of the inputs of the same module call, in slot order."""
         return [(k, self.done[k]) for k in self.inputs_of.get(pt.key[:2], ())]
 
+    def call_collectives(self, pt: Point) -> list:
+        """The collectives the module call a point belongs to issued itself (a child's are the
+        child's, whose own points say what they made): where there are any, the call's output
+        was not computed locally from its inputs."""
+        t = self.v.times.get(pt.key)
+        return self.v.issued_by(t[1]) if t is not None else []
+
     def links(self, pt: Point) -> tuple:
         """Where the point's values meet a collective, found once per point: ``(outputs,
         inputs)``, each a list of ``(collective, position, scale)`` with ``scale`` the common

@@ -10,7 +10,7 @@ import math
 
 from tensor_trace.exporters.analysis import dataflow
 from tensor_trace.exporters.analysis.evidence import READ_FROM_ASKED, decide, item
-from tensor_trace.exporters.analysis.step_view import coll_json, next_sum_reduction
+from tensor_trace.exporters.analysis.step_view import coll_desc, coll_json, next_sum_reduction
 from tensor_trace.exporters.analysis.tolerance import FLOAT_DTYPES, linked
 
 
@@ -20,6 +20,14 @@ def concatenation(j, pt):
         return None
     dim, key = hit
     where = j.name(key) if key else "a collective's output"
+    whole = j.done.get(key) if key else None
+    if whole is not None and whole.reduction == "post-reduction":
+        # slices of a reduction's output, values unchanged (a sequence-parallel plan's
+        # Replicate -> Shard(1) of the embedding's all_reduce): carried on, up to a view
+        return decide(pt, f"shard({dim})", "post-reduction", "concatenation", whole.collective,
+                      item("concat", f"their concatenation along dim {dim} appears earlier in this step "
+                                     f"({where}, post-reduction): each rank holds a slice of a reduction's "
+                                     f"output", point=where))
     return decide(pt, f"shard({dim})", "no-reduction", "concatenation", None,
                   item("concat", f"their concatenation along dim {dim} appears in this step ({where})",
                        point=where))
@@ -56,6 +64,20 @@ def _interleaved(pt, placement, block) -> list:
                              f"between them (a sharded dim merged inside another by a reshape)")]
 
 
+def _communicated(j, pt) -> bool:
+    """A module call that issued collectives itself did not compute its output
+    locally from its inputs: a row-parallel layer's all_reduce then a bias, a max taken across
+    ranks, a sequence gathered before a projection. Says so in the point's evidence."""
+    colls = j.call_collectives(pt)
+    if not colls:
+        return False
+    names = ", ".join(coll_desc(c) for c in colls[:3]) + (f" and {len(colls) - 3} more" if len(colls) > 3 else "")
+    note = item("dataflow", f"not derived locally from its inputs: its call issued {names}")
+    if note not in pt.items:
+        pt.items.append(note)
+    return True
+
+
 def derived_from_shard_inputs(j, pt):
     """An output of a module all of whose floating-point inputs are shards: one without
     parameters, or one whose output has its first input's shape (a norm of each rank's heads,
@@ -63,7 +85,7 @@ def derived_from_shard_inputs(j, pt):
     values hide them), a module of shards and whole tensors too: its output follows the input
     of its own shape (a rotary embedding's q and k), else the first shard (an attention's
     output from its q heads and a whole latent k and v)."""
-    if not pt.is_output:
+    if not pt.is_output or _communicated(j, pt):
         return None
     inputs = [(k, vd) for k, vd in j.call_inputs(pt)
               if (j.v.points[k].get(pt.procs[0]) or pt.tref).dtype.startswith(FLOAT_DTYPES)]
@@ -138,6 +160,8 @@ def derived_from_shard(j, pt, src=None):
     """Computed locally from a shard (``src``, else found): an output from its call's sharded
     input, or a tensor inside a call from the latest shard before it in that call."""
     if src is None and pt.is_output:
+        if _communicated(j, pt):
+            return None
         src = next((k for k, vd in j.call_inputs(pt) if vd.placement.startswith("shard(")), None)
     elif src is None:
         src = j.enclosing_shard(pt)

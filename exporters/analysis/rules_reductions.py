@@ -84,10 +84,19 @@ def reduction_output(j, pt, exact=True):
     when ``exact`` is off, a common scale): a sum-reduction's output is post-reduction, a
     gather's output is not."""
     for c, _i, scale in j.links(pt)[0]:  # the latest first
-        if c.op in REDUCE_SCATTER or (c.op in REDUCING and not c.sums):
+        if c.op in REDUCE_SCATTER:
             continue
         if not _scale_ok(j, pt.tref, scale) or (exact and scale != 1.0):
             continue
+        if c.op in REDUCING and not c.sums:
+            if scale != 1.0:
+                continue
+            # max, min, product: every rank gets the whole result, and it is no partial sum's
+            # completion, so not post-reduction (which the contract keeps for sums)
+            return decide(pt, "replicate" if pt.equal else "divergent", "no-reduction", "non-sum-reduction-output",
+                          coll_json(c, pt.procs[0]),
+                          coll_item(c, f"equals the output of {coll_desc(c)} on every rank: the same result on "
+                                       f"each rank, of a reduction that is not a sum"))
         if c.op in GATHER and (scale != 1.0 or any(len(c.outs.get(p) or ()) != 1 for p in pt.procs)):
             continue  # a list of gathered slices is not the gathered tensor
         times = f" (times {scale:.4g})" if scale != 1.0 else ""

@@ -26,7 +26,7 @@ WINDOW = 16
 class Collective:
     """One collective of the step, matched across ranks by (group, sequence number)."""
 
-    __slots__ = ("key", "op", "reduce_op", "group", "seq", "module", "t_end", "t0", "ins", "outs",
+    __slots__ = ("key", "op", "reduce_op", "group", "seq", "module", "span", "t_end", "t0", "ins", "outs",
                  "bytes", "group_name", "group_ranks", "attrs", "attrs_of")
 
     @property
@@ -97,7 +97,7 @@ class StepView:
             if c is None:
                 c = Collective()
                 c.key, c.op, c.reduce_op, c.group, c.seq = key, op, redop, gid, seq
-                c.ins, c.outs, c.bytes, c.t_end, c.t0, c.module = {}, {}, nbytes, None, None, None
+                c.ins, c.outs, c.bytes, c.t_end, c.t0, c.module, c.span = {}, {}, nbytes, None, None, None, None
                 c.group_name, c.group_ranks = gname, json.loads(granks)
                 c.attrs, c.attrs_of = {}, {}
                 self.colls[key] = c
@@ -113,8 +113,10 @@ class StepView:
                 c.t_end, c.t0 = t0 + dur, t0
                 owner = self.span_of.get((proc, parent))
                 c.module = owner[0] if owner else None
+                c.span = parent if owner else None
         self._con = con
         self._lineage = None
+        self._node_points = None
         self.coll_list = sorted((c for c in self.colls.values() if c.t_end is not None),
                                 key=lambda c: c.t_end)
         self.coll_ends = [c.t_end for c in self.coll_list]
@@ -163,6 +165,25 @@ class StepView:
                 if len(out) >= limit:
                     break
         return out
+
+    def node_points(self) -> dict:
+        """{lineage node: keys of the points whose tensor is that node's result}, of the first
+        process (a tensor the recorded ops built that a module then received or returned)."""
+        if self._node_points is None:
+            out: dict = {}
+            proc = self.procs[0]
+            for (span, slot), ref in self.lineage()[1].items():
+                if ref and ref[0] == 1 and ref[1] == self.step:
+                    key = self.slot_key.get((proc, span, slot))
+                    if key is not None:
+                        out.setdefault(ref[2], []).append(key)
+            self._node_points = out
+        return self._node_points
+
+    def issued_by(self, span_idx) -> list:
+        """The collectives module call ``span_idx`` of the first process issued itself (not
+        through a module it called), in the order they were issued."""
+        return [c for c in self.coll_issued if c.span == span_idx]
 
     def before(self, t_point, ops=None, limit=WINDOW):
         """Up to ``limit`` collectives (of ``ops``, if given) issued by ``t_point``, the latest

@@ -89,6 +89,26 @@ def test_concatenation_seen_in_the_step_is_a_shard(tmp_path):
     names_point(p, "concat", "cat:output")
 
 
+def test_slices_of_a_reduction_output_seen_earlier_are_post_reduction_shards(tmp_path):
+    """A sequence-parallel plan's PrepareModuleInput (Replicate -> Shard(1)) of the embedding's
+    all_reduce output: each rank's slice of the reduced values, carried on unchanged."""
+    rng = gen()
+    parts = {r: pos(rng, 2, 4, 3) for r in R}
+    total = parts[0] + parts[1]
+    tr = SyntheticTrace(2)
+    with tr.step():
+        with tr.call("emb", same(pos(rng, 2, 4), R)) as c:
+            tr.coll("all_reduce", [arrays(parts)], [same(total, R)])
+            c.returns(same(total, R))
+        with tr.call("layer", arrays({r: total[:, 2 * r:2 * r + 2] for r in R})) as c:
+            c.returns(arrays({r: total[:, 2 * r:2 * r + 2] * 3.0 + 1.0 for r in R}))
+    con = tr.merge(tmp_path)
+    check(point(con, "emb:output"), "replicate", "post-reduction", "reduction-output")
+    p = point(con, "layer:input.0")
+    check(p, "shard(1)", "post-reduction", "concatenation")
+    names_point(p, "concat", "emb:output")
+
+
 def _column_then_row(tr, rng, with_act=False):
     """col: replicated x [2, 4] times its weight's rows (a slice of W [6, 4] per rank); row: that
     shard times its weight's columns (a slice of V [5, 6] per rank)."""

@@ -26,7 +26,8 @@ ACT_IN = (EXPERTS + ".act_fn", 0, "input.0")
 def _judge(hidden_placement="replicate", meta=STRIDED, nodes=NODES):
     obs = {HIDDEN: {0: SimpleNamespace(shape=(20, 48))}, ACT_IN: {0: SimpleNamespace(shape=(40, 32))}}
     view = SimpleNamespace(step=0, procs=[0, 1], points=obs, slot_key={(0, 3, 0): HIDDEN},
-                           times={ACT_IN: (10, 5, 0)}, lineage=lambda: (nodes, {(5, 0): [1, 0, 4]}))
+                           times={ACT_IN: (10, 5, 0)}, lineage=lambda: (nodes, {(5, 0): [1, 0, 4]}),
+                           node_points=lambda: {4: [ACT_IN]})  # (the point judged: not its own evidence)
     per_rank = [[("gate_up_proj", (4, 64, 48), (1.0 + r, 2.0), meta), ("down_proj", (4, 48, 32), (1.0, 2.0), None)]
                 for r in (0, 1)]  # each rank's own slice: different values
     return SimpleNamespace(v=view, done={HIDDEN: Verdict(hidden_placement, "no-reduction", "r", [])},
@@ -56,3 +57,37 @@ def test_ops_that_say_replicate_do_not_decide_values_that_differ():
     replicated = dict(STRIDED, placements=["Replicate()"])
     assert dataflow.placement_from_lineage(_judge(meta=replicated), _pt())[0] == "replicate"
     assert lineage_ops(_judge(meta=replicated), _pt(equal=False)) is None
+
+
+# A sequence-parallel layer under a DTensor plan: h = x + attention(...), out = h + ffn(...).
+# x is the layer's input sliced by PrepareModuleInput (Replicate -> Shard(1)), a redistribution
+# no recorded op shows: the walk finds the whole embedding output as h's first addend. h itself
+# is the point ffn_norm:input.0, judged shard(1) from its values earlier in the step.
+EMB, ATTN, NORM_IN, FFN, OUT = (("emb", 0, "output"), ("layer.attn", 0, "output"), ("layer.ffn_norm", 0, "input.0"),
+                                ("layer.ffn", 0, "output"), ("layer", 0, "output"))
+RESIDUAL_NODES = {
+    0: ("add", {}, [[0, 0, 1, 0], [0, 0, 2, 0]], None),  # h = x + attn(...)
+    1: ("add", {}, [[1, 0, 0], [0, 0, 4, 0]], None),  # out = h + ffn(...)
+}
+
+
+def _residual_judge(norm_in_placement="shard(1)"):
+    shapes = {EMB: (2, 8, 32), ATTN: (2, 4, 32), NORM_IN: (2, 4, 32), FFN: (2, 4, 32), OUT: (2, 4, 32)}
+    obs = {k: {0: SimpleNamespace(shape=s)} for k, s in shapes.items()}
+    view = SimpleNamespace(step=0, procs=[0, 1], points=obs,
+                           slot_key={(0, 1, 0): EMB, (0, 2, 0): ATTN, (0, 3, 0): NORM_IN, (0, 4, 0): FFN},
+                           times={OUT: (50, 5, 1), NORM_IN: (20, 3, 0)},
+                           lineage=lambda: (RESIDUAL_NODES, {(5, 1): [1, 0, 1], (3, 0): [1, 0, 0]}),
+                           node_points=lambda: {0: [NORM_IN], 1: [OUT]})
+    done = {EMB: Verdict("replicate", "post-reduction", "r", []), ATTN: Verdict("shard(1)", "post-reduction", "r", []),
+            NORM_IN: Verdict(norm_in_placement, "no-reduction", "r", []), FFN: Verdict("shard(1)", "post-reduction", "r", [])}
+    return SimpleNamespace(v=view, done=done, name=lambda k: f"{k[0]}:{k[2]}", module_params=lambda m, procs: None)
+
+
+def test_an_intermediate_tensor_seen_at_a_judged_point_takes_that_points_verdict():
+    pt = SimpleNamespace(key=OUT, procs=[0, 1], ndim=3, items=[], equal=False)
+    placement, ops, _block, _read = dataflow.placement_from_lineage(_residual_judge(), pt)
+    assert placement == "shard(1)"
+    assert "as layer.ffn_norm:input.0 (shard(1))" in ops, ops
+    # without a verdict there, the walk goes through the add and its hidden slice: no answer
+    assert dataflow.placement_from_lineage(_residual_judge("unknown"), pt) is None
