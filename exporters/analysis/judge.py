@@ -5,6 +5,7 @@ outputs and placement propagates along the step's dataflow."""
 from __future__ import annotations
 
 import bisect
+import math
 
 from tensor_trace.exporters.analysis import declared, rules
 from tensor_trace.exporters.analysis.evidence import Verdict, item
@@ -36,6 +37,14 @@ class Point:
     @property
     def ndim(self) -> int:
         return len(self.tref.shape)
+
+
+def _rows_of_flattened(whole, part, n) -> bool:
+    """Whether ``n`` tensors of shape ``part`` put together along dim 0 make ``whole`` with its
+    leading dims flattened into one (``[2, 8, 32]`` of four ``[4, 32]``)."""
+    k = len(whole) - len(part) + 1
+    return (len(part) >= 1 and k > 1 and tuple(whole[k:]) == tuple(part[1:])
+            and math.prod(whole[:k]) == n * part[0])
 
 
 class Judge:
@@ -144,13 +153,18 @@ class Judge:
         tol = sum_tol(want.numel, q_total, tref.dtype) + 1e-7 * abs(s_total)
         lo = bisect.bisect_left(sums, s_total - 2 * tol)
         hi = bisect.bisect_right(sums, s_total + 2 * tol)
+        flat = None
         for _, key, cand in items[lo:hi]:
             if len(cand.shape) != len(tref.shape):
+                if flat is None and _rows_of_flattened(cand.shape, tref.shape, n) and fp_equal(want, cand):
+                    flat = key
                 continue
             diff = [d for d in range(len(tref.shape)) if cand.shape[d] != tref.shape[d]]
             if len(diff) == 1 and cand.shape[diff[0]] == tref.shape[diff[0]] * n and fp_equal(want, cand):
                 return diff[0], key
-        return None
+        # each rank's rows of the whole with its leading dims flattened (``x.reshape(-1, h)[r *
+        # n:(r + 1) * n]``: an expert-parallel layer's own tokens)
+        return (0, flat) if flat is not None else None
 
     def module_params(self, module, procs) -> list | None:
         per = [self.params.get((p, module)) for p in procs]

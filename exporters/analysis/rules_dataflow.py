@@ -28,8 +28,11 @@ def concatenation(j, pt):
                       item("concat", f"their concatenation along dim {dim} appears earlier in this step "
                                      f"({where}, post-reduction): each rank holds a slice of a reduction's "
                                      f"output", point=where))
+    whole_t = j.v.points[key].get(pt.procs[0]) if key else None
+    flat = (f", its leading dims {list(whole_t.shape[:len(whole_t.shape) - pt.ndim + 1])} flattened"
+            if whole_t is not None and len(whole_t.shape) != pt.ndim else "")
     return decide(pt, f"shard({dim})", "no-reduction", "concatenation", None,
-                  item("concat", f"their concatenation along dim {dim} appears in this step ({where})",
+                  item("concat", f"their concatenation along dim {dim} appears in this step ({where}{flat})",
                        point=where))
 
 

@@ -109,6 +109,30 @@ def test_slices_of_a_reduction_output_seen_earlier_are_post_reduction_shards(tmp
     names_point(p, "concat", "emb:output")
 
 
+def test_each_ranks_rows_of_a_whole_tensor_with_its_leading_dims_flattened_are_a_shard(tmp_path):
+    """An expert-parallel layer's own tokens, ``norm(x).reshape(-1, h)[r * n:(r + 1) * n]`` of
+    a replicated [2, 4, 3] (a hand-written EP MoE): the whole is seen only unflattened; a
+    tensor of the same size whose values are not those rows stays divergent."""
+    rng = gen()
+    whole = pos(rng, 2, 4, 3)
+    rows = whole.reshape(-1, 3)
+    for name, scale in (("router", lambda r: 1.0), ("other", lambda r: 1.5 + r)):
+        tr = SyntheticTrace(2)
+        with tr.step():
+            with tr.call("norm", same(pos(rng, 2, 4, 3), R)) as c:
+                c.returns(same(whole, R))
+            with tr.call(name, arrays({r: rows[4 * r:4 * r + 4] * scale(r) for r in R})) as c:
+                c.returns(same(pos(rng, 2), R))
+        con = tr.merge(tmp_path / name)
+        p = point(con, f"{name}:input.0")
+        if name == "other":
+            check(p, "divergent", "unknown", "divergent")
+            continue
+        check(p, "shard(0)", "no-reduction", "concatenation")
+        names_point(p, "concat", "norm:output")
+        assert any("leading dims [2, 4] flattened" in i["text"] for i in items(p, "concat")), p["evidence"]
+
+
 def _column_then_row(tr, rng, with_act=False):
     """col: replicated x [2, 4] times its weight's rows (a slice of W [6, 4] per rank); row: that
     shard times its weight's columns (a slice of V [5, 6] per rank)."""
