@@ -87,7 +87,7 @@ def step_counts(view) -> dict:
 
 # Rules of rules.py that link a point to a collective of the TP group: its values are those of
 # every DP rank's tokens (gathered, or a partial sum over them), not one DP rank's own.
-LINKED_RULES = {"gather-output", "gathered-by-all-reduce", "reduction-output", "non-sum-reduction-output",
+LINKED_RULES = {"gather-output", "gathered-by-all-reduce", "reduction-output", "non-sum-reduction-output", "exchange-output",
                 "reduction-input",
                 "gather-by-all-reduce-input", "gather-input", "reduce-scatter-output"}
 

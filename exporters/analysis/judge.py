@@ -9,11 +9,11 @@ import math
 
 from tensor_trace.exporters.analysis import declared, rules
 from tensor_trace.exporters.analysis.evidence import Verdict, item
-from tensor_trace.exporters.analysis.step_view import GATHER, REDUCING
+from tensor_trace.exporters.analysis.step_view import EXCHANGE, GATHER, REDUCING
 from tensor_trace.exporters.analysis.tolerance import Observed, fp_equal, linked, sum_tol
 from tensor_trace.format.points import is_output, point_name
 
-_LINKED_OPS = REDUCING | GATHER
+_LINKED_OPS = REDUCING | GATHER | EXCHANGE
 
 
 class Point:

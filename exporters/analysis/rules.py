@@ -12,7 +12,9 @@ observed to the point's items and passes. Strongest first:
   reshape, clone, cast or scaling in between does not hide the link): the output of a
   sum-reduction is post-reduction, its input a partial sum (even when the ranks' partial sums
   happen to be equal), the input of an all_gather a shard, the output of a reduce_scatter a
-  reduced shard. Collective linkage outranks value equality. An all_reduce of zero-padded slices
+  reduced shard, the output of an all_to_all each rank's rows (shard(0), no reduction); the
+  output of a max, min or product all_reduce is whole but no reduction's in the contract's
+  sense. Collective linkage outranks value equality. An all_reduce of zero-padded slices
   (their sums of squares add up exactly) is a gather, not a reduction;
 - values equal on every rank: replicate, unless a declaration (a DTensor's placements, a
   framework's layer class) says the layer is sharded, which equal values cannot refute

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from tensor_trace.exporters.analysis import dataflow, declared
 from tensor_trace.exporters.analysis.evidence import coll_item, decide, item
-from tensor_trace.exporters.analysis.step_view import GATHER, REDUCE_SCATTER, REDUCING, coll_desc, coll_json
+from tensor_trace.exporters.analysis.step_view import EXCHANGE, GATHER, REDUCE_SCATTER, REDUCING, coll_desc, coll_json
 from tensor_trace.exporters.analysis.tolerance import Observed, close, disjoint_sum, fp_equal, linked
 
 
@@ -97,8 +97,15 @@ def reduction_output(j, pt, exact=True):
                           coll_json(c, pt.procs[0]),
                           coll_item(c, f"equals the output of {coll_desc(c)} on every rank: the same result on "
                                        f"each rank, of a reduction that is not a sum"))
-        if c.op in GATHER and (scale != 1.0 or any(len(c.outs.get(p) or ()) != 1 for p in pt.procs)):
+        if c.op in (GATHER | EXCHANGE) and (scale != 1.0 or any(len(c.outs.get(p) or ()) != 1 for p in pt.procs)):
             continue  # a list of gathered slices is not the gathered tensor
+        if c.op in EXCHANGE:
+            # all_to_all_single puts the pieces the ranks sent along dim 0: each rank holds its
+            # own rows of what was exchanged (an expert's tokens), not a sum
+            return decide(pt, "replicate" if pt.equal else "shard(0)", "no-reduction", "exchange-output",
+                          coll_json(c, pt.procs[0]),
+                          coll_item(c, f"equals the output of {coll_desc(c)} on every rank: the rows the ranks "
+                                       f"sent it, exchanged along dim 0, not reduced"))
         times = f" (times {scale:.4g})" if scale != 1.0 else ""
         if c.op in GATHER:
             return decide(pt, "replicate" if pt.equal else "divergent", "no-reduction", "gather-output",
