@@ -80,3 +80,18 @@ def test_without_numpy_the_callers_use_torch(monkeypatch):
     monkeypatch.setattr(host_values, "_numpy", [None])
     assert host_values.pair(padded) is None and host_values.nonzero_rows(padded) is None
     assert collectives._nonzero_rows([padded]) == [[1, 3, 3]]
+
+
+@pytest.mark.parametrize("numel", [1000, host_values.ROWS_FROM + 7])
+def test_an_overflowing_sum_is_inf_and_warns_nothing_in_the_host(numel):
+    """Uninitialised memory (a receive buffer before its broadcast) can hold values whose squares
+    overflow float32: the pair says inf (the analysis reads that as no values), and no
+    RuntimeWarning reaches the host's stderr, or raises under ``-W error``."""
+    import subprocess
+    import sys
+    code = ("import torch\nfrom tensor_trace.tracer import host_values\nhost_values.native_pair = None\n"
+            f"print(host_values.pair(torch.full(({numel},), 3e38)))\n")
+    for flags in ([], ["-W", "error"]):
+        run = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and run.stderr == "", run.stderr
+        assert run.stdout.strip() == "(inf, inf)", run.stdout
