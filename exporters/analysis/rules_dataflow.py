@@ -176,13 +176,27 @@ def _derived_dim(src_shape, d, shape, ndim) -> int:
     """Where a shard of dim ``d`` of ``src_shape`` is taken to lie in a tensor of another rank
     derived from it, with no recorded op between them: where the dims before d are the same and
     the dims from d on split (a part of) the sharded dim (heads split out of a column shard,
-    ``[t, 64]`` to ``[t, 2, 16]``), the outermost of them; else the last dim (heads merged back,
-    perhaps after a transpose that no op recorded)."""
+    ``[t, 64]`` to ``[t, 2, 16]``), the outermost of them; where the source's other dims are
+    found, in order, among the tensor's, the outermost dim left over; else the last dim (heads
+    merged back, perhaps after a transpose that no op recorded)."""
     if src_shape is None or shape is None or d >= ndim or d >= len(src_shape):
         return ndim - 1
     rest = math.prod(shape[d:])
     if list(src_shape[:d]) == list(shape[:d]) and rest > 0 and src_shape[d] % rest == 0:
         return d
+    # The source's whole dims kept their sizes (tokens, batch), in order, perhaps moved by a
+    # transpose: the dims left over split the sharded one, heads outermost (q viewed to
+    # [b, s, heads, head_dim] and transposed to [b, heads, s, head_dim], or to heads of
+    # another head_dim than the source's).
+    left, k = [], 0
+    whole = [n for i, n in enumerate(src_shape) if i != d]
+    for i, n in enumerate(shape):
+        if k < len(whole) and n == whole[k]:
+            k += 1
+        else:
+            left.append(i)
+    if k == len(whole) and left:
+        return left[0]
     return ndim - 1
 
 
