@@ -19,7 +19,8 @@ observed to the point's items and passes. Strongest first:
 - values equal on every rank: replicate, unless a declaration (a DTensor's placements, a
   framework's layer class) says the layer is sharded, which equal values cannot refute
   (identical shards, e.g. dummy weights);
-- values that differ: per-rank sums adding up to a later reduction's output, a DTensor's
+- values that differ: per-rank sums adding up to a later reduction's output (one number,
+  which a replicated input times a weight split along its output dim outranks), a DTensor's
   declared placement, a concatenation seen in the step, the module's parameters with its
   input's placement (a replicated input and a weight split along its output dimension give a
   shard; an input sharded along the contracted dimension and a weight split along its input

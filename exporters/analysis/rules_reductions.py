@@ -11,7 +11,7 @@ each is tried.
 
 from __future__ import annotations
 
-from tensor_trace.exporters.analysis import dataflow, declared
+from tensor_trace.exporters.analysis import dataflow, declared, rules_weights
 from tensor_trace.exporters.analysis.evidence import coll_item, decide, item
 from tensor_trace.exporters.analysis.step_view import EXCHANGE, GATHER, REDUCE_SCATTER, REDUCING, coll_desc, coll_json
 from tensor_trace.exporters.analysis.tolerance import Observed, close, disjoint_sum, fp_equal, linked
@@ -262,6 +262,15 @@ def sums_add_up(j, pt):
         o = c.outs.get(pt.procs[0])
         if o and o[0].numel == tref.numel and o[0].fp is not None and close(
                 total, o[0].fp[0], tref.numel, sum(t.fp[1] or 0 for t in ts), tref.dtype):
+            # One sum that matches is a single number's coincidence, which the layer's weights
+            # outrank: a replicated input times a weight split along its output dim is a shard.
+            note = coll_item(c, f"per-rank sums add up to the output of {coll_desc(c)} ({total:.6g}), "
+                                f"a single number: the weights outrank it")
+            pt.items.append(note)
+            by_weight = rules_weights.sharded_weight(j, pt)
+            if by_weight is not None and by_weight.placement.startswith("shard("):
+                return by_weight
+            pt.items[:] = [i for i in pt.items if i is not note]
             return decide(pt, "partial", "pre-reduction", "sums-add-up", coll_json(c, pt.procs[0]),
                           coll_item(c, f"per-rank sums add up to the output of {coll_desc(c)} ({total:.6g}): "
                                        f"a partial sum that this reduction completes"))

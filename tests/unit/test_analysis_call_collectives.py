@@ -135,3 +135,23 @@ def test_a_layer_whose_children_communicate_keeps_its_sequence_shard(tmp_path):
     assert (p["placement"], p["reduction"]) == ("shard(1)", "post-reduction"), p["evidence"]
     p = point(con, "layer:output")
     assert (p["placement"], p["reduction"]) == ("shard(1)", "no-reduction"), p["evidence"]
+
+
+def test_a_column_output_whose_sums_happen_to_add_up_to_a_later_reduction_is_a_shard(tmp_path):
+    """Real SGLang (Qwen3-MoE, DeepSeek-V2 at TP 2): a column-parallel projection's per-rank
+    sums matched, within bf16 tolerance, the sum of a later layer's all_reduce output of the same
+    size. One number that matches is weaker than a replicated input times a split weight."""
+    rng = gen(11)
+    x, W = pos(rng, 2, 4), pos(rng, 8, 4)
+    tr = SyntheticTrace(2)
+    with tr.step():
+        ys = _column(tr, x, W, 4)
+        target = ys[0].sum() + ys[1].sum()
+        out = pos(rng, 2, 4)
+        out += (target - out.sum()) / out.size  # another tensor, whose sum is theirs
+        with tr.call("later", same(pos(rng, 2, 4), R)) as c:
+            tr.coll("all_reduce", [arrays({r: pos(rng, 2, 4) for r in R})], [same(out, R)])
+            c.returns(same(out, R))
+    p = point(tr.merge(tmp_path), "col:output")
+    check(p, "shard(1)", "no-reduction", "sharded-weight")
+    assert any("a single number: the weights outrank it" in i["text"] for i in items(p, "collective")), p["evidence"]
