@@ -78,20 +78,6 @@ def test_output_cast_to_bf16_is_still_the_reduction_output(tmp_path):
     names_collective(p, "all_reduce", 0)
 
 
-def test_max_all_reduce_output_is_not_post_reduction(tmp_path):
-    rng = gen()
-    a = {r: pos(rng, 4) for r in R}
-    m = np.maximum(a[0], a[1])
-    tr = SyntheticTrace(2)
-    with tr.step():
-        with tr.call("m", arrays(a)) as c:
-            tr.coll("all_reduce", [arrays(a)], [same(m, R)], reduce_op="max")
-            c.returns(same(m, R))
-    p = point(tr.merge(tmp_path), "m:output")
-    check(p, "replicate", "no-reduction", "non-sum-reduction-output")
-    names_collective(p, "all_reduce", 0)
-
-
 def test_all_gather_output_is_replicate_not_reduced(tmp_path):
     rng = gen()
     xs = {r: pos(rng, 3, 4) for r in R}
