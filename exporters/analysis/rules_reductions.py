@@ -264,13 +264,11 @@ def sums_add_up(j, pt):
                 total, o[0].fp[0], tref.numel, sum(t.fp[1] or 0 for t in ts), tref.dtype):
             # One sum that matches is a single number's coincidence, which the layer's weights
             # outrank: a replicated input times a weight split along its output dim is a shard.
-            note = coll_item(c, f"per-rank sums add up to the output of {coll_desc(c)} ({total:.6g}), "
-                                f"a single number: the weights outrank it")
-            pt.items.append(note)
             by_weight = rules_weights.sharded_weight(j, pt)
             if by_weight is not None and by_weight.placement.startswith("shard("):
+                by_weight.items.append(coll_item(c, f"per-rank sums add up to the output of {coll_desc(c)} "
+                                                    f"({total:.6g}), a single number: the weights outrank it"))
                 return by_weight
-            pt.items[:] = [i for i in pt.items if i is not note]
             return decide(pt, "partial", "pre-reduction", "sums-add-up", coll_json(c, pt.procs[0]),
                           coll_item(c, f"per-rank sums add up to the output of {coll_desc(c)} ({total:.6g}): "
                                        f"a partial sum that this reduction completes"))

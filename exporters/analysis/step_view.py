@@ -120,6 +120,7 @@ class StepView:
         self._con = con
         self._lineage = None
         self._node_points = None
+        self._by_span = None  # span -> the collectives it issued (issued_by)
         self.coll_list = sorted((c for c in self.colls.values() if c.t_end is not None),
                                 key=lambda c: c.t_end)
         self.coll_ends = [c.t_end for c in self.coll_list]
@@ -186,7 +187,11 @@ class StepView:
     def issued_by(self, span_idx) -> list:
         """The collectives module call ``span_idx`` of the first process issued itself (not
         through a module it called), in the order they were issued."""
-        return [c for c in self.coll_issued if c.span == span_idx]
+        if self._by_span is None:  # (one pass for the step: asked once or more per point)
+            self._by_span = {}
+            for c in self.coll_issued:
+                self._by_span.setdefault(c.span, []).append(c)
+        return self._by_span.get(span_idx, [])
 
     def before(self, t_point, ops=None, limit=WINDOW):
         """Up to ``limit`` collectives (of ``ops``, if given) issued by ``t_point``, the latest
