@@ -245,6 +245,11 @@ class Tracer:
 
     def _stop(self, reason: str) -> None:
         self.enabled = False
+        if self.writer is not None:
+            # What is queued goes to disk before the unhooking, which takes a while in a large
+            # model: a stop on Ctrl-C may be cut short by a SIGKILL (a launcher's, a dead
+            # parent's PR_SET_PDEATHSIG).
+            self.writer.flush()
         self.dormant = False
         self.dormant_roots = weakref.WeakSet()
         self.remove_interception()

@@ -2,7 +2,8 @@
 
 Called by the bootstrap ``sitecustomize`` right after ``import torch`` completes. Also arranges
 that the rank file is completed on exit, SIGTERM, and in multiprocessing children (forked ones
-leave through ``os._exit``, which skips ``atexit``; multiprocessing runs its own finalizers).
+leave through ``os._exit``, which skips ``atexit``; multiprocessing runs its own finalizers), and
+that what is queued is written on SIGINT.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def start_from_env() -> None:
         util.register_after_fork(tr, _register_mp_finalizer)
     except Exception:
         pass
-    _install_sigterm(tr)
+    _install_signal_watch(tr)
 
 
 def _register_mp_finalizer(tr) -> None:
@@ -44,23 +45,30 @@ def _register_mp_finalizer(tr) -> None:
         pass
 
 
-def _install_sigterm(tr) -> None:
-    """Complete the rank file on SIGTERM, then die as SIGTERM would.
+def _install_signal_watch(tr) -> None:
+    """Complete the rank file on SIGTERM, then die as SIGTERM would; write what is queued on
+    SIGINT.
 
-    Only where nobody else handles SIGTERM. A Python handler runs only when the main thread
+    SIGTERM: only where nobody else handles it. A Python handler runs only when the main thread
     executes Python again, and a rank blocked in a collective or a store wait may not for a
     long time: untraced, it would die at once. So, where the process has no wakeup fd yet, the
     signal also wakes a watcher thread (``signal.set_wakeup_fd``); if the handler has not run
     within ``SIGTERM_GRACE_S``, the watcher completes the file and restores the default action
-    itself."""
+    itself.
+
+    SIGINT: the program's to handle, but Ctrl-C is often followed by a SIGKILL the traced
+    process cannot see coming: a server's launcher kills its workers, and a worker started with
+    ``PR_SET_PDEATHSIG`` (SGLang's schedulers) dies with its parent. The watcher writes the
+    queued records at once, without waiting for an idle or periodic flush, so the last steps
+    before Ctrl-C are on disk whatever follows."""
     if threading.current_thread() is not threading.main_thread():
         return
-    try:
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-            return
-    except Exception:
-        return
     handled = threading.Event()
+    ours = False
+    try:
+        ours = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    except Exception:
+        pass
 
     def die():
         _default_action_and_kill()
@@ -73,7 +81,8 @@ def _install_sigterm(tr) -> None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             die()
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    if ours:
+        signal.signal(signal.SIGTERM, on_sigterm)
     try:
         r, w = os.pipe()
         os.set_blocking(w, False)
@@ -94,13 +103,25 @@ def _install_sigterm(tr) -> None:
                 return
             if not data:
                 return
-            if signal.SIGTERM in data and not handled.wait(SIGTERM_GRACE_S):
+            if signal.SIGINT in data:
+                flush_queued(tr)
+            if ours and signal.SIGTERM in data and not handled.wait(SIGTERM_GRACE_S):
                 try:
                     tr.stop("SIGTERM (main thread blocked)")
                 finally:
                     die()
 
-    threading.Thread(target=watch, name="tensor-trace-sigterm", daemon=True).start()
+    threading.Thread(target=watch, name="tensor-trace-signals", daemon=True).start()
+
+
+def flush_queued(tr) -> None:
+    """Write the records queued so far (from any thread); the tracer goes on."""
+    writer = tr.writer
+    if writer is not None:
+        try:
+            writer.flush()  # never raises
+        except Exception:
+            pass
 
 
 SIGTERM_GRACE_S = 0.5

@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
 import time
 
 import pytest
 
-from tt_helpers import (PYTHON, TINY_MODEL, LineReader, load_traces, start_record, stop_tree,
-                        write_script)
+from tt_helpers import (PYTHON, TINY_MODEL, LineReader, base_env, load_traces, start_record,
+                        stop_tree, write_script)
 
 FOREVER = TINY_MODEL + """
     print(f"pid {os.getpid()}", flush=True)
@@ -150,3 +151,60 @@ def test_corrupt_middle_chunk_is_skipped(killed_run, tmp_path):
     assert part.report.corrupt_chunks == 1 and not part.report.truncated_tail
     assert part.report.chunks == len(bounds) - 1
     assert max(part.steps) == max(full.steps)
+
+
+# Ctrl-C followed by a SIGKILL the traced process cannot see coming: a server's launcher
+# killing its workers, or a worker's PR_SET_PDEATHSIG when its parent exits first (SGLang's
+# schedulers under DP attention). The periodic flush is an hour away and the steps keep
+# coming (no idle flush), so only the SIGINT itself can have written them; the program's own
+# SIGINT handler does nothing, as a main thread busy in native code would not either.
+CTRL_C_THEN_KILLED = TINY_MODEL + """
+    import json, signal
+    from tensor_trace import schema
+    os.environ[schema.ENV_DIR] = sys.argv[1]
+    os.environ[schema.ENV_CONFIG] = json.dumps(dict(flush_interval_s=3600))
+    from tensor_trace.tracer import env_start
+    env_start.start_from_env()
+    signal.signal(signal.SIGINT, lambda signum, frame: print("sigint", flush=True))
+    print(f"pid {os.getpid()}", flush=True)
+    m = make_model()
+    step = 0
+    with torch.no_grad():
+        while True:
+            m(torch.randn(4, 16))
+            print(f"step {step}", flush=True)
+            step += 1
+            time.sleep(0.01)
+"""
+
+
+def test_steps_before_ctrl_c_survive_a_sigkill_that_follows(tmp_path):
+    from tensor_trace.exporters.store.reader import load_rank_file, rank_files
+
+    script = write_script(tmp_path, "ctrl_c.py", CTRL_C_THEN_KILLED)
+    out = tmp_path / "trace"
+    proc = subprocess.Popen([PYTHON, str(script), str(out)], env=base_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
+    lines = LineReader(proc.stdout)
+    try:
+        assert lines.wait_for(lambda s: s == "step 20", 60), (lines.text(), proc.stderr.read())
+        proc.send_signal(signal.SIGINT)
+        assert lines.wait_for(lambda s: s == "sigint", 30), lines.text()
+        # every step printed before the handler ran, on disk within seconds (polled: no sleep)
+        text = [line for _, line in lines.lines]
+        printed = [int(line.split()[1]) for line in text[:text.index("sigint")] if line.startswith("step ")]
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            files = rank_files(str(out))
+            if files and max(load_rank_file(files[0]).steps, default=-1) >= max(printed):
+                break
+            time.sleep(0.1)
+        proc.kill()
+        proc.wait(30)
+    finally:
+        stop_tree(proc)
+    (t,) = load_traces(out)
+    assert t.end is None  # SIGKILLed: nothing completed the file
+    missing = [n for n in printed if n not in t.steps or t.steps[n].t_end is None]
+    assert not missing, (missing, sorted(t.steps))
+    assert all(len(t.steps[n].spans) == SPANS_PER_STEP for n in printed)
