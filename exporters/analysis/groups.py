@@ -22,7 +22,6 @@ import json
 from typing import NamedTuple
 
 from tensor_trace.exporters.analysis.evidence import item
-from tensor_trace.exporters.analysis.rules import NONFINITE_RULE
 
 DP_LOCAL_GROUP = "attn_tp"
 
@@ -135,7 +134,7 @@ def dp_local_points(view, counts: dict, verdicts: dict) -> set:
         # A point whose values are not finite cannot show that it meets a collective of the TP
         # group (the MoE block's gathered input, padded with uninitialised rows): its rows alone
         # place it, never the call around it.
-        if says or (says is None and any(chain) and (verdicts.get(key) or {}).get("rule") != NONFINITE_RULE):
+        if says or (says is None and any(chain) and not any(o.nonfinite for o in view.points[key].values())):
             local.add(key)
     return local
 

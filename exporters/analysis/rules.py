@@ -5,6 +5,12 @@ observed to the point's items and passes. Strongest first:
 
 - the TP group's ranks: fewer readable than the group has make ``unknown``;
 - shapes across ranks (an uneven shard);
+- fingerprints: without them, ``unknown``; where a rank's values are not finite (-inf padding,
+  uninitialised memory) their sums say nothing, and only what built the tensor places it (a
+  split weight, recorded ops, a producer's values where finite). Not a shard it merely seems to
+  derive from with no op recorded between: a buffer gathered by a collective (SGLang's MoE
+  input under DP attention, its padding rows uninitialised) looks derived from the shard it
+  gathered;
 - collectives linked by fingerprint on every rank (identity, or one common scale, so a view,
   reshape, clone, cast or scaling in between does not hide the link): the output of a
   sum-reduction is post-reduction, its input a partial sum (even when the ranks' partial sums
@@ -90,7 +96,14 @@ def fingerprints(j, pt):
     bad = [p for p, t in zip(pt.procs, pt.ts) if t.nonfinite]
     if bad:
         pt.items.append(item("values", f"non-finite values (NaN or inf) on ranks {j.ranks(bad)}: "
-                                       "their sums say nothing (uninitialised padding?); placement needs values"))
+                                       "their sums say nothing (uninitialised padding?)"))
+        # What built the tensor still places it (a vocab-parallel head whose padded columns
+        # are -inf is a shard by its weight): the rules that read no values of the point itself.
+        for rule in STRUCTURAL_RULES:
+            verdict = rule(j, pt)
+            if verdict is not None:
+                return verdict
+        pt.items.append(item("values", "no weight or recorded op places it: placement needs values"))
         return decide(pt, "unknown", "unknown", NONFINITE_RULE)
     kinds = sorted({(t.meta or {}).get("kind") for t in pt.ts if t.fp is None} - {None})
     why = (f"no fingerprint ({', '.join(kinds)})" if kinds else
@@ -118,6 +131,12 @@ def _values(j, pt):
             f"rank {j.rank_of[p]} {_fmt_fp(pt.obs[p])}" for p in pt.procs)))
     return None
 
+
+# Rules that place a point from what built it (its module's split weight and its inputs'
+# placements, recorded ops, a producer's values where finite), reading no sums of the point's
+# non-finite values.
+STRUCTURAL_RULES = (rules_weights.sharded_weight, rules_dataflow.lineage_ops,
+                    rules_dataflow.same_values_where_finite)
 
 RULES = (experts.expert_parallel_local, group_ranks, shapes, fingerprints, _values,
          rules_reductions.reduction_output, rules_reductions.scatter_output, rules_reductions.reduction_input,

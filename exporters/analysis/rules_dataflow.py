@@ -145,6 +145,33 @@ def same_values_as_producer(j, pt):
     return None
 
 
+def same_values_where_finite(j, pt):
+    """A point with non-finite values on some ranks (a vocab-parallel head's -inf padding
+    columns) carrying a producer's tensor: the same values on the ranks where they are finite,
+    non-finite on the same ranks as the producer's, and the same shapes."""
+    t0 = pt.tref
+    cands = [k for k, _ in j.call_inputs(pt)] if pt.is_output else []
+    hit = j.by_fp0.get((t0.fp, t0.numel)) if t0.fp is not None else None
+    if hit is not None:
+        cands.append(hit)
+    if all(t.nonfinite for t in pt.ts):
+        return None  # (nothing left to match by)
+    for prod in cands:
+        pv = j.done.get(prod)
+        if pv is None or pv.placement in ("divergent", "unknown"):
+            continue
+        src = j.v.points[prod]
+        if not all(p in src and src[p].shape == pt.obs[p].shape and src[p].nonfinite == pt.obs[p].nonfinite
+                   and (pt.obs[p].nonfinite or linked({p: src[p]}, {p: pt.obs[p]}) == 1.0) for p in pt.procs):
+            continue
+        verdict = decide(pt, pv.placement, pv.reduction, "same-values", pv.collective,
+                         item("dataflow", f"the same values as {j.name(prod)} where they are finite, and "
+                                          f"non-finite on the same ranks", point=j.name(prod)))
+        verdict.block = pv.block
+        return verdict
+    return None
+
+
 def _derived_dim(src_shape, d, shape, ndim) -> int:
     """Where a shard of dim ``d`` of ``src_shape`` is taken to lie in a tensor of another rank
     derived from it, with no recorded op between them: where the dims before d are the same and
