@@ -11,7 +11,7 @@ import math
 from tensor_trace.exporters.analysis import dataflow
 from tensor_trace.exporters.analysis.evidence import READ_FROM_ASKED, decide, item
 from tensor_trace.exporters.analysis.step_view import coll_desc, coll_json, next_sum_reduction
-from tensor_trace.exporters.analysis.tolerance import FLOAT_DTYPES, linked
+from tensor_trace.exporters.analysis.tolerance import FLOAT_DTYPES, all_equal, linked
 
 
 def concatenation(j, pt):
@@ -102,8 +102,25 @@ def derived_from_shard_inputs(j, pt):
     if len(shards) < len(inputs) and same:
         if same[0] not in shards:
             return None  # (the whole input of its shape: a whole output)
-        return derived_from_shard(j, pt, same[0])
-    return derived_from_shard(j, pt, shards[0])
+        src = same[0]
+    else:
+        src = shards[0]
+    if pt.equal and not _equal_on_ranks(j, src, pt.procs):
+        return None
+    return derived_from_shard(j, pt, src)
+
+
+def _equal_on_ranks(j, key, procs) -> bool:
+    """Whether ``key``'s values are equal on every rank of ``procs``, or cannot be told (no
+    fingerprints). Values equal on every rank derive from a shard only where that shard is
+    identical on every rank too (dummy weights): from a shard whose ranks differ, what is equal
+    everywhere took its shape or dtype alone (a rotary embedding's cos and sin from the v it is
+    handed) or nothing of it (a bias returned beside a row-parallel output)."""
+    obs = j.v.points.get(key) or {}
+    ts = [obs.get(p) for p in procs]
+    if any(t is None or t.fp is None for t in ts):
+        return True
+    return all_equal(ts)
 
 
 def input_shaped_as_shard(j, pt):
@@ -117,6 +134,8 @@ def input_shaped_as_shard(j, pt):
     src = j.enclosing_shard(pt, shape)
     if src is None or j.enclosing_shard(pt, shape, whole=True) is not None:
         return None  # (whole tensors of that shape in the call too: the shape tells nothing)
+    if pt.equal and not _equal_on_ranks(j, src, pt.procs):
+        return None
     return derived_from_shard(j, pt, src)
 
 

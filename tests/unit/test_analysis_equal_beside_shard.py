@@ -1,0 +1,55 @@
+"""Values equal on every rank that a module returns beside, or computes from, a shard whose
+ranks differ took nothing of the shard's values: they are whole. Two cases from held-out
+programs not written here: a GPT-NeoX rotary embedding handed the sharded v only for its dtype
+(DeepSpeed AutoTP style), whose cos and sin were judged shards of v; and a Megatron-style
+attention block returning its row-parallel projection's bias beside its output under sequence
+parallelism, judged a shard of the block's sequence-sharded input."""
+
+import numpy as np
+
+from synthetic_trace import SyntheticTrace, arrays, check, gen, point, pos, same
+
+R = [0, 1]
+
+
+def _column_parallel_v(tr, rng):
+    """x whole, v = x @ W_r.T with W split along its output dim: each rank's heads of v."""
+    x = pos(rng, 2, 3, 4)
+    W = pos(rng, 8, 4)
+    tr.param("v_proj", "weight", arrays({r: W[4 * r:4 * (r + 1)] for r in R}))
+    return x, {r: x @ W[4 * r:4 * (r + 1)].T for r in R}
+
+
+def test_rotary_tables_from_a_sharded_v_are_whole(tmp_path):
+    rng = gen(11)
+    tr = SyntheticTrace(2, root="model")
+    cos, sin = pos(rng, 3, 2), pos(rng, 3, 2)  # from positions alone: the same on every rank
+    with tr.step():
+        x, v = _column_parallel_v(tr, rng)
+        with tr.call("model", same(x, R)) as outer:
+            with tr.call("v_proj", same(x, R)) as c:
+                c.returns(arrays(v))
+            with tr.call("rotary_emb", arrays(v)) as c:
+                c.returns(same(cos, R), same(sin, R))
+            outer.returns(arrays(v))
+    con = tr.merge(tmp_path)
+    check(point(con, "rotary_emb:input.0"), "shard(2)", "no-reduction", "same-values")
+    for slot in ("output.0", "output.1"):
+        check(point(con, f"rotary_emb:{slot}"), "replicate", "no-reduction", "equal-values")
+
+
+def test_a_bias_returned_beside_a_sharded_input_is_whole(tmp_path):
+    rng = gen(12)
+    tr = SyntheticTrace(2, root="model")
+    bias = pos(rng, 4)
+    with tr.step():
+        x, v = _column_parallel_v(tr, rng)
+        with tr.call("model", same(x, R)) as outer:
+            with tr.call("v_proj", same(x, R)) as c:
+                c.returns(arrays(v))
+            with tr.call("block", arrays(v)) as c:
+                c.returns(arrays({r: v[r] * 2 for r in R}), same(bias, R))
+            outer.returns(arrays(v))
+    con = tr.merge(tmp_path)
+    check(point(con, "block:output.0"), "shard(2)", "no-reduction", "derived-from-shard")
+    check(point(con, "block:output.1"), "replicate", "no-reduction", "equal-values")
