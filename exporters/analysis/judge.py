@@ -63,6 +63,9 @@ class Judge:
         # a point of this step was judged a shard although its values are equal on every rank:
         # the ranks' shards are identical (dummy weights), so equal values say nothing of a place
         self.identical_shards = False
+        # (shape) -> [(module, parameter index)] on the first proc, built at first use
+        # (rules_weights.passed_parameter)
+        self.params_by_shape: dict | None = None
 
     def name(self, key) -> str:
         """A point's name as queries show it (``#K`` where its module runs more than once)."""

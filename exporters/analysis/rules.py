@@ -144,4 +144,5 @@ RULES = (experts.expert_parallel_local, group_ranks, shapes, fingerprints, _valu
          rules_reductions.scaled_reduction_input, experts.expert_tp_slice, rules_declared.equal_values,
          rules_reductions.sums_add_up, rules_declared.declared_dtensor, experts.declared_partial,
          rules_dataflow.concatenation, rules_dataflow.lineage_ops, rules_weights.sharded_weight,
-         rules_dataflow.same_values_as_producer, rules_dataflow.derived_from_shard, divergent)
+         rules_weights.passed_parameter, rules_dataflow.same_values_as_producer, rules_dataflow.derived_from_shard,
+         divergent)

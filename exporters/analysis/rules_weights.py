@@ -2,6 +2,8 @@
 DTensor, or seen as equal shapes with different values) and the module's input placement. A
 replicated input and a weight split along its output dimension give a shard; an input sharded
 along the contracted dimension and a weight split along its input dimension give a partial sum.
+A parameter handed to another module (a tied output head given the embedding's weight) is
+placed as its owner uses it.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from tensor_trace.exporters.analysis import declared
 from tensor_trace.exporters.analysis.evidence import decide, item
 from tensor_trace.exporters.analysis.step_view import GATHER, coll_desc, coll_json, next_sum_reduction
-from tensor_trace.exporters.analysis.tolerance import FLOAT_DTYPES, Observed, fp_equal, linked
+from tensor_trace.exporters.analysis.tolerance import FLOAT_DTYPES, Observed, all_equal, fp_equal, linked
 
 
 def sharded_param(j, pt):
@@ -97,4 +99,113 @@ def _gathered_in_call(j, pt, in_key):
 
 def sharded_weight(j, pt):
     split = sharded_param(j, pt)
-    return from_weight(j, pt, split) if split is not None else None
+    return from_weight(j, pt, split) if split is not None else from_passed_weight(j, pt)
+
+
+def from_passed_weight(j, pt):
+    """A module's output from a weight it was handed (``passed_parameter``) applied as
+    ``F.linear`` applies one (``[out, in]``: its input's last dim is ``in``, its output's
+    ``out``) to its other input: a whole input and a weight split along ``out`` give a shard,
+    an input sharded along ``in`` and a weight split along ``in`` a partial sum."""
+    if not pt.is_output or pt.tref is None or j.call_collectives(pt):
+        return None
+    inputs = j.call_inputs(pt)
+    p0 = pt.procs[0]
+    weight = next(((k, vd) for k, vd in inputs if vd.rule == "passed-parameter"), None)
+    if weight is None:
+        return None
+    x = next(((k, vd) for k, vd in inputs if k != weight[0] and (t := j.v.points[k].get(p0)) is not None
+              and t.dtype.startswith(FLOAT_DTYPES)), None)
+    if x is None:
+        return None
+    w_shape, x_shape = j.v.points[weight[0]][p0].shape, j.v.points[x[0]][p0].shape
+    out_shape, last = pt.tref.shape, pt.ndim - 1
+    if len(w_shape) != 2 or not x_shape or x_shape[-1] != w_shape[1] or out_shape[-1] != w_shape[0]:
+        return None
+    d = int(weight[1].placement[6:-1])
+    about = item("weights", f"{j.name(weight[0])} is {weight[1].placement} and is applied as a linear weight "
+                            f"[out, in] to {j.name(x[0])}, {x[1].placement}", point=j.name(weight[0]))
+    if d == 0 and x[1].placement == "replicate":
+        return decide(pt, f"shard({last})", "no-reduction", "sharded-weight", None, about)
+    if d == 1 and x[1].placement == f"shard({len(x_shape) - 1})":
+        c = next_sum_reduction(j.v, pt)
+        return decide(pt, "partial", "pre-reduction" if c else "unknown", "sharded-weight",
+                      coll_json(c, p0) if c else None, about)
+    return None
+
+
+def passed_parameter(j, pt):
+    """A tensor that is, on every rank, a module's parameter handed on (Megatron's tied output
+    layer called with ``weight=`` the embedding's): a shard along the dim its owner split it,
+    read from what the owner's call did with it where that is judged (its first call ran
+    earlier in the step). A lookup table (integer input) whose call issued a sum-reduction, or
+    whose output is a partial sum, is split by rows (vocab-parallel); one whose output is a shard
+    of its last dim, by columns. A weight ``[out, in]`` applied to floats: a shard of the
+    output's last dim is its dim 0, a partial sum its dim 1."""
+    if pt.tref is None or any(t.fp is None for t in pt.ts) or all_equal(pt.ts):
+        return None
+    hit = _param_with_values(j, pt)
+    if hit is None:
+        return None
+    module, name, meta = hit
+    d = declared.param_split_dim(meta)
+    how = f"a DTensor split along dim {d}" if d is not None else None
+    if d is None:
+        d, how = _split_by_use(j, module, pt.ndim)
+    if d is None:
+        return None
+    return decide(pt, f"shard({d})", "no-reduction", "passed-parameter", None,
+                  item("weights", f"the values of {module}.{name} on every rank, {how}",
+                       param=f"{module}.{name}"))
+
+
+def _param_with_values(j, pt):
+    """(module, name, meta) of the parameter whose values the point holds on every rank."""
+    p0 = pt.procs[0]
+    if j.params_by_shape is None:
+        j.params_by_shape = {}
+        for (proc, module), params in j.params.items():
+            if proc == p0:
+                for i, (_name, pshape, fp, _meta) in enumerate(params):
+                    if fp is not None:
+                        j.params_by_shape.setdefault(tuple(pshape), []).append((module, i))
+    shape = tuple(pt.tref.shape)
+    for module, i in j.params_by_shape.get(shape, ()):
+        per = j.module_params(module, pt.procs)
+        if per is not None and all(i < len(x) and x[i][2] is not None
+                                   and fp_equal(Observed(shape, t.dtype, x[i][2]), t) for x, t in zip(per, pt.ts)):
+            name, _shape, _fp, meta = per[0][i]
+            return module, name, meta
+    return None
+
+
+def _split_by_use(j, module, ndim):
+    """(dim, why) of the owner's split from its first call's verdicts, or (None, None)."""
+    if ndim != 2:
+        return None, None
+    in_keys = j.inputs_of.get((module, 0), ())
+    out_key = next((k for k in j.done if k[:2] == (module, 0) and k[2].startswith("output")), None)
+    if not in_keys or out_key is None:
+        return None, None
+    p0 = j.v.procs[0]
+    t_in, t_out = j.v.points[in_keys[0]].get(p0), j.v.points[out_key].get(p0)
+    if t_in is None or t_out is None:
+        return None, None
+    out = j.done[out_key]
+    lookup = t_in is not None and not t_in.dtype.startswith(FLOAT_DTYPES)
+    t = j.v.times.get(out_key)
+    reduced = t is not None and any(c.sums for c in j.v.issued_by(t[1]))
+    last = f"shard({len(t_out.shape) - 1})"
+    if lookup:
+        if reduced or out.placement == "partial":
+            return 0, f"the table {module} looks rows up in and sums across ranks: split by rows"
+        if out.placement == last:
+            return 1, f"the table {module} looks rows up in, whose output is a shard of its last dim: split by columns"
+        return None, None
+    if reduced:
+        return None, None
+    if out.placement == last:
+        return 0, f"the weight of {module}, whose output is a shard of its last dim: split along its output dim"
+    if out.placement == "partial":
+        return 1, f"the weight of {module}, whose output is a partial sum: split along its input dim"
+    return None, None
