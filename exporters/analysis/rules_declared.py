@@ -60,8 +60,13 @@ def _equal_values(j, pt):
             verdict.items.append(note)
             return verdict
         whole = whole or verdict is not None
-    return decide(pt, "replicate", "no-reduction", "equal-values", None,
-                  item("values", "not the output of a sum-reduction: computed locally from whole values"))
+    if any(c.sums for c in j.call_collectives(pt)):
+        # (the contract's post-reduction is the reduction's output carried unchanged)
+        why = ("not the output of its call's sum-reduction itself: computed locally from it or from other "
+               "whole values (a bias added after the all_reduce)")
+    else:
+        why = "not the output of a sum-reduction: computed locally from whole values"
+    return decide(pt, "replicate", "no-reduction", "equal-values", None, item("values", why))
 
 
 def declared_dtensor(j, pt):
