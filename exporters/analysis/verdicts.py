@@ -215,9 +215,11 @@ def compute_verdicts(con) -> int:
         if blind and len(voting) < len(verdicts):
             items.append(item("sampling", f"unknown in steps {sorted({v['step'] for v in blind})} (not enough "
                                           "evidence there): not counted"))
-        if unwatched and len(voting) < len(verdicts):
-            said = sorted({v["placement"] for v in unwatched})
-            items.append(item("sampling", f"{' or '.join(said)} in steps {sorted({v['step'] for v in unwatched})}, "
+        # (said only where those steps disagree: the same verdict left uncounted is no news)
+        other = [v for v in unwatched if (v["placement"], v["reduction"]) != (placement, reduction)]
+        if other and len(voting) < len(verdicts):
+            said = sorted({v["placement"] for v in other})
+            items.append(item("sampling", f"{' or '.join(said)} in steps {sorted({v['step'] for v in other})}, "
                                           "whose ops were not recorded (lineage is taken on a schedule): "
                                           "not counted"))
         read = [v for v in verdicts if v not in voting and _read_from_asked(v)]
