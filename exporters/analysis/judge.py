@@ -104,8 +104,32 @@ class Judge:
         for rule in rules.RULES:
             verdict = rule(self, pt)
             if verdict is not None:
+                if verdict.placement.startswith("shard("):
+                    self._note_repeated_slices(pt, verdict)
                 return verdict
         raise AssertionError("the last rule always decides")  # rules.divergent
+
+    def _note_repeated_slices(self, pt: Point, verdict: Verdict) -> None:
+        """A shard whose ranks fall into groups of equal values, but not all into one (vLLM
+        replicates each KV head on tp / num_kv_heads ranks): the slices are not distinct, and
+        the ranks' pieces put together repeat them. Said, so that nobody concatenates blindly."""
+        ts = pt.ts
+        if len(ts) < 3 or any(t.fp is None for t in ts):
+            return
+        classes: list = []
+        for p, t in zip(pt.procs, ts):
+            for members in classes:
+                if fp_equal(pt.obs[members[0]], t):
+                    members.append(p)
+                    break
+            else:
+                classes.append([p])
+        if len(classes) == 1 or all(len(m) == 1 for m in classes):
+            return
+        held = "; ".join(f"ranks {self.ranks(m)}" for m in classes if len(m) > 1)
+        verdict.items.append(item("values", f"equal values on {held}: each of {len(classes)} distinct slices is "
+                                            "held by more than one rank (e.g. KV heads replicated where TP exceeds "
+                                            "their number), so the ranks' pieces put together repeat them"))
 
     # ------------------------------------------------------------------ lookups for the rules
     def call_inputs(self, pt: Point) -> list:
