@@ -63,7 +63,28 @@ def group_ranks(j, pt):
         return decide(pt, "replicate", "no-reduction", "one-rank-group",
                       None, item("shape", "one rank in its TP group: every tensor is whole"))
     if len(pt.procs) < j.group_size:
-        return j.missing(pt)
+        return _gather_destination(j, pt) or j.missing(pt)
+    return None
+
+
+def _gather_destination(j, pt):
+    """A point seen only on the ranks a ``gather`` delivered to (vLLM's logits processor gathers
+    the vocab shards to rank 0; the others get None), or the same values carried on: its
+    placement across the group is unknown (the other ranks hold nothing), but nothing reduced
+    it."""
+    seen = f"seen on ranks {j.ranks(pt.procs)} only, of a TP group of {j.group_size}"
+    c = next((c for c in j.call_collectives(pt) if c.op == "gather"), None)
+    if c is not None:
+        return decide(pt, "unknown", "no-reduction", "gather-destination", coll_json(c, pt.procs[0]),
+                      item("missing", seen),
+                      coll_item(c, f"its call gathered the ranks' parts with {coll_desc(c)}: whole where it "
+                                   "was delivered, absent on the other ranks, not reduced"))
+    t0 = pt.tref
+    hit = j.by_fp0.get((t0.fp, t0.numel)) if t0 is not None and t0.fp is not None else None
+    prev = j.done.get(hit) if hit is not None else None
+    if prev is not None and prev.rule == "gather-destination" and set(j.v.points[hit]) == set(pt.procs):
+        return decide(pt, "unknown", "no-reduction", "gather-destination", prev.collective, item("missing", seen),
+                      item("dataflow", f"the same values as {j.name(hit)}, gathered to these ranks", point=j.name(hit)))
     return None
 
 

@@ -12,7 +12,8 @@ the evidence items' references) through ``query placement`` and ``query reductio
 
 Values are given as numpy arrays per rank (``arrays``/``same``: shape, dtype and the fingerprint
 are computed from them, so sums that should add up really do) or as explicit fingerprints
-(``fps``). A rank missing from a tensor's values gets none: it is never read.
+(``fps``). A rank missing from a tensor's values gets no slot for it (a module that returns
+None there, a gather's output on the ranks it does not deliver to).
 
 Two fields the current record format cannot carry are written only when the store has a column
 for them (``store_has``): a collective's ``attrs`` (a dict after the COLLECTIVE record's
@@ -188,7 +189,7 @@ class SyntheticTrace:
             counter = [0]
 
             def reserve(vals: list, no_fp=False):
-                tensors = [v.on(rank) for v in vals]
+                tensors = [t for t in (v.on(rank) for v in vals) if t is not None]  # (absent here: no slot)
                 if no_fp or not tensors or all(t[2] is None for t in tensors):
                     return -1
                 first = counter[0]
@@ -218,6 +219,7 @@ class SyntheticTrace:
                     out_names = ["output"] if len(outputs) == 1 else [f"output.{i}" for i in range(len(outputs))]
                     slots = [(f"input.{i}", v.on(rank)) for i, v in enumerate(inputs)]
                     slots += list(zip(out_names, (v.on(rank) for v in outputs)))
+                    slots = [(s, x) for s, x in slots if x is not None]
                     lay = w.layout(tuple((s, tuple(x[0]), x[1], "cpu") for s, x in slots))
                     call = calls.get(module, -1) + 1
                     calls[module] = call
@@ -233,8 +235,10 @@ class SyntheticTrace:
                     fp_post = reserve(outputs)
                     slots = [(f"input.{i}", v.on(rank)) for i, v in enumerate(inputs)]
                     slots += [(f"output.{i}", v.on(rank)) for i, v in enumerate(outputs)]
+                    slots = [(s, x) for s, x in slots if x is not None]
                     lay = w.layout(tuple((s, tuple(x[0]), x[1], "cpu") for s, x in slots))
-                    nbytes = sum(math.prod(v.on(rank)[0]) * _ITEMSIZE.get(v.on(rank)[1], 4) for v in inputs)
+                    nbytes = sum(math.prod(v.on(rank)[0]) * _ITEMSIZE.get(v.on(rank)[1], 4) for v in inputs
+                                 if v.on(rank) is not None)
                     rec = [schema.COLLECTIVE, step, n_colls, stack[-1][0], w.string(op),
                            w.string(redop) if redop else -1, gid, seq[group], t, 5, lay, fp_pre, fp_post,
                            len(inputs), 0, nbytes]
