@@ -40,6 +40,8 @@ values), the last rule (``divergent``) and ``RULES``, the order they are tried i
 
 from __future__ import annotations
 
+import collections
+
 from tensor_trace.exporters.analysis import (declared, experts, rules_dataflow, rules_declared, rules_reductions,
                                              rules_weights)
 from tensor_trace.exporters.analysis.evidence import coll_item, decide, item
@@ -139,7 +141,32 @@ def fingerprints(j, pt):
 def divergent(j, pt):
     pt.items.append(item("values", "no partial-sum, gather, concatenation or sharded-weight evidence: "
                                    "the ranks disagree"))
+    hint = _smaller_reduction_groups(j)
+    if hint is not None:
+        pt.items.append(hint)
     return decide(pt, "divergent", "unknown", "divergent")
+
+
+def _smaller_reduction_groups(j):
+    """Where the group judged is the world by default but the step's sum-reductions ran in
+    smaller groups that partition it (data-parallel replicas of a tensor-parallel model whose
+    groups were made with ``new_group`` and never declared), the ranks differ because they hold
+    different data: say which groups those are (the most reducing ones first, as TP groups
+    reduce in every layer and a DP metric once) and how to declare them."""
+    ranks = set(j.ranks(j.v.procs))
+    uses = collections.Counter(tuple(sorted(c.group_ranks)) for c in j.v.colls.values()
+                               if c.sums and c.group_ranks and len(c.group_ranks) < len(ranks))
+    chosen, covered = [], set()
+    for g, _n in sorted(uses.items(), key=lambda kv: (-kv[1], kv[0])):
+        if set(g) <= ranks and not covered & set(g):
+            chosen.append(list(g))
+            covered |= set(g)
+    if len(chosen) < 2 or covered != ranks:
+        return None
+    return item("groups", f"this step's sum-reductions ran mostly in groups {', '.join(map(str, sorted(chosen)))}, "
+                          f"none over all of {sorted(ranks)}: if those are the tensor-parallel groups (data-parallel "
+                          "replicas differ by their data), declare each with tensor_trace.tracer.set_tp_group(group) "
+                          "in its processes; until then the TP group is the world")
 
 
 def _values(j, pt):
