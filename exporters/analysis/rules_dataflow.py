@@ -225,7 +225,11 @@ def derived_from_shard(j, pt, src=None):
     if src is None and pt.is_output:
         if _communicated(j, pt):
             return None
-        src = next((k for k, vd in j.call_inputs(pt) if vd.placement.startswith("shard(")), None)
+        shards = [k for k, vd in j.call_inputs(pt) if vd.placement.startswith("shard(")]
+        # the input of the output's own shape first (a rotary embedding returns q and k rotated)
+        shape = tuple(pt.tref.shape) if pt.tref is not None else None
+        src = next((k for k in shards if (t := j.v.points[k].get(pt.procs[0])) is not None
+                    and tuple(t.shape) == shape), shards[0] if shards else None)
     elif src is None:
         src = j.enclosing_shard(pt)
     if src is None:

@@ -7,7 +7,7 @@ parallelism, judged a shard of the block's sequence-sharded input."""
 
 import numpy as np
 
-from synthetic_trace import SyntheticTrace, arrays, check, gen, point, pos, same
+from synthetic_trace import SyntheticTrace, arrays, check, gen, items, point, pos, same
 
 R = [0, 1]
 
@@ -53,3 +53,28 @@ def test_a_bias_returned_beside_a_sharded_input_is_whole(tmp_path):
     con = tr.merge(tmp_path)
     check(point(con, "block:output.0"), "shard(2)", "no-reduction", "derived-from-shard")
     check(point(con, "block:output.1"), "replicate", "no-reduction", "equal-values")
+
+
+def test_each_rotated_output_is_derived_from_the_input_of_its_own_shape(tmp_path):
+    """vLLM's rotary embedding returns (q, k) rotated; k's evidence names k, not q."""
+    rng = gen(13)
+    tr = SyntheticTrace(2, root="model")
+    with tr.step():
+        x = pos(rng, 2, 3, 4)
+        Wq, Wk = pos(rng, 8, 4), pos(rng, 4, 4)
+        tr.param("q_proj", "weight", arrays({r: Wq[4 * r:4 * (r + 1)] for r in R}))
+        tr.param("k_proj", "weight", arrays({r: Wk[2 * r:2 * (r + 1)] for r in R}))
+        q = {r: x @ Wq[4 * r:4 * (r + 1)].T for r in R}
+        k = {r: x @ Wk[2 * r:2 * (r + 1)].T for r in R}
+        with tr.call("model", same(x, R)) as outer:
+            with tr.call("q_proj", same(x, R)) as c:
+                c.returns(arrays(q))
+            with tr.call("k_proj", same(x, R)) as c:
+                c.returns(arrays(k))
+            with tr.call("rotary_emb", arrays(q), arrays(k)) as c:
+                c.returns(arrays({r: q[r][..., ::-1] * 1.5 for r in R}), arrays({r: k[r][..., ::-1] * 0.5 for r in R}))
+            outer.returns(same(x, R))
+    con = tr.merge(tmp_path)
+    p = point(con, "rotary_emb:output.1")
+    check(p, "shard(2)", "no-reduction", "derived-from-shard")
+    assert any(i["refs"].get("point") == "rotary_emb:input.1" for i in items(p, "dataflow")), p["evidence_items"]
