@@ -233,6 +233,35 @@ class Judge:
                     best = other
         return best
 
+    def inner_shard(self, pt: Point):
+        """The latest shard point before ``pt`` made inside ``pt``'s own module call (by the
+        modules it called), or None."""
+        v = self.v
+        proc = v.procs[0]
+        t_key = v.times.get(pt.key)
+        if t_key is None:
+            return None
+        own = t_key[1]
+        best = None
+        for other, verdict in self.done.items():
+            t_o = v.times.get(other)
+            if t_o is None or t_o >= t_key or t_o[1] == own or not verdict.placement.startswith("shard"):
+                continue
+            if best is not None and t_o <= v.times[best]:
+                continue
+            span, inside = t_o[1], False
+            for _ in range(64):  # up the calls enclosing the other point's
+                owner = v.span_of.get((proc, span))
+                if owner is None:
+                    break
+                span = owner[2]
+                if span == own:
+                    inside = True
+                    break
+            if inside:
+                best = other
+        return best
+
     def missing(self, pt: Point) -> Verdict:
         return Verdict("unknown", "unknown", "missing-ranks", pt.items + [item(
             "missing", f"seen on ranks {self.ranks(pt.procs)} only, of a TP group of {self.group_size}")])

@@ -119,7 +119,8 @@ def fingerprints(j, pt):
     bad = [p for p, t in zip(pt.procs, pt.ts) if t.nonfinite]
     if bad:
         pt.items.append(item("values", f"non-finite values (NaN or inf) on ranks {j.ranks(bad)}: "
-                                       "their sums say nothing (uninitialised padding?)"))
+                                       "their sums say nothing (an attention mask's -inf, a padded vocabulary's masked "
+                                       "logits, uninitialised padding)"))
         # What built the tensor still places it (a vocab-parallel head whose padded columns
         # are -inf is a shard by its weight): the rules that read no values of the point itself.
         for rule in STRUCTURAL_RULES:
@@ -193,4 +194,4 @@ RULES = (experts.expert_parallel_local, group_ranks, shapes, fingerprints, _valu
          rules_reductions.sums_add_up, rules_declared.declared_dtensor, experts.declared_partial,
          rules_dataflow.concatenation, rules_dataflow.lineage_ops, rules_weights.sharded_weight,
          rules_weights.passed_parameter, rules_dataflow.same_values_as_producer, rules_dataflow.derived_from_shard,
-         divergent)
+         rules_dataflow.derived_from_inner_shard, divergent)

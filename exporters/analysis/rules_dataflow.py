@@ -219,6 +219,55 @@ def _derived_dim(src_shape, d, shape, ndim) -> int:
     return ndim - 1
 
 
+def derived_from_inner_shard(j, pt):
+    """An output whose values differ across ranks, of a call that issued no collective and was
+    handed no shard, computed from a shard the modules it called made (eager attention's
+    probabilities ``[b, heads, s, s]`` from the q heads its column-parallel projection made):
+    a shard where that shard's dim is found in the output, the same dim of the same size where
+    both have the same rank, else where the shard's other dims lie in order with one dim left
+    over whose size divides the shard's. Anything else stays unexplained (``divergent``): an
+    output that lost its reduction keeps the hidden size its shard does not have. Only in steps
+    whose ops were recorded and did not build it."""
+    if not pt.is_output or pt.tref is None or pt.equal or j.call_collectives(pt):
+        return None
+    if any(vd.placement.startswith("shard(") for _, vd in j.call_inputs(pt)):
+        return None
+    # Only in a step whose ops were watched, and where none built it: what recorded ops built
+    # (a residual sum of a partial one, as in an aux hidden state captured before its
+    # reduction) is theirs to place, and a step without them cannot tell.
+    nodes, sources = j.v.lineage()
+    t = j.v.times.get(pt.key)
+    if not nodes or t is None or (t[1], t[2]) in sources:
+        return None
+    src = j.inner_shard(pt)
+    src_t = j.v.points[src].get(pt.procs[0]) if src is not None else None
+    if src_t is None:
+        return None
+    placement = j.done[src].placement
+    d = int(placement[6:-1])
+    a, b = tuple(src_t.shape), tuple(pt.tref.shape)
+    if len(a) == len(b):
+        if a[:d + 1] != b[:d + 1]:
+            return None
+        dim = d
+    else:
+        left, k = [], 0
+        whole = [n for i, n in enumerate(a) if i != d]
+        for i, n in enumerate(b):
+            if k < len(whole) and n == whole[k]:
+                k += 1
+            else:
+                left.append(i)
+        if k < len(whole) or not left or b[left[0]] < 2 or a[d] % b[left[0]]:
+            return None
+        dim = left[0]
+    return decide(pt, f"shard({dim})", "no-reduction", "derived-from-shard", None,
+                  item("dataflow", f"computed inside its call from {j.name(src)}, {placement}, which a module it "
+                                   f"called made" + ("" if len(a) == len(b) else f" (its dims in order: dim {dim} the "
+                                                                                  "shard's part)"),
+                       point=j.name(src)))
+
+
 def derived_from_shard(j, pt, src=None):
     """Computed locally from a shard (``src``, else found): an output from its call's sharded
     input, or a tensor inside a call from the latest shard before it in that call."""

@@ -149,6 +149,11 @@ class SyntheticTrace:
         yield c
         self._events.append(("end", module, c.outputs or [], no_fp))
 
+    def recorded_op(self, op="view") -> None:
+        """A lineage record of an op that builds none of the points: the step's ops were
+        watched (lineage is taken on a schedule), and the points were not built by them."""
+        self._events.append(("op", op))
+
     def coll(self, op, inputs, outputs, *, reduce_op="sum", group="tp", attrs=None) -> None:
         """A collective of ``group``; ``attrs`` is a dict, or a dict per rank."""
         self._events.append(("coll", op, reduce_op, group, list(inputs), list(outputs), attrs))
@@ -225,6 +230,8 @@ class SyntheticTrace:
                     calls[module] = call
                     w.add((schema.SPAN, step, idx, parent, w.string(module), call, t0, t - t0, lay,
                            fp_pre, fp_post, len(inputs), 0))
+                elif ev[0] == "op":
+                    w.add((schema.LINEAGE, step, 1000 + n_spans, w.string(ev[1]), None, [], None))
                 else:
                     _, op, redop, group, inputs, outputs, attrs = ev
                     gid, granks = self.groups[group]
