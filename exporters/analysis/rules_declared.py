@@ -60,7 +60,7 @@ def _equal_values(j, pt):
             verdict.items.append(note)
             return verdict
         whole = whole or verdict is not None
-    if any(c.sums for c in j.call_collectives(pt)):
+    if pt.is_output and any(c.sums for c in j.call_collectives(pt)):
         # (the contract's post-reduction is the reduction's output carried unchanged)
         why = ("not the output of its call's sum-reduction itself: computed locally from it or from other "
                "whole values (a bias added after the all_reduce)")

@@ -78,3 +78,29 @@ def test_each_rotated_output_is_derived_from_the_input_of_its_own_shape(tmp_path
     p = point(con, "rotary_emb:output.1")
     check(p, "shard(2)", "no-reduction", "derived-from-shard")
     assert any(i["refs"].get("point") == "rotary_emb:input.1" for i in items(p, "dataflow")), p["evidence_items"]
+
+
+def test_a_bias_added_after_the_reduction_is_said_so_on_the_output_only(tmp_path):
+    """DeepSpeed's LinearAllreduce: matmul, all_reduce, then the bias: the output is whole and
+    not the reduction's output itself; its input, whole too, owes nothing to that reduction."""
+    rng = gen(14)
+    tr = SyntheticTrace(2, root="model")
+    with tr.step():
+        x, v = _column_parallel_v(tr, rng)
+        W, b = pos(rng, 4, 8), pos(rng, 4)
+        tr.param("dense", "weight", arrays({r: W[:, 4 * r:4 * (r + 1)] for r in R}))
+        part = {r: v[r] @ W[:, 4 * r:4 * (r + 1)].T for r in R}
+        with tr.call("model", same(x, R)) as outer:
+            with tr.call("v_proj", same(x, R)) as c:
+                c.returns(arrays(v))
+            with tr.call("dense", arrays(v), same(x, R)) as c:  # (and a whole input: a residual)
+                tr.coll("all_reduce", [arrays(part)], [same(part[0] + part[1], R)])
+                c.returns(same(part[0] + part[1] + b, R))
+            outer.returns(same(x, R))
+    con = tr.merge(tmp_path)
+    p = point(con, "dense:output")
+    check(p, "replicate", "no-reduction", "equal-values")
+    assert any("its call's sum-reduction" in i["text"] for i in items(p, "values")), p["evidence"]
+    q = point(con, "dense:input.1")
+    check(q, "replicate", "no-reduction", "equal-values")
+    assert not any("its call's sum-reduction" in i["text"] for i in items(q, "values")), q["evidence"]
