@@ -125,7 +125,9 @@ def fingerprints(j, pt):
         # are -inf is a shard by its weight): the rules that read no values of the point itself.
         for rule in STRUCTURAL_RULES:
             verdict = rule(j, pt)
-            if verdict is not None:
+            # (ops from a source that is itself unknown place nothing: SGLang's MoE output
+            # under DP attention, viewed from its experts' garbage padding rows)
+            if verdict is not None and verdict.placement not in ("unknown", "divergent"):
                 return verdict
         pt.items.append(item("values", "no weight or recorded op places it: placement needs values"))
         return decide(pt, "unknown", "unknown", NONFINITE_RULE)
