@@ -208,9 +208,10 @@ class Judge:
         inputs = sum(1 for k in self.v.points if k[0] == module and k[1] == call and k[2].startswith("input"))
         return declared.residual_sum(attrs, slot, inputs)
 
-    def enclosing_shard(self, pt: Point, shape=None, whole=False):
+    def enclosing_shard(self, pt: Point, shape=None, whole=False, ndim=None):
         """The latest shard point before ``pt`` under the same enclosing module call (with
-        ``shape``: the latest of that local shape; ``whole``: the latest replicate one)."""
+        ``shape``: the latest of that local shape; ``ndim``: of that many dims; ``whole``: the
+        latest replicate one)."""
         v = self.v
         proc = v.procs[0]
         t_key = v.times.get(pt.key)
@@ -224,9 +225,10 @@ class Judge:
             t_o = v.times.get(other)
             if t_o is None or t_o >= t_key:
                 continue
-            if shape is not None:
+            if shape is not None or ndim is not None:
                 o = v.points[other].get(proc)
-                if o is None or tuple(o.shape) != shape:
+                if o is None or (shape is not None and tuple(o.shape) != shape) \
+                        or (ndim is not None and len(o.shape) != ndim):
                     continue
             if v.span_of.get((proc, t_o[1]), (None, None, -2))[2] == parent or t_o[1] == parent:
                 if best is None or t_o > v.times[best]:

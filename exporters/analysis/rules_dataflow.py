@@ -280,7 +280,9 @@ def derived_from_shard(j, pt, src=None):
         src = next((k for k in shards if (t := j.v.points[k].get(pt.procs[0])) is not None
                     and tuple(t.shape) == shape), shards[0] if shards else None)
     elif src is None:
-        src = j.enclosing_shard(pt)
+        # a tensor of its own rank first: Megatron's MLP adds fc1's 1-D bias (its output.1, a
+        # shard of dim 0) to fc1's [s, b, ffn] output (a shard of dim 2) before the activation
+        src = (j.enclosing_shard(pt, ndim=pt.ndim) if pt.tref is not None else None) or j.enclosing_shard(pt)
     if src is None:
         return None
     placement = j.done[src].placement

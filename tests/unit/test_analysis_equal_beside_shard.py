@@ -104,3 +104,27 @@ def test_a_bias_added_after_the_reduction_is_said_so_on_the_output_only(tmp_path
     q = point(con, "dense:input.1")
     check(q, "replicate", "no-reduction", "equal-values")
     assert not any("its call's sum-reduction" in i["text"] for i in items(q, "values")), q["evidence"]
+
+
+def test_an_input_derived_inside_a_call_follows_the_shard_of_its_own_rank(tmp_path):
+    """Megatron's MLP: fc1 returns (output [s, b, ffn/N], bias [ffn/N]) and adds the bias before
+    the activation; fc2's input is a shard of dim 2 like fc1's output, not of dim 0 like the
+    1-D bias returned after it."""
+    rng = gen(15)
+    tr = SyntheticTrace(2, root="model")
+    with tr.step():
+        x = pos(rng, 3, 2, 4)
+        W, b = pos(rng, 8, 4), pos(rng, 8)
+        tr.param("mlp.fc1", "weight", arrays({r: W[4 * r:4 * (r + 1)] for r in R}))
+        tr.param("mlp.fc1", "bias", arrays({r: b[4 * r:4 * (r + 1)] for r in R}))
+        out = {r: x @ W[4 * r:4 * (r + 1)].T for r in R}
+        with tr.call("model", same(x, R)) as outer:
+            with tr.call("mlp", same(x, R)) as m:
+                with tr.call("mlp.fc1", same(x, R)) as c:
+                    c.returns(arrays(out), arrays({r: b[4 * r:4 * (r + 1)] for r in R}))
+                with tr.call("mlp.fc2", arrays({r: (out[r] + b[4 * r:4 * (r + 1)]) * 0.5 for r in R})) as c:
+                    c.returns(same(x, R))
+                m.returns(same(x, R))
+            outer.returns(same(x, R))
+    p = point(tr.merge(tmp_path), "mlp.fc2:input.0")
+    check(p, "shard(2)", "no-reduction", "derived-from-shard")
