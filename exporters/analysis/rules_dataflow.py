@@ -207,6 +207,13 @@ def _derived_dim(src_shape, d, shape, ndim) -> int:
     # transpose: the dims left over split the sharded one, heads outermost (q viewed to
     # [b, s, heads, head_dim] and transposed to [b, heads, s, head_dim], or to heads of
     # another head_dim than the source's).
+    left = _left_over(src_shape, d, shape)
+    return left[0] if left else ndim - 1
+
+
+def _left_over(src_shape, d, shape) -> list | None:
+    """The dims of ``shape`` left over once the dims of ``src_shape`` other than ``d`` are
+    found among them in order, by size; None where they are not all found."""
     left, k = [], 0
     whole = [n for i, n in enumerate(src_shape) if i != d]
     for i, n in enumerate(shape):
@@ -214,9 +221,7 @@ def _derived_dim(src_shape, d, shape, ndim) -> int:
             k += 1
         else:
             left.append(i)
-    if k == len(whole) and left:
-        return left[0]
-    return ndim - 1
+    return left if k == len(whole) else None
 
 
 def derived_from_inner_shard(j, pt):
@@ -251,14 +256,8 @@ def derived_from_inner_shard(j, pt):
             return None
         dim = d
     else:
-        left, k = [], 0
-        whole = [n for i, n in enumerate(a) if i != d]
-        for i, n in enumerate(b):
-            if k < len(whole) and n == whole[k]:
-                k += 1
-            else:
-                left.append(i)
-        if k < len(whole) or not left or b[left[0]] < 2 or a[d] % b[left[0]]:
+        left = _left_over(a, d, b)
+        if not left or b[left[0]] < 2 or a[d] % b[left[0]]:
             return None
         dim = left[0]
     return decide(pt, f"shard({dim})", "no-reduction", "derived-from-shard", None,
