@@ -143,11 +143,15 @@ def combine(op: str, placements: list):
 
 class Placed(NamedTuple):
     """What the walk knows of a tensor: its placement, local shape (None: not known) and, for a
-    shard, reshape_shard's block (None: a contiguous slice)."""
+    shard, reshape_shard's block (None: a contiguous slice); ``cut``, for a whole tensor, the dim
+    along which it is one group-size-th of a whole one it was sliced from (a slice the same on
+    every rank is whole; one taken by each rank at its own offset, Megatron's
+    ``scatter_to_sequence_parallel_region``, is that rank's part: the values tell which)."""
 
     placement: str | None
     shape: tuple | None = None
     block: int | None = None
+    cut: int | None = None
 
 
 NOTHING = Placed(None)
@@ -238,7 +242,8 @@ class LineageWalk:
             self.ops.append(_DIMS[op])
             if src.placement is None:
                 return NOTHING
-            return Placed(dataflow_ops.dims_placement(src.placement, attrs), out_shape, src.block)
+            return Placed(dataflow_ops.dims_placement(src.placement, attrs), out_shape, src.block,
+                          self._cut(op, src, attrs, out_shape))
         if op in _WRITES and attrs and "view" in attrs and len(inputs) == 1:
             # the whole of a buffer written through a view that is no box of it (a product
             # written with out= into a transposed view: DeepSeek's absorbed MLA)
@@ -267,6 +272,19 @@ class LineageWalk:
                     placement = f"shard({d + 1})"
             return Placed(placement, out_shape, parts[0].block if parts else None)
         return NOTHING
+
+    def _cut(self, op, src, attrs, out_shape) -> int | None:
+        """The result's dim that a slice of a whole tensor keeps one group-size-th of, or None."""
+        part = (attrs or {}).get("part") or ()
+        dims = (attrs or {}).get("dims") or ()
+        if (op != "getitem" or src.placement != "replicate" or len(part) != 1 or src.shape is None
+                or out_shape is None or part[0] >= len(dims) or part[0] >= len(src.shape)):
+            return None
+        k = dims[part[0]]
+        n = self.j.group_size
+        if k < 0 or k >= len(out_shape) or n < 2 or src.shape[part[0]] != n * out_shape[k]:
+            return None
+        return k
 
     def _judged_point(self, node) -> Placed | None:
         """The node's result as a point judged earlier in the step knows it (a residual sum
@@ -339,12 +357,14 @@ def _cuts(src: Placed, dim: int) -> bool:
 
 class FromLineage(NamedTuple):
     """A point placed by the ops that built it: ``block``, reshape_shard's, for an interleaved
-    slice of the shard's dim; ``read_from_asked``, a shard moved by a local no-op reshape's -1."""
+    slice of the shard's dim; ``read_from_asked``, a shard moved by a local no-op reshape's -1;
+    ``cut``, Placed's."""
 
     placement: str
     ops: str
     block: int | None
     read_from_asked: bool
+    cut: int | None = None
 
 
 def placement_from_lineage(judge, pt) -> FromLineage | None:
@@ -360,4 +380,4 @@ def placement_from_lineage(judge, pt) -> FromLineage | None:
     if d is not None and d >= pt.ndim:
         return None
     return FromLineage(found.placement, ", ".join(reversed(walk.ops)), found.block if d is not None else None,
-                       walk.read_from_asked and d is not None)
+                       walk.read_from_asked and d is not None, found.cut)

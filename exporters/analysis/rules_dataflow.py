@@ -41,11 +41,18 @@ def lineage_ops(j, pt):
     hit = dataflow.placement_from_lineage(j, pt)
     if hit is None:
         return None
-    placement, ops, block, read = hit
+    placement, ops, block, read, cut = hit
     if placement == "replicate" and pt.equal is False:
         # Values that differ across ranks are not whole, whatever the ops say: an index or a
         # slice taken differently on each rank (DP attention's own tokens) is not seen in them.
-        return None
+        # Where the slice is one group-size-th of the whole along a dim, each rank took its
+        # own part (Megatron's scatter to sequence-parallel regions): a shard of that dim.
+        if cut is None or pt.tref is None or cut >= pt.ndim:
+            return None
+        return decide(pt, f"shard({cut})", "no-reduction", "lineage-ops", None,
+                      item("dataflow", f"built by recorded ops: {ops}; a slice of 1/{j.group_size} of a whole tensor "
+                                       f"along its dim {cut}, with values that differ across ranks: each rank's "
+                                       "own part"))
     c = next_sum_reduction(j.v, pt) if placement == "partial" else None
     reduction = "pre-reduction" if c else ("unknown" if placement == "partial" else "no-reduction")
     verdict = decide(pt, placement, reduction, "lineage-ops", coll_json(c, pt.procs[0]) if c else None,

@@ -39,7 +39,7 @@ def _pt(equal=False):
 
 
 def test_the_experts_act_fn_input_is_the_shard_of_the_packed_weight():
-    placement, ops, block, read = dataflow.placement_from_lineage(_judge(), _pt())
+    placement, ops, block, read, _cut = dataflow.placement_from_lineage(_judge(), _pt())
     assert placement == "shard(1)" and not read
     assert ops.startswith("chunk, grouped_mm([...], from model.layers.0.mlp.experts:input.0 (replicate); ")
     assert "gate_up_proj (shard(1): a DTensor _StridedShard(dim=1, sf=2))" in ops
@@ -86,7 +86,7 @@ def _residual_judge(norm_in_placement="shard(1)"):
 
 def test_an_intermediate_tensor_seen_at_a_judged_point_takes_that_points_verdict():
     pt = SimpleNamespace(key=OUT, procs=[0, 1], ndim=3, items=[], equal=False)
-    placement, ops, _block, _read = dataflow.placement_from_lineage(_residual_judge(), pt)
+    placement, ops, _block, _read, _cut = dataflow.placement_from_lineage(_residual_judge(), pt)
     assert placement == "shard(1)"
     assert "as layer.ffn_norm:input.0 (shard(1))" in ops, ops
     # without a verdict there, the walk goes through the add and its hidden slice: no answer
