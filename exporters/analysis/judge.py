@@ -63,9 +63,7 @@ class Judge:
         # a point of this step was judged a shard although its values are equal on every rank:
         # the ranks' shards are identical (dummy weights), so equal values say nothing of a place
         self.identical_shards = False
-        # (shape) -> [(module, parameter index)] on the first proc, built at first use
-        # (rules_weights.passed_parameter)
-        self.params_by_shape: dict | None = None
+        self._params_by_shape: dict | None = None  # shape -> [(module, parameter index)]: params_of_shape
 
     def name(self, key) -> str:
         """A point's name as queries show it (``#K`` where its module runs more than once)."""
@@ -234,6 +232,19 @@ class Judge:
                 if best is None or t_o > v.times[best]:
                     best = other
         return best
+
+    def params_of_shape(self, shape: tuple) -> list:
+        """``[(module, parameter index)]`` of the parameters of local shape ``shape`` (the
+        first process's records; every rank's module holds the same parameter list)."""
+        if self._params_by_shape is None:
+            self._params_by_shape = {}
+            p0 = self.v.procs[0]
+            for (proc, module), params in self.params.items():
+                if proc == p0:
+                    for i, (_name, pshape, fp, _meta) in enumerate(params):
+                        if fp is not None:
+                            self._params_by_shape.setdefault(tuple(pshape), []).append((module, i))
+        return self._params_by_shape.get(tuple(shape), [])
 
     def inner_shard(self, pt: Point):
         """The latest shard point before ``pt`` made inside ``pt``'s own module call (by the

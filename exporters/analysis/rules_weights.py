@@ -45,7 +45,6 @@ def from_weight(j, pt, split):
     obs_in = j.v.points.get(inputs[0][0], {}).get(pt.procs[0]) if inputs else None
     integer_input = obs_in is not None and not obs_in.dtype.startswith(FLOAT_DTYPES)
     weight = f"{pt.module}.{name} {list(shape)}"
-    last = pt.ndim - 1
     # The weight and the input tell what the call computes locally; a collective inside the
     # call (a row-parallel layer's all_reduce before its bias) makes the output something else.
     # Only an all_gather of the input itself is followed: the weight meets the gathered tensor.
@@ -72,15 +71,21 @@ def from_weight(j, pt, split):
     if gather is not None:
         in_text += f", gathered inside the call by {coll_desc(gather)}"
     if split_out:
-        return decide(pt, f"shard({last})", "no-reduction", "sharded-weight", None,
-                      item("weights", text, param=f"{pt.module}.{name}"),
-                      item("dataflow", f"{in_text}, the weight is split along its output dimension: a shard"))
+        return _weight_verdict(j, pt, True, item("weights", text, param=f"{pt.module}.{name}"),
+                               item("dataflow", f"{in_text}, the weight is split along its output dimension: a shard"))
+    return _weight_verdict(j, pt, False, item("weights", text, param=f"{pt.module}.{name}"),
+                           item("dataflow", f"{in_text}, the weight is split along its input (contracted) "
+                                            "dimension: a partial sum"))
+
+
+def _weight_verdict(j, pt, split_out: bool, *evidence):
+    """A weight split along its output dim gives a shard of the output's last dim; along its
+    input (contracted) dim, a partial sum that the next sum-reduction completes."""
+    if split_out:
+        return decide(pt, f"shard({pt.ndim - 1})", "no-reduction", "sharded-weight", None, *evidence)
     c = next_sum_reduction(j.v, pt)
     return decide(pt, "partial", "pre-reduction" if c else "unknown", "sharded-weight",
-                  coll_json(c, pt.procs[0]) if c else None,
-                  item("weights", text, param=f"{pt.module}.{name}"),
-                  item("dataflow", f"{in_text}, the weight is split along its input (contracted) dimension: "
-                                   f"a partial sum"))
+                  coll_json(c, pt.procs[0]) if c else None, *evidence)
 
 
 def _gathered_in_call(j, pt, in_key):
@@ -119,18 +124,16 @@ def from_passed_weight(j, pt):
     if x is None:
         return None
     w_shape, x_shape = j.v.points[weight[0]][p0].shape, j.v.points[x[0]][p0].shape
-    out_shape, last = pt.tref.shape, pt.ndim - 1
+    out_shape = pt.tref.shape
     if len(w_shape) != 2 or not x_shape or x_shape[-1] != w_shape[1] or out_shape[-1] != w_shape[0]:
         return None
     d = int(weight[1].placement[6:-1])
     about = item("weights", f"{j.name(weight[0])} is {weight[1].placement} and is applied as a linear weight "
                             f"[out, in] to {j.name(x[0])}, {x[1].placement}", point=j.name(weight[0]))
     if d == 0 and x[1].placement == "replicate":
-        return decide(pt, f"shard({last})", "no-reduction", "sharded-weight", None, about)
+        return _weight_verdict(j, pt, True, about)
     if d == 1 and x[1].placement == f"shard({len(x_shape) - 1})":
-        c = next_sum_reduction(j.v, pt)
-        return decide(pt, "partial", "pre-reduction" if c else "unknown", "sharded-weight",
-                      coll_json(c, p0) if c else None, about)
+        return _weight_verdict(j, pt, False, about)
     return None
 
 
@@ -161,16 +164,8 @@ def passed_parameter(j, pt):
 
 def _param_with_values(j, pt):
     """(module, name, meta) of the parameter whose values the point holds on every rank."""
-    p0 = pt.procs[0]
-    if j.params_by_shape is None:
-        j.params_by_shape = {}
-        for (proc, module), params in j.params.items():
-            if proc == p0:
-                for i, (_name, pshape, fp, _meta) in enumerate(params):
-                    if fp is not None:
-                        j.params_by_shape.setdefault(tuple(pshape), []).append((module, i))
     shape = tuple(pt.tref.shape)
-    for module, i in j.params_by_shape.get(shape, ()):
+    for module, i in j.params_of_shape(shape):
         per = j.module_params(module, pt.procs)
         if per is not None and all(i < len(x) and x[i][2] is not None
                                    and fp_equal(Observed(shape, t.dtype, x[i][2]), t) for x, t in zip(per, pt.ts)):
@@ -192,7 +187,7 @@ def _split_by_use(j, module, ndim):
     if t_in is None or t_out is None:
         return None, None
     out = j.done[out_key]
-    lookup = t_in is not None and not t_in.dtype.startswith(FLOAT_DTYPES)
+    lookup = not t_in.dtype.startswith(FLOAT_DTYPES)
     t = j.v.times.get(out_key)
     reduced = t is not None and any(c.sums for c in j.v.issued_by(t[1]))
     last = f"shard({len(t_out.shape) - 1})"
