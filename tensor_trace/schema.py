@@ -99,6 +99,10 @@ LINEAGE = 20  # step, node, op string id, attrs (dict or None), input refs, outp
 #               that built a tensor out of others (tracer/lineage.py says what a ref is)
 SLOT_SRC = 21  # step, span index, slot position in its layout, ref: that slot's tensor is a node's result
 #               (or, ref [0, ...], a module output that a cat, stack or write laid out, passed on as is)
+WIDE_FINGERPRINTS = 22  # step, [index, sum, sum of squares, index, ...] (msgpack floats, 64-bit):
+#                         fingerprints finite in float64 but past float32's range (an attention
+#                         mask of torch.finfo(float32).min: its sum of squares is about 1e78), whose
+#                         FINGERPRINTS value is +-inf; a reader takes these instead (tensor_trace/format/fingerprints.py)
 
 # SPAN / COLLECTIVE flags.
 FLAG_CAPTURED = 1  # recorded while a CUDA graph was being captured: structure only

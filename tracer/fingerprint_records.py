@@ -17,7 +17,7 @@ import sys
 import torch
 
 from tensor_trace import schema
-from tensor_trace.format.fingerprints import dense_values
+from tensor_trace.format.fingerprints import dense_values, pack_host_values, wide_record_values
 
 _F32 = torch.float32
 
@@ -76,12 +76,18 @@ class PendingCopies:
             # becomes bytes at once (host values packed, tensors copied out), no Python per value.
             idx_all: list = []
             datas = []
+            wide = None
             for idx, host, event, squared in blocks:
                 if event is not None and wait:
                     event.synchronize()
                 idx_all += idx
                 if type(host) is list:  # (sum, sum of squares) already
-                    datas.append(struct.pack(f"<{len(host)}f", *host))
+                    try:
+                        datas.append(struct.pack(f"<{len(host)}f", *host))
+                    except OverflowError:  # sums past float32's range (a mask of finfo.min)
+                        data, at = pack_host_values(host)
+                        datas.append(data)
+                        wide = (wide or []) + [(idx[k], s, q) for k, s, q in at]
                     continue
                 if host.dtype != _F32:
                     host = host.to(_F32)
@@ -94,6 +100,8 @@ class PendingCopies:
                 continue
             data = datas[0] if len(datas) == 1 else b"".join(datas)
             records += step_records(step, idx_all, data, dups)
+            if wide:
+                records.append(wide_record(step, wide, dups))
         self.pending = keep
         return records
 
@@ -113,6 +121,16 @@ def step_records(step, idx_all, data, dups) -> list:
     if dst:
         records.append(record(step, dst, repeated))
     return records
+
+
+def wide_record(step, wide, dups) -> tuple:
+    """The WIDE_FINGERPRINTS record of a step's values past float32's range (index, sum, sumsq),
+    with the repeats of their tensors."""
+    by_index = {i: (s, q) for i, s, q in wide}
+    for i, src in dups or ():
+        if src in by_index and i not in by_index:
+            by_index[i] = by_index[src]
+    return (schema.WIDE_FINGERPRINTS, step, wide_record_values((i, s, q) for i, (s, q) in by_index.items()))
 
 
 def repeats(idx_all, dups, data) -> tuple:

@@ -88,20 +88,36 @@ def pair(t):
                     if len(_ONES_F32) >= 128:
                         _ONES_F32.clear()
                     ones = _ONES_F32[n] = np.ones(n, dtype=np.float32)
-                return (float(a.dot(ones)), float(a.dot(a)))
+                s, q = float(a.dot(ones)), float(a.dot(a))
+                if s - s == 0.0 and q - q == 0.0:  # both finite
+                    return (s, q)
+                return _in_float64(np, a, n)
         elif not t.is_floating_point():  # token ids, positions: exact in float64
             a = a.astype(np.float64)
-        if n < ROWS_FROM:
-            key = (n, a.dtype.char)
-            ones = _ONES.get(key)
-            if ones is None:
-                if len(_ONES) >= 128:
-                    _ONES.clear()
-                ones = _ONES[key] = np.ones(n, dtype=a.dtype)
-            return (float(a.dot(ones)), float(a.dot(a)))
-        return (_rows_sum(np, a, n), _pieces_sumsq(a, n))
+        s, q = _numpy_pair(np, a, n)
+        if (s - s != 0.0 or q - q != 0.0) and a.dtype is _NP_F32[0]:
+            return _in_float64(np, a, n)
+        return (s, q)
     except Exception:  # conjugate or negative views, and whatever else numpy cannot view
         return None
+
+
+def _numpy_pair(np, a, n: int) -> tuple:
+    if n < ROWS_FROM:
+        key = (n, a.dtype.char)
+        ones = _ONES.get(key)
+        if ones is None:
+            if len(_ONES) >= 128:
+                _ONES.clear()
+            ones = _ONES[key] = np.ones(n, dtype=a.dtype)
+        return (float(a.dot(ones)), float(a.dot(a)))
+    return (_rows_sum(np, a, n), _pieces_sumsq(a, n))
+
+
+def _in_float64(np, a, n: int) -> tuple:
+    """The pair of float32 values whose float32 sums overflowed (values near float32's limit,
+    an attention mask of finfo.min), added in float64: finite there unless a value is not."""
+    return _numpy_pair(np, a.astype(np.float64), n)
 
 
 def _rows_sum(np, a, n: int) -> float:

@@ -60,6 +60,7 @@ SOURCE = r"""
 #include <torch/extension.h>
 #include <structmember.h>
 #include <algorithm>
+#include <cmath>
 #include <ctime>
 #include <cstring>
 #include <string>

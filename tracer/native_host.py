@@ -16,8 +16,9 @@ torch one, as before.
 
 - ``host_pair``: float32, float64, int64 and int32 (tracer/fingerprint_reduce.py's
   ``HOST_DTYPES``). float32 values are added in float32 lanes within blocks of 1024 elements and
-  the blocks' sums in float64 (numpy's BLAS dot added a small tensor's all in float32); float64
-  and integers are added in float64. Large tensors are read with the GIL released. A view (q, k
+  the blocks' sums in float64 (numpy's BLAS dot added a small tensor's all in float32), and
+  again in float64 where the lanes overflowed (values near float32's limit: the writer keeps
+  such sums as WIDE_FINGERPRINTS); float64 and integers are added in float64. Large tensors are read with the GIL released. A view (q, k
   and v split from a fused projection, a slice, a transpose) is read where it lies, run by run
   of its innermost dim, the runs' pairs added in float64: numpy copied it first (18 views a
   fingerprinted step of the example at tp=2, each about 8 us inside the model).
@@ -103,7 +104,12 @@ inline bool pair_dtype(at::ScalarType st) {
 void pair_run(at::ScalarType st, const void* p, int64_t n, double& sum, double& sq) {
   double s = 0, q = 0;
   switch (st) {
-    case at::kFloat: pair_f32(static_cast<const float*>(p), n, s, q); break;
+    case at::kFloat:
+      pair_f32(static_cast<const float*>(p), n, s, q);
+      // float32 lanes overflow on values near float32's limit (an attention mask of
+      // finfo.min) that float64 adds: such a run is read again in float64.
+      if (!std::isfinite(s) || !std::isfinite(q)) pair_f64(static_cast<const float*>(p), n, s, q);
+      break;
     case at::kDouble: pair_f64(static_cast<const double*>(p), n, s, q); break;
     case at::kLong: pair_f64(static_cast<const int64_t*>(p), n, s, q); break;
     default: pair_f64(static_cast<const int32_t*>(p), n, s, q); break;

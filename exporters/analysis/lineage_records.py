@@ -119,6 +119,9 @@ class Resolver:
             for first, data, indices in self.con.execute(
                     "SELECT first, data, indices FROM fingerprints WHERE proc=? AND step=?", (self.proc, self.step)):
                 decode_fingerprints(first, data, indices, self._fps)
+            for idx, s, q in self.con.execute("SELECT idx, sum, sumsq FROM wide_fingerprints WHERE proc=? AND step=?",
+                                              (self.proc, self.step)):
+                self._fps[idx] = (s, q)
         return self._view
 
     def by_values(self, fp_index, shape, before=None) -> dict | None:

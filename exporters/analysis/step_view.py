@@ -8,7 +8,7 @@ import collections
 import json
 
 from tensor_trace.exporters.analysis.tolerance import Observed
-from tensor_trace.format.fingerprints import decode_fingerprints
+from tensor_trace.format.fingerprints import F32_MAX, decode_fingerprints
 
 REDUCING = {"all_reduce", "all_reduce_", "all_reduce_coalesced", "reduce", "reduce_scatter",
             "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base",
@@ -45,6 +45,25 @@ def _slot_meta(slot) -> dict | None:
     return slot[4] if len(slot) > 4 and isinstance(slot[4], dict) else None
 
 
+def _is_wide(o) -> bool:
+    return o.fp is not None and (abs(o.fp[0]) > F32_MAX or (o.fp[1] is not None and o.fp[1] > F32_MAX))
+
+
+def _wide_only_where_equal(obs: dict) -> None:
+    """Values past float32's range (WIDE_FINGERPRINTS) are a real tensor's only as sentinels,
+    the same on every rank (an attention mask of finfo.min); else they are uninitialised
+    memory (a buffer before its broadcast, gathered padding), which says nothing: such a
+    tensor is taken as non-finite, as its float32 sums were, unless every rank's are equal."""
+    if not any(map(_is_wide, obs.values())):
+        return
+    fps = {o.fp for o in obs.values()}
+    if len(fps) == 1 and len({o.shape for o in obs.values()}) == 1:
+        return
+    for o in obs.values():
+        if _is_wide(o):
+            o.fp, o.nonfinite = None, True
+
+
 class StepView:
     """Everything one TP group did in one step, aligned across its ranks."""
 
@@ -57,6 +76,12 @@ class StepView:
             if proc not in fps:
                 continue
             decode_fingerprints(first, data, indices, fps[proc])
+        wide = False
+        for proc, idx, s, q in con.execute(  # values past float32's range, over their +-inf
+                "SELECT proc, idx, sum, sumsq FROM wide_fingerprints WHERE step=?", (step,)):
+            if proc in fps:
+                fps[proc][idx] = (s, q)
+                wide = True
         self.points: dict = {}  # (module, call, slot) -> {proc: Observed}
         self.times: dict = {}  # point key -> (ns from step start, span idx, slot idx) on the first proc
         self.span_of: dict = {}  # (proc, idx) -> (module, call, parent)
@@ -117,6 +142,13 @@ class StepView:
                 owner = self.span_of.get((proc, parent))
                 c.module = owner[0] if owner else None
                 c.span = parent if owner else None
+        if wide:
+            for obs in self.points.values():
+                _wide_only_where_equal(obs)
+            for c in self.colls.values():
+                for side in (c.ins, c.outs):
+                    for i in range(max(map(len, side.values()), default=0)):
+                        _wide_only_where_equal({p: ts[i] for p, ts in side.items() if i < len(ts)})
         self._con = con
         self._lineage = None
         self._node_points = None

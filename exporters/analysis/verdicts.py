@@ -23,6 +23,9 @@ def load_params(con) -> dict:
     for proc, first, data, indices in con.execute(
             "SELECT proc, first, data, indices FROM fingerprints WHERE step=?", (schema.PARAMS_STEP,)):
         decode_fingerprints(first, data, indices, static, key=lambda i, proc=proc: (proc, i))
+    for proc, idx, s, q in con.execute("SELECT proc, idx, sum, sumsq FROM wide_fingerprints WHERE step=?",
+                                       (schema.PARAMS_STEP,)):
+        static[(proc, idx)] = (s, q)
     has_meta = any(r[1] == "meta" for r in con.execute("PRAGMA table_info(params)"))
     out: dict = {}
     for proc, path, name, shape, ref, meta in con.execute(

@@ -46,6 +46,7 @@ class FileLoader:
         self.spans: list = []  # rows to insert, flat: SPAN_COLUMNS values per row
         self.colls: list = []  # the same, COLLECTIVE_VALUES values per row (COLLECTIVE_ROW)
         self.fps: list = []
+        self.wide_fps: list = []  # (proc, step, idx, sum, sumsq): WIDE_FINGERPRINTS
         self.steps: dict = {}
         self.header: dict = {}
         self.identity: dict = {}
@@ -140,6 +141,9 @@ class FileLoader:
         if self.fps:
             con.executemany("INSERT INTO fingerprints VALUES (?,?,?,?,?)", self.fps)
             self.fps.clear()
+        if self.wide_fps:
+            con.executemany("INSERT INTO wide_fingerprints VALUES (?,?,?,?,?)", self.wide_fps)
+            self.wide_fps.clear()
         if self.lineage:
             con.executemany("INSERT OR REPLACE INTO lineage VALUES (?,?,?,?,?,?,?)", self.lineage)
             self.lineage.clear()
@@ -263,6 +267,9 @@ class FileLoader:
                                     json.dumps(tensor_kind, sort_keys=True) if tensor_kind is not None else None))
         elif kind == schema.FINGERPRINTS:
             self.fps.append((proc, rec[1], rec[2], rec[3], rec[4]))
+        elif kind == schema.WIDE_FINGERPRINTS:
+            vals = rec[2]
+            self.wide_fps += [(proc, rec[1], vals[k], vals[k + 1], vals[k + 2]) for k in range(0, len(vals) - 2, 3)]
         elif kind == schema.MODULE_ATTRS:
             self.con.execute("INSERT OR REPLACE INTO module_attrs VALUES (?, ?)",
                              (strings.get(rec[1], "?"), json.dumps(rec[2], sort_keys=True)))
@@ -450,8 +457,8 @@ def _per_step_json(per_step) -> str:
 
 
 # Tables a rank file's rows go to (the loader's), in the order a worker's part is copied.
-FILE_TABLES = ("spans", "collectives", "fingerprints", "steps", "errors", "params", "lineage", "slot_sources",
-               "collective_summary", "module_attrs", "captures")
+FILE_TABLES = ("spans", "collectives", "fingerprints", "wide_fingerprints", "steps", "errors", "params", "lineage",
+               "slot_sources", "collective_summary", "module_attrs", "captures")
 
 
 class FileResult:
@@ -489,8 +496,8 @@ def load_file(con, proc: int, path: str, g, count_calls: bool = False, stop: int
         if not loader.load(stop):
             return loader
     except BadInput as exc:
-        for table in ("spans", "collectives", "fingerprints", "steps", "errors", "params", "lineage",
-                      "slot_sources"):
+        for table in ("spans", "collectives", "fingerprints", "wide_fingerprints", "steps", "errors", "params",
+                      "lineage", "slot_sources"):
             con.execute(f"DELETE FROM {table} WHERE proc=?", (proc,))
         return FileResult(proc, path, skipped=str(exc))
     return FileResult(proc, path, loader)

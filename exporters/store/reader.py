@@ -15,7 +15,7 @@ import msgpack
 
 from tensor_trace import schema
 from tensor_trace.errors import BadInput
-from tensor_trace.format.fingerprints import decode_fingerprints, fingerprint_refs
+from tensor_trace.format.fingerprints import decode_fingerprints, decode_wide, fingerprint_refs
 from tensor_trace.format.records import RecordResolver, decode
 
 
@@ -306,6 +306,8 @@ def load_rank_file(path: str) -> RankTrace:
             elif kind == schema.FINGERPRINTS:
                 fps = decode(rec)
                 decode_fingerprints(fps.first, fps.data, fps.indices, step_of(fps.step).fingerprints)
+            elif kind == schema.WIDE_FINGERPRINTS:  # values past float32's range, over their +-inf
+                decode_wide(rec[2], step_of(rec[1]).fingerprints)
             elif kind == schema.PARAMS:
                 plist = params.setdefault(strings.get(rec[1], "?"), [])
                 for name, meta, fp_index in resolver.params(rec):

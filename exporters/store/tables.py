@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 
 STORE_NAME = "merged.sqlite"
-STORE_VERSION = 12
+STORE_VERSION = 13
 
 SCHEMA_SQL = """
 CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT);
@@ -33,6 +33,7 @@ CREATE TABLE collectives(proc INTEGER, step INTEGER, idx INTEGER, parent INTEGER
     fp_pre INTEGER, fp_post INTEGER, n_pre INTEGER, flags INTEGER, bytes INTEGER, module_id INTEGER,
     device_ns INTEGER, attrs TEXT, PRIMARY KEY(proc, step, idx)) WITHOUT ROWID;
 CREATE TABLE fingerprints(proc INTEGER, step INTEGER, first INTEGER, data BLOB, indices BLOB);
+CREATE TABLE wide_fingerprints(proc INTEGER, step INTEGER, idx INTEGER, sum REAL, sumsq REAL);
 CREATE TABLE params(proc INTEGER, module_id INTEGER, name TEXT, shape TEXT, dtype TEXT, fp_index INTEGER,
     meta TEXT);
 CREATE TABLE captures(point TEXT PRIMARY KEY, info TEXT);

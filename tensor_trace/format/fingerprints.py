@@ -16,6 +16,40 @@ import math
 import struct
 
 FP_PAIR = struct.Struct("<ff")
+F32_MAX = 3.4028234663852886e38  # the largest finite float32
+
+
+def pack_host_values(sums_and_squares) -> tuple:
+    """(data blob, wide) of a flat ``sum0, sumsq0, sum1, ...`` that holds values past float32's
+    range: those stand as +-inf in the blob (what float32 makes of them), and ``wide`` lists
+    (k, sum, sumsq) for each k-th pair with such a value that is finite in float64: its
+    WIDE_FINGERPRINTS entry (``encode_values`` raises OverflowError for them)."""
+    vals = list(sums_and_squares)
+    wide = []
+    for k in range(0, len(vals) - 1, 2):
+        s, q = vals[k], vals[k + 1]
+        if abs(s) > F32_MAX or abs(q) > F32_MAX:  # NaN compares false: stays as it is
+            if math.isfinite(s) and (math.isfinite(q) or math.isnan(q)):
+                wide.append((k // 2, s, q))
+            vals[k] = math.copysign(math.inf, s) if abs(s) > F32_MAX else s
+            vals[k + 1] = math.inf if abs(q) > F32_MAX else q
+    return struct.pack(f"<{len(vals)}f", *vals), wide
+
+
+def wide_record_values(wide) -> list:
+    """A WIDE_FINGERPRINTS record's flat list from (index, sum, sumsq) triples (a NaN sum of
+    squares, for a tensor with only a sum, is kept as NaN)."""
+    return [v for triple in wide for v in (int(triple[0]), float(triple[1]), float(triple[2]))]
+
+
+def decode_wide(values, into: dict, key=None) -> dict:
+    """Put a WIDE_FINGERPRINTS record's values in ``into`` as ``decode_fingerprints`` does,
+    over the +-inf that its FINGERPRINTS record holds for them; return ``into``."""
+    isnan = math.isnan
+    for k in range(0, len(values) - 2, 3):
+        i, s, q = values[k:k + 3]
+        into[i if key is None else key(i)] = (s, None if isnan(q) else q)
+    return into
 
 
 def encode_values(sums_and_squares) -> bytes:

@@ -37,7 +37,7 @@ from tensor_trace import schema
 from tensor_trace.exporters import pipeline as mg
 from tensor_trace.exporters import query
 from tensor_trace.exporters.store.tables import SCHEMA_SQL
-from tensor_trace.format.fingerprints import FP_PAIR
+from tensor_trace.format.fingerprints import pack_host_values, wide_record_values
 from tensor_trace.tracer.writer import RankWriter
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4}
@@ -263,7 +263,8 @@ class SyntheticTrace:
             else:
                 w.add((schema.STEP_END, step, base + t, n_spans, n_colls))
             if fp_rec:
-                w.add(_fingerprints(step, fp_rec))
+                for rec in _fingerprints(step, fp_rec):
+                    w.add(rec)
         w.add((schema.END, dict(reason="exit", stats={})))
         w.close()
 
@@ -287,14 +288,20 @@ class SyntheticTrace:
                 index += 1
             w.add((schema.PARAMS, w.module(module, "Linear"), rows))
         if fp_rec:
-            w.add(_fingerprints(schema.PARAMS_STEP, fp_rec))
+            for rec in _fingerprints(schema.PARAMS_STEP, fp_rec):
+                w.add(rec)
 
 
-def _fingerprints(step, fp_rec: dict) -> tuple:
+def _fingerprints(step, fp_rec: dict) -> list:
+    """The FINGERPRINTS record of a step's values, and a WIDE_FINGERPRINTS one for values past
+    float32's range, as the tracer writes them."""
     idx = sorted(fp_rec)
-    data = b"".join(FP_PAIR.pack(*fp_rec[i]) for i in idx)
+    data, wide = pack_host_values([v for i in idx for v in fp_rec[i]])
     contiguous = idx == list(range(idx[0], idx[0] + len(idx)))
-    return (schema.FINGERPRINTS, step, idx[0], data, None if contiguous else struct.pack(f"<{len(idx)}I", *idx))
+    out = [(schema.FINGERPRINTS, step, idx[0], data, None if contiguous else struct.pack(f"<{len(idx)}I", *idx))]
+    if wide:
+        out.append((schema.WIDE_FINGERPRINTS, step, wide_record_values((idx[k], s, q) for k, s, q in wide)))
+    return out
 
 
 # ---------------------------------------------------------------------- reading verdicts back

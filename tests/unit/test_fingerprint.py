@@ -5,13 +5,14 @@ import math
 import pytest
 import torch
 
+from tensor_trace import schema
 from tensor_trace.format.fingerprints import fingerprint_pairs
 from tensor_trace.tracer.fingerprint import StepFingerprints
 
 
 def _values(records):
     out = {}
-    for _, step, first, data, indices in records:
+    for kind, step, first, data, indices in (r for r in records if r[0] == schema.FINGERPRINTS):
         for i, s, q in fingerprint_pairs(first, data, indices):
             out[(step, i)] = (s, q)
     return out
@@ -301,3 +302,45 @@ def test_a_step_is_one_record_in_index_order_repeats_included():
     assert vals[(4, 3)] == vals[(4, 0)] and vals[(4, 4)] == vals[(4, 1)]
     for i, t in ((0, q), (1, k), (2, ids), (5, v), (6, ids), (7, v)):
         assert math.isclose(vals[(4, i)][0], t.float().sum().item(), rel_tol=1e-5, abs_tol=1e-5)
+
+
+def _wide(records):
+    from tensor_trace.format.fingerprints import decode_wide
+
+    out = {}
+    for r in records:
+        if r[0] == schema.WIDE_FINGERPRINTS:
+            decode_wide(r[2], out, key=lambda i, step=r[1]: (step, i))
+    return out
+
+
+def test_values_past_float32s_range_are_kept_in_float64(monkeypatch):
+    """A float32 attention mask of finfo.min (its sum of squares about 1e78) and a float64
+    tensor of 1e30s: their FINGERPRINTS values are +-inf, their exact sums a WIDE_FINGERPRINTS
+    record's; the step's other values are kept (a float64 value past float32's range raised
+    OverflowError and lost the step's records). Through numpy here; test_native_host.py runs
+    it with the extension's readers."""
+    from tensor_trace.tracer import host_values
+
+    monkeypatch.setattr(host_values, "native_pair", None)
+    monkeypatch.setattr(host_values, "native_add", None)
+    check_values_past_float32s_range()
+
+
+def check_values_past_float32s_range():
+    fps = StepFingerprints(defer_cuda=False, defer_cpu=False)
+    mask = torch.full((1, 1, 8, 8), torch.finfo(torch.float32).min).triu(1)
+    big = torch.full((4,), 1e30, dtype=torch.float64)
+    small = torch.arange(6.0)
+    assert fps.add([mask, big, small]) == 0
+    assert fps.add([mask]) == 3  # the same tensor again: a repeat of index 0
+    fps.finish_step(5)
+    records = fps.collect(wait=True)
+    vals, wide = _values(records), _wide(records)
+    assert vals[(5, 0)] == (float("-inf"), float("inf"))
+    assert vals[(5, 2)] == (15.0, 55.0)
+    m = mask.double()
+    for i, t in ((0, m), (1, big), (3, m)):
+        s, q = wide[(5, i)]
+        assert math.isclose(s, t.sum().item(), rel_tol=1e-12) and math.isclose(q, t.pow(2).sum().item(), rel_tol=1e-12)
+    assert (5, 2) not in wide

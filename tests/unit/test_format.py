@@ -247,3 +247,39 @@ def test_batch_encoding_equals_the_sdk_encoder():
         for r in rows:
             batch.add(r)
         assert len(batch) == len(rows) and batch.request() == encode_spans(sdk)
+
+
+def test_host_values_past_float32s_range_pack_as_inf_and_wide_entries():
+    from tensor_trace.format.fingerprints import decode_wide, pack_host_values, wide_record_values
+
+    data, wide = pack_host_values([1.0, 2.0, -1e40, 3e78, 5.0, float("nan"), float("-inf"), float("inf")])
+    assert list(fpf.fingerprint_pairs(7, data, None))[:2] == [(7, 1.0, 2.0), (8, float("-inf"), float("inf"))]
+    assert wide == [(1, -1e40, 3e78)]  # a true -inf is not a wide value
+    got = decode_wide(wide_record_values([(8, -1e40, 3e78), (9, 1e39, float("nan"))]), {})
+    assert got == {8: (-1e40, 3e78), 9: (1e39, None)}
+
+
+class _Masker(nn.Module):
+    def forward(self, x):
+        return torch.full((1, 1, 6, 6), torch.finfo(torch.float32).min).triu(1) + 0 * x.sum()
+
+
+def test_a_value_past_float32s_range_reads_back_in_float64_from_the_file_and_the_store(tmp_path):
+    """A traced finfo.min mask: load_rank_file and the merged store give its float64 sums,
+    not the FINGERPRINTS record's +-inf."""
+    import sqlite3
+
+    from tensor_trace.exporters.pipeline import merge_ranks, store_path
+
+    tracer.start(out_dir=str(tmp_path))
+    _Masker()(torch.ones(2))
+    tracer.stop()
+    mask = torch.full((1, 1, 6, 6), torch.finfo(torch.float32).min).triu(1).double()
+    want = (mask.sum().item(), mask.pow(2).sum().item())
+    (span,) = [s for st in load_rank_file(rank_files(str(tmp_path))[0]).steps.values() for s in st.spans]
+    fp = [t.fp for t in span.tensors if t.slot == "output"][0]
+    assert math.isclose(fp[0], want[0], rel_tol=1e-12) and math.isclose(fp[1], want[1], rel_tol=1e-12)
+    merge_ranks(str(tmp_path), warn=lambda msg: None)
+    con = sqlite3.connect(store_path(str(tmp_path)))
+    ((s, q),) = con.execute("SELECT sum, sumsq FROM wide_fingerprints").fetchall()
+    assert math.isclose(s, want[0], rel_tol=1e-12) and math.isclose(q, want[1], rel_tol=1e-12)

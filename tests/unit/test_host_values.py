@@ -84,14 +84,21 @@ def test_without_numpy_the_callers_use_torch(monkeypatch):
 
 @pytest.mark.parametrize("numel", [1000, host_values.ROWS_FROM + 7])
 def test_an_overflowing_sum_is_inf_and_warns_nothing_in_the_host(numel):
-    """Uninitialised memory (a receive buffer before its broadcast) can hold values whose squares
-    overflow float32: the pair says inf (the analysis reads that as no values), and no
-    RuntimeWarning reaches the host's stderr, or raises under ``-W error``."""
+    """Values whose squares overflow float32 (an attention mask of finfo.min; uninitialised
+    memory, a receive buffer before its broadcast): the pair is added again in float64, where
+    it is finite (the writer keeps it as a WIDE_FINGERPRINTS value; the analysis reads such
+    values only where they are equal on every rank), and no RuntimeWarning reaches the host's
+    stderr, or raises under ``-W error``. A true inf stays inf."""
     import subprocess
     import sys
     code = ("import torch\nfrom tensor_trace.tracer import host_values\nhost_values.native_pair = None\n"
-            f"print(host_values.pair(torch.full(({numel},), 3e38)))\n")
+            f"print(host_values.pair(torch.full(({numel},), 3e38)))\n"
+            f"print(host_values.pair(torch.full(({numel},), float('inf'))))\n")
+    want = (numel * float(torch.tensor(3e38)), numel * float(torch.tensor(3e38)) ** 2)
     for flags in ([], ["-W", "error"]):
         run = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, timeout=120)
         assert run.returncode == 0 and run.stderr == "", run.stderr
-        assert run.stdout.strip() == "(inf, inf)", run.stdout
+        wide, inf = run.stdout.strip().splitlines()
+        got = tuple(float(v) for v in wide.strip("()").split(","))
+        assert got[0] == pytest.approx(want[0], rel=1e-9) and got[1] == pytest.approx(want[1], rel=1e-9), wide
+        assert inf == "(inf, inf)", run.stdout

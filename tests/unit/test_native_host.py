@@ -330,3 +330,30 @@ def test_collectives_fingerprints_in_c_leave_what_is_held_to_python(native_host)
     assert c_in(fps, x, False) is None and c_out(fps, [x]) is None
     fps._nt = None
     assert c_in(fps, x, False) == (0, None) and c_out(fps, [x]) == 1 and fps.count == 2
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_float32_values_near_its_limit_are_added_in_float64(native_host, view):
+    """An attention mask of finfo.min overflows float32 lanes; read again in float64 its sums
+    are finite (the writer keeps them as WIDE_FINGERPRINTS), and a true -inf stays -inf."""
+    host_pair, _, _ = native_host
+    low = torch.finfo(torch.float32).min
+    mask = torch.full((2, 1, 40, 40), low).triu(1)
+    t = mask.transpose(2, 3) if view else mask
+    s, q = host_pair(t)
+    ref_s, ref_q = _float64_pair(t)
+    assert math.isfinite(s) and math.isfinite(q)
+    assert math.isclose(s, ref_s, rel_tol=1e-12) and math.isclose(q, ref_q, rel_tol=1e-12)
+    s, _ = host_pair(torch.full((2, 40), float("-inf")).triu(1))
+    assert s == float("-inf")
+
+
+def test_a_steps_values_past_float32s_range_through_the_extension(native_host, monkeypatch):
+    """test_fingerprint.py's check of WIDE_FINGERPRINTS with the extension's pair and add."""
+    from test_fingerprint import check_values_past_float32s_range
+
+    host_pair, _, add_host = native_host
+    monkeypatch.setattr(host_values, "native_pair", host_values.native_pair)
+    monkeypatch.setattr(host_values, "native_add", host_values.native_add)
+    host_values.use_native(host_pair, None, add_host)
+    check_values_past_float32s_range()
