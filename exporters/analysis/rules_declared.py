@@ -47,8 +47,10 @@ def _equal_values(j, pt):
             verdict.items.append(note)
             return verdict
     if not pt.tref.dtype.startswith(FLOAT_DTYPES):
+        what = ("boolean values (masks, flags)" if pt.tref.dtype == "bool"
+                else "integer values (ids, positions, lengths)")
         return decide(pt, "replicate", "no-reduction", "equal-values", None,
-                      item("values", "integer values (ids, positions, lengths) equal on every rank"))
+                      item("values", f"{what} equal on every rank"))
     # Computed from a shard that only looks whole (identical shards): the dataflow says so.
     whole = False  # (the ops that built it, or a producer of the same values, say it is whole)
     for rule in (rules_dataflow.lineage_ops, rules_dataflow.same_values_as_producer,

@@ -33,3 +33,4 @@ def test_huge_values_that_differ_across_ranks_say_nothing(tmp_path):
             c.returns(arrays(junk))
     p = point(tr.merge(tmp_path), "buffer:output")
     check(p, "unknown", "unknown", "non-finite-values")
+
