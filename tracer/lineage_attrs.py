@@ -41,6 +41,8 @@ def tracked() -> dict:
         (torch.nn.functional.linear, "linear", "mm"), (torch.matmul, "matmul", "mm"), (T.matmul, "matmul", "mm"),
         (T.__matmul__, "matmul", "mm"), (torch.bmm, "bmm", "mm"), (T.bmm, "bmm", "mm"), (torch.mm, "mm", "mm"),
         (T.mm, "mm", "mm"),
+        # Megatron's core attention: baddbmm(buffer, q [b*np, sq, hn], k^T, beta=0, alpha=1/norm)
+        (torch.baddbmm, "baddbmm", "mm"), (T.baddbmm, "baddbmm", "mm"),
     ]
     if hasattr(torch, "_grouped_mm"):  # what F.grouped_mm calls (transformers' grouped experts)
         ops.append((torch._grouped_mm, "grouped_mm", "mm"))
@@ -216,7 +218,14 @@ def _whole(s: slice, size: int) -> bool:
 
 def mm_inputs(name, args, kwargs) -> list:
     """The tensor operands of a matrix product, in order: ``linear``'s input, weight and bias;
-    the two matrices of the others (``_grouped_mm``'s offsets are not data)."""
+    ``baddbmm``'s two batches, then what it adds unless ``beta`` is 0 (a buffer whose values
+    do not count); the two matrices of the others (``_grouped_mm``'s offsets are not data)."""
+    if name == "baddbmm":
+        added = args[0] if args else kwargs.get("input")
+        b1 = args[1] if len(args) > 1 else kwargs.get("batch1")
+        b2 = args[2] if len(args) > 2 else kwargs.get("batch2")
+        beta = args[3] if len(args) > 3 else kwargs.get("beta", 1)
+        return [b1, b2] + ([] if isinstance(beta, (int, float)) and beta == 0 else [added])
     if name == "linear":
         x = args[0] if args else kwargs.get("input")
         w = args[1] if len(args) > 1 else kwargs.get("weight")

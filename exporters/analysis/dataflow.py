@@ -233,8 +233,10 @@ class LineageWalk:
                 texts.append(", ".join(reversed(self.ops)) or "?")
             self.ops = outer
             self.ops.append(f"{op}({'; '.join(texts)})")
-            if any(p.block is not None for p in parts):
-                return NOTHING
+            if any(p.block is not None for p in parts):  # an interleaved slice: only a batch dim keeps it
+                batched = dataflow_ops.batch_shard(op, [p.placement for p in parts], attrs.get("ndims") or [])
+                return NOTHING if batched is None or parts[0].block is None else Placed(batched, out_shape,
+                                                                                        parts[0].block)
             return Placed(dataflow_ops.product_placement(op, [p.placement for p in parts], attrs.get("ndims") or []),
                           out_shape)
         if op in _DIMS:

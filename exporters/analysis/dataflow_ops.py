@@ -13,7 +13,7 @@ from __future__ import annotations
 from tensor_trace.exporters.analysis import declared
 from tensor_trace.exporters.analysis.tolerance import Observed, fp_equal
 
-PRODUCTS = frozenset(("linear", "matmul", "bmm", "mm", "grouped_mm"))
+PRODUCTS = frozenset(("linear", "matmul", "bmm", "baddbmm", "mm", "grouped_mm"))
 
 
 def _shard_dim(p):
@@ -58,6 +58,20 @@ def dims_placement(placement, attrs: dict):
     return f"shard({k})"
 
 
+def batch_shard(op: str, placements: list, ndims: list):
+    """The output's shard where a batched product's ``a`` is sharded along a batch dim (its rows
+    stay where they are, whatever ``b`` is), else None. Such a shard's positions in its dim
+    (contiguous, or an interleaved slice: heads merged with the batch, as Megatron's core
+    attention's ``[b * np, sq, hn]``) are ``a``'s."""
+    if op == "baddbmm" and len(placements) == 2:
+        op = "bmm"
+    if op in ("bmm", "matmul") and len(placements) == 2 and len(ndims) == 2 and min(ndims) >= 3:
+        da = _shard_dim(placements[0] or "")
+        if da is not None and da < ndims[0] - 2:
+            return f"shard({da + max(ndims) - ndims[0]})"
+    return None
+
+
 def product_placement(op: str, placements: list, ndims: list):
     """The output of a matrix product from its operands' placements and ranks:
 
@@ -72,11 +86,16 @@ def product_placement(op: str, placements: list, ndims: list):
     - ``bmm``/``matmul`` with ``a`` sharded along a batch dim: that dim of the output, whatever
       ``b`` is (not placed: a weight made after loading, as DeepSeek's absorbed ``w_kc``): a
       batched product keeps each batch's rows where they are;
+    - ``baddbmm`` with ``beta`` 0 (its operands the two batches only): as ``bmm``; with
+      something added, replicate where all three are, else None;
     - every operand replicate: replicate. Anything else: None."""
-    if op in ("bmm", "matmul") and len(placements) == 2 and len(ndims) == 2 and min(ndims) >= 3:
-        da = _shard_dim(placements[0] or "")
-        if da is not None and da < ndims[0] - 2:
-            return f"shard({da + max(ndims) - ndims[0]})"
+    if op == "baddbmm":  # beta * added + batch1 @ batch2: a bmm where nothing is added (beta 0)
+        if len(placements) != 2:
+            return "replicate" if placements and all(p == "replicate" for p in placements) else None
+        op = "bmm"
+    batched = batch_shard(op, placements, ndims)
+    if batched is not None:
+        return batched
     if op not in PRODUCTS or len(placements) < 2 or len(ndims) != len(placements) or None in placements:
         return None
     if all(p == "replicate" for p in placements):

@@ -88,6 +88,11 @@ def test_dimension_moves_carry_a_shard_to_its_new_dim(placement, attrs, want):
     ("bmm", ["shard(1)", None], [3, 3], None),  # the rows, not a batch: b decides
     ("bmm", [None, "shard(0)"], [3, 3], None),
     ("add", ["replicate", "replicate"], [2, 2], None),
+    # Megatron's core attention: baddbmm(buffer, q [b * np, sq, hn], k^T, beta=0): the buffer
+    # is no operand; each rank's heads stay its batch rows
+    ("baddbmm", ["shard(0)", "shard(0)"], [3, 3], "shard(0)"),
+    ("baddbmm", ["replicate", "replicate", "replicate"], [3, 3, 3], "replicate"),
+    ("baddbmm", ["shard(0)", "shard(0)", "replicate"], [3, 3, 3], None),  # something added
 ])
 def test_products_follow_dtensor_matmul_propagation(op, placements, ndims, want):
     assert product_placement(op, placements, ndims) == want

@@ -91,3 +91,36 @@ def test_an_intermediate_tensor_seen_at_a_judged_point_takes_that_points_verdict
     assert "as layer.ffn_norm:input.0 (shard(1))" in ops, ops
     # without a verdict there, the walk goes through the add and its hidden slice: no answer
     assert dataflow.placement_from_lineage(_residual_judge("unknown"), pt) is None
+
+
+# Megatron-Core's DotProductAttention, as the tracer recorded it (real megatron-core 0.16.1, tp 2):
+# q, k [sq, b, np, hn] reshaped to [sq, b * np, hn] (each rank's heads interleaved with the batch),
+# transposed, torch.baddbmm(buffer, q, k^T, beta=0) and viewed as the scores [b, np, sq, sk].
+Q, K = ("attn.core", 0, "input.0"), ("attn.core", 0, "input.1")
+SCORES = ("attn.core.softmax", 0, "input.0")
+CORE_NODES = {
+    8: ("reshape", {"shape": [8, 4, 16], "asked": [8, 4, -1]}, [[0, 0, 3, 0]], [8, 4, 16]),
+    9: ("view", {"shape": [8, 4, 16], "asked": [8, 4, -1]}, [[0, 0, 3, 1]], [8, 4, 16]),
+    10: ("transpose", {"dims": [1, 0, 2]}, [[1, 0, 8]], [4, 8, 16]),
+    11: ("transpose", {"dims": [1, 0, 2]}, [[1, 0, 9]], [4, 8, 16]),
+    12: ("transpose", {"dims": [0, 2, 1]}, [[1, 0, 11]], [4, 16, 8]),
+    13: ("baddbmm", {"ndims": [3, 3]}, [[1, 0, 10], [1, 0, 12]], [4, 8, 8]),
+    14: ("view", {"shape": [2, 2, 8, 8]}, [[1, 0, 13]], [2, 2, 8, 8]),
+}
+
+
+def test_attention_scores_from_heads_interleaved_with_the_batch_hold_the_heads():
+    """The shard of q's heads (dim 2) lands in the merged [b * np] dim as an interleaved slice,
+    stays there through the batched product, and is the heads dim (1) of the scores again:
+    shard(1), not the queries' dim 2 that a same-rank guess gave."""
+    obs = {Q: {0: SimpleNamespace(shape=(8, 2, 2, 16))}, K: {0: SimpleNamespace(shape=(8, 2, 2, 16))},
+           SCORES: {0: SimpleNamespace(shape=(2, 2, 8, 8))}}
+    view = SimpleNamespace(step=0, procs=[0, 1], points=obs, slot_key={(0, 3, 0): Q, (0, 3, 1): K},
+                           times={SCORES: (10, 5, 0)}, lineage=lambda: (CORE_NODES, {(5, 0): [1, 0, 14]}),
+                           node_points=lambda: {14: [SCORES]})
+    done = {k: Verdict("shard(2)", "no-reduction", "r", []) for k in (Q, K)}
+    j = SimpleNamespace(v=view, done=done, name=lambda k: f"{k[0]}:{k[2]}", module_params=lambda m, procs: [])
+    pt = SimpleNamespace(key=SCORES, procs=[0, 1], ndim=4, items=[], equal=False)
+    placement, ops, block, _read, _cut = dataflow.placement_from_lineage(j, pt)
+    assert (placement, block) == ("shard(1)", None), ops
+    assert "baddbmm(" in ops, ops

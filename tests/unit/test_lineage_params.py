@@ -161,3 +161,13 @@ def test_squeeze_dims_from_the_shape():
     assert dims_attrs("squeeze", (), {}, y.shape, 2) == {"dims": [0, -1, 1, -1]}
     assert dims_attrs("squeeze", (-1,), {}, y.shape, 3) == {"dims": [0, 1, 2, -1]}
     assert dims_attrs("squeeze", (0,), {}, y.shape, 4) == {"dims": [0, 1, 2, 3]}  # not size 1: kept
+
+
+def test_baddbmm_operands_are_the_two_batches_and_what_it_adds_unless_beta_is_zero():
+    """Megatron's core attention: torch.baddbmm(buffer, q, k^T, beta=0.0, alpha=...): the
+    buffer's values do not count, so it is no operand."""
+    buf, b1, b2 = torch.empty(2, 3, 3), torch.randn(2, 3, 4), torch.randn(2, 4, 3)
+    assert _attrs.mm_inputs("baddbmm", (buf, b1, b2), {"beta": 0.0, "alpha": 0.5}) == [b1, b2]
+    assert _attrs.mm_inputs("baddbmm", (buf, b1, b2), {}) == [b1, b2, buf]
+    assert _attrs.mm_inputs("baddbmm", (buf,), {"batch1": b1, "batch2": b2, "beta": 2}) == [b1, b2, buf]
+    assert _attrs.tracked()[torch.baddbmm] == ("baddbmm", "mm")
