@@ -111,8 +111,10 @@ def from_passed_weight(j, pt):
     """A module's output from a weight it was handed (``passed_parameter``) applied as
     ``F.linear`` applies one (``[out, in]``: its input's last dim is ``in``, its output's
     ``out``) to its other input: a whole input and a weight split along ``out`` give a shard,
-    an input sharded along ``in`` and a weight split along ``in`` a partial sum."""
-    if not pt.is_output or pt.tref is None or j.call_collectives(pt):
+    an input sharded along ``in`` and a weight split along ``in`` a partial sum. An input the
+    call gathers first (a sequence-parallel head: Megatron's tied ``output_layer`` gathers the
+    sequence, then applies the embedding's rows) is whole where the weight meets it."""
+    if not pt.is_output or pt.tref is None:
         return None
     inputs = j.call_inputs(pt)
     p0 = pt.procs[0]
@@ -123,16 +125,21 @@ def from_passed_weight(j, pt):
               and t.dtype.startswith(FLOAT_DTYPES)), None)
     if x is None:
         return None
+    gather = _gathered_in_call(j, pt, x[0])
+    if any(c is not gather for c in j.call_collectives(pt)):
+        return None
     w_shape, x_shape = j.v.points[weight[0]][p0].shape, j.v.points[x[0]][p0].shape
     out_shape = pt.tref.shape
     if len(w_shape) != 2 or not x_shape or x_shape[-1] != w_shape[1] or out_shape[-1] != w_shape[0]:
         return None
     d = int(weight[1].placement[6:-1])
     about = item("weights", f"{j.name(weight[0])} is {weight[1].placement} and is applied as a linear weight "
-                            f"[out, in] to {j.name(x[0])}, {x[1].placement}", point=j.name(weight[0]))
-    if d == 0 and x[1].placement == "replicate":
+                            f"[out, in] to {j.name(x[0])}, {x[1].placement}"
+                            + (f", gathered inside the call by {coll_desc(gather)}" if gather else ""),
+                 point=j.name(weight[0]))
+    if d == 0 and (x[1].placement == "replicate" or (gather is not None and x[1].placement.startswith("shard("))):
         return _weight_verdict(j, pt, True, about)
-    if d == 1 and x[1].placement == f"shard({len(x_shape) - 1})":
+    if d == 1 and gather is None and x[1].placement == f"shard({len(x_shape) - 1})":
         return _weight_verdict(j, pt, False, about)
     return None
 

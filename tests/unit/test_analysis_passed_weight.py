@@ -55,3 +55,36 @@ def test_a_tied_head_with_infinite_padding_columns_is_placed_by_the_weight_it_wa
     p = point(con, "output_layer:output")
     check(p, "shard(2)", "no-reduction", "sharded-weight")
     assert any("applied as a linear weight" in i["text"] for i in items(p, "weights")), p["evidence"]
+
+
+def test_a_sequence_parallel_tied_head_gathers_its_input_then_applies_the_rows_it_was_handed(tmp_path):
+    """Megatron-Core's tied output layer under sequence parallelism (a held-out real
+    megatron-core GPTModel): it all_gathers each rank's part of the sequence, then applies the
+    embedding's rows it was handed; the local logits are returned. Before, the gather inside the
+    call left the logits divergent."""
+    rng = gen(23)
+    ids = np.array([[1, 6, 3, 5], [1, 0, 6, 6]], dtype=np.int64)  # [b, s]
+    E = pos(rng, 8, 4)
+    tables = {r: E[4 * r:4 * (r + 1)] for r in R}
+    x = E[ids]
+    parts = {r: np.where(((ids >= 4 * r) & (ids < 4 * (r + 1)))[..., None], x, 0).astype(np.float32) for r in R}
+    h = np.ascontiguousarray(x.transpose(1, 0, 2)) * 2  # [s, b, d], whole
+    seq = {r: h[2 * r:2 * (r + 1)] for r in R}  # each rank's part of the sequence
+    logits = {r: h @ tables[r].T for r in R}
+    tr = SyntheticTrace(2, root="run")
+    tr.param("embedding", "weight", arrays(tables))
+    with tr.step():
+        with tr.call("model", same(ids, R, "int64")) as outer:
+            with tr.call("embedding", same(ids, R, "int64")) as c:
+                tr.coll("all_reduce", [arrays(parts)], [same(x, R)])
+                c.returns(same(x, R))
+            with tr.call("output_layer", arrays(seq), arrays(tables)) as c:
+                tr.coll("all_gather_into_tensor", [arrays(seq)], [same(h, R)])
+                c.returns(arrays(logits))
+            outer.returns(arrays(logits))
+    con = tr.merge(tmp_path)
+    check(point(con, "output_layer:input.0"), "shard(0)", "no-reduction", "gather-input")
+    check(point(con, "output_layer:input.1"), "shard(0)", "no-reduction", "passed-parameter")
+    p = point(con, "output_layer:output")
+    check(p, "shard(2)", "no-reduction", "sharded-weight")
+    assert any("gathered inside the call by all_gather_into_tensor" in i["text"] for i in items(p, "weights")), p
