@@ -46,7 +46,7 @@ from tensor_trace.exporters.analysis import (declared, experts, rules_dataflow, 
                                              rules_weights)
 from tensor_trace.exporters.analysis.evidence import coll_item, decide, item
 from tensor_trace.exporters.analysis.step_view import REDUCE_SCATTER, coll_desc, coll_json
-from tensor_trace.exporters.analysis.tolerance import all_equal, linked
+from tensor_trace.exporters.analysis.tolerance import FLOAT_DTYPES, all_equal, linked
 
 
 def _fmt_fp(t) -> str:
@@ -175,12 +175,58 @@ def _smaller_reduction_groups(j):
 def _values(j, pt):
     """Not a rule: says whether the values are equal on every rank (``pt.equal``)."""
     pt.equal = all_equal(pt.ts)
-    if pt.equal:
+    why = _too_alike(j, pt) if pt.equal else None
+    if why is not None:
+        pt.equal = False
+        j.alike.append(pt.key)
+        pt.items.append(item("values", f"values read equal on every rank ({_fmt_fp(pt.tref)}), not bit for bit, "
+                                       f"but {why}: fingerprints too alike to tell apart (a softmax's rows all "
+                                       "sum to 1), taken as values that differ"))
+    elif pt.equal:
         pt.items.append(item("values", f"values equal on every rank ({_fmt_fp(pt.tref)})"))
     else:
         pt.items.append(item("values", "values differ across ranks: " + "; ".join(
             f"rank {j.rank_of[p]} {_fmt_fp(pt.obs[p])}" for p in pt.procs)))
     return None
+
+
+def _too_alike(j, pt) -> str | None:
+    """Why values that read equal on every rank, within the tolerance but not bit for bit, are
+    still values that differ, or None. What a call computes locally (no collective inside it)
+    from an input of the same shape whose values differ across ranks differs too, unless it
+    throws them away: a softmax of each rank's attention scores, near-uniform in a small
+    model, reads as equal (every row sums to 1 exactly, and the sums of squares differ little).
+    A tensor with the same values as such an output is as alike. Values the same bit for bit
+    (a constant, a mask of the input's shape) are equal."""
+    if not pt.tref.dtype.startswith(FLOAT_DTYPES) or len(pt.tref.shape) < 2:
+        return None
+    if len({t.fp for t in pt.ts}) == 1:
+        return None  # bit for bit
+    for key in j.alike:
+        if linked(j.v.points[key], pt.obs) == 1.0:
+            return f"they are the values of {j.name(key)}, which are too"
+    inputs = j.call_inputs(pt)
+    if not pt.is_output or not inputs or _collective_inside(j, pt, inputs):
+        return None
+    for key, _verdict in inputs:
+        obs = j.v.points[key]
+        ts = [obs.get(p) for p in pt.procs]
+        if any(t is None or t.fp is None for t in ts) or not ts[0].dtype.startswith(FLOAT_DTYPES):
+            continue
+        if tuple(ts[0].shape) == tuple(pt.tref.shape) and not all_equal(ts):
+            return f"its call's input {j.name(key)}, of its shape, differs across ranks"
+    return None
+
+
+def _collective_inside(j, pt, inputs) -> bool:
+    """Whether any collective ran while the call of output ``pt`` did (its own or a child's:
+    a module whose child all_reduces its partial input returns whole values)."""
+    times = j.v.times
+    start = min((times[k][0] for k, _ in inputs if k in times), default=None)
+    end = times.get(pt.key, (None,))[0]
+    if start is None or end is None:
+        return True
+    return any(start <= c.t0 <= end for c in j.v.coll_list)
 
 
 # Rules that place a point from what built it (its module's split weight and its inputs'
