@@ -60,6 +60,18 @@ _Tensor = torch.Tensor
 _STRIDED = torch.strided
 
 
+def _cpu_floats(t, pair) -> tuple:
+    """A CPU tensor's (sum, l2 norm) as 0-d tensors made (sum, sum of squares) floats, as the
+    host path gives them (no 0-d tensor to stack at the step's end). Where the float32 sums
+    overflowed on finite values (a bfloat16 attention mask of finfo.min), added in float64:
+    the writer keeps such values as WIDE_FINGERPRINTS."""
+    s, n = pair[0].item(), pair[1].item()
+    if s - s == 0.0 and n - n == 0.0:  # both finite
+        return (s, n * n)
+    d = t.detach().to(torch.float64)
+    return (d.sum().item(), d.square().sum().item())
+
+
 def _dense(t) -> bool:
     """Whether ``t``'s memory is a strided buffer of its values on a real device (not sparse,
     nested or meta): what the deferred paths read where it is."""
@@ -486,6 +498,8 @@ class StepFingerprints:
                 self._kind_value(idx, t)
                 return
             pair = _pair(t, host=False)
+            if t.is_cpu and pair[1] is not None:
+                pair = _cpu_floats(t, pair)
         if type(pair[0]) is float:
             self._host_pos[idx] = len(self._host_idx)
             self._host_idx.append(idx)

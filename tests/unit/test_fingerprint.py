@@ -344,3 +344,23 @@ def check_values_past_float32s_range():
         s, q = wide[(5, i)]
         assert math.isclose(s, t.sum().item(), rel_tol=1e-12) and math.isclose(q, t.pow(2).sum().item(), rel_tol=1e-12)
     assert (5, 2) not in wide
+
+
+def test_a_bfloat16_cpu_mask_past_float32s_range_is_kept_in_float64():
+    """A bfloat16 attention mask of its finfo.min on a CPU (transformers' eager mask in a bf16
+    model): torch's float32 sums overflow; the float64 ones are a WIDE_FINGERPRINTS value, and
+    the other bf16 tensors keep their float32 sums."""
+    fps = StepFingerprints(defer_cuda=False, defer_cpu=False)
+    mask = torch.full((1, 1, 6, 6), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16).triu(1)
+    other = torch.randn(3, 4, dtype=torch.bfloat16)
+    fps.add([mask, other])
+    fps.finish_step(2)
+    records = fps.collect(wait=True)
+    vals, wide = _values(records), _wide(records)
+    assert vals[(2, 0)] == (float("-inf"), float("inf"))
+    m = mask.double()
+    assert wide == {(2, 0): (m.sum().item(), m.square().sum().item())}
+    s, q = vals[(2, 1)]
+    f = other.float()
+    assert math.isclose(s, f.sum().item(), rel_tol=1e-5, abs_tol=1e-5)
+    assert math.isclose(q, f.square().sum().item(), rel_tol=1e-5)
