@@ -122,6 +122,8 @@ class Tolerance:
 def rel_errors(wa: Whole, wb: Whole, per_a=None, per_b=None) -> tuple:
     """(relative error, what it measured) of two whole tensors of the same size."""
     qa, qb = wa.q, wb.q
+    if not all(math.isfinite(v) for v in (wa.s, wb.s, qa, qb, wa.q_bound, wb.q_bound) if v is not None):
+        return None, "non-finite values (NaN or inf): their sums say nothing"
     if qa is None and qb is None and wa.q_bound is None and wb.q_bound is None:
         # integer or boolean values fingerprinted by their sum alone: exact
         return (0.0 if wa.s == wb.s else 1.0), "exact sum (no sum of squares for this kind)"

@@ -36,6 +36,11 @@ class Side:
         self.procs = sorted(procs, key=lambda p: rank_of[p])
         self.ranks = [rank_of[p] for p in self.procs]
         self.modules = dict(con.execute("SELECT module_id, path FROM modules"))
+        # fingerprints past float32's range (a finfo.min attention mask), by step: the steps
+        # holding any are read by the scalar path, these values over the +-inf of their blobs
+        self.wide: dict = {}  # step -> {proc: {index: (sum, sumsq)}}
+        for proc, step, idx, sm, sq in con.execute("SELECT proc, step, idx, sum, sumsq FROM wide_fingerprints"):
+            self.wide.setdefault(step, {}).setdefault(proc, {})[idx] = (sm, sq)
         self.layouts = {}
         for lid, slots in con.execute("SELECT layout_id, slots FROM layouts"):
             self.layouts[lid] = tuple((s[0], tuple(s[1]), s[2]) for s in json.loads(slots))
@@ -108,6 +113,10 @@ class Side:
                                (step, proc)).fetchall()
             plans.append(plan)
             raw.append((rows, got))
+        wide = self.wide.get(step)
+        if wide:
+            return StepData(self, step, plans, [_column(rows, refs, largest, wide.get(proc))
+                                                for proc, (rows, (refs, largest)) in zip(self.procs, raw)])
         if vector:
             by_proc = [read_columns(rows, refs, largest, plan.sources.setdefault(id(refs), {}))
                        for (rows, (refs, largest)), plan in zip(raw, plans)]
@@ -116,8 +125,9 @@ class Side:
         return StepData(self, step, plans, [_column(rows, refs, largest) for rows, (refs, largest) in raw])
 
 
-def _column(rows, refs: list, largest: int) -> list:
-    """One process's values of a step in its plan's slot order: (sum, sumsq) or None."""
+def _column(rows, refs: list, largest: int, wide: dict | None = None) -> list:
+    """One process's values of a step in its plan's slot order: (sum, sumsq) or None; ``wide``:
+    its values past float32's range, over those of ``rows``."""
     size = FP_PAIR.size
     vals: list = [None] * (largest + 2)
     top = len(vals) - 1  # the last entry stays None: where a slot without values points
@@ -134,6 +144,9 @@ def _column(rows, refs: list, largest: int) -> list:
             for i, v in zip(struct.unpack(f"<{n}I", indices[:4 * n]), pairs_):
                 if i < top:
                     vals[i] = v
+    for i, v in (wide or {}).items():
+        if 0 <= i < top:
+            vals[i] = v
     vals[-1] = None
     return list(map(vals.__getitem__, refs))
 

@@ -266,3 +266,30 @@ def test_tolerance_follows_the_coarsest_dtype_upstream(tmp_path, upstream, statu
         tr.merge(tmp_path / name)
     res = cmp(tmp_path / "a", tmp_path / "b")
     assert by_point(res)["logits:output"]["status"] == status, res["points"]
+
+
+def _masked(tmp_path, name, tp, low):
+    """A model step handed an additive attention mask: 0, and ``low`` where a position may not
+    attend."""
+    mask = np.triu(np.full((1, 1, 4, 4), low, dtype=np.float32), 1)
+    x = pos(gen(41), 2, 4, 4)
+    tr = SyntheticTrace(tp)
+    with tr.step():
+        with tr.call("layer", same(x, range(tp)), same(mask, range(tp))) as c:
+            c.returns(same(x, range(tp)))
+    tr.merge(tmp_path / name)
+    return tmp_path / name
+
+
+def test_a_finfo_min_mask_compares_by_its_float64_sums_and_a_minus_inf_one_is_not_comparable(tmp_path):
+    """A mask of finfo(float32).min has sums past float32's range, kept in float64: compared
+    as any values (another mask differs). A -inf mask has no finite sums: not comparable,
+    where the +-inf of both sides read as "same" before (their error was NaN)."""
+    low = float(np.finfo(np.float32).min)
+    pts = by_point(cmp(_masked(tmp_path, "a", 1, low), _masked(tmp_path, "b", 2, low)))
+    assert pts["layer:input.1"]["status"] == "same", pts["layer:input.1"]
+    pts = by_point(cmp(_masked(tmp_path, "a", 1, low), _masked(tmp_path, "d", 2, low / 2)))
+    assert pts["layer:input.1"]["status"] == "differs", pts["layer:input.1"]
+    pts = by_point(cmp(_masked(tmp_path, "e", 1, -np.inf), _masked(tmp_path, "f", 2, -np.inf)))
+    p = pts["layer:input.1"]
+    assert p["status"] == "not comparable" and "non-finite" in p["reason"], p
