@@ -18,6 +18,9 @@ DECISIVE = ("collective", "concat", "weights", "dataflow", "declared", "semantic
 # the kind of the item that says a shard was placed by a local no-op reshape's -1 alone, which
 # verdicts.vote counts only where no step's shapes placed the point
 READ_FROM_ASKED = "read-from-asked"
+# the kind of the item that says a one-row tensor is a scaled copy of a sum-reduction's output,
+# which a norm of that row would also be: verdicts.vote lets steps of more rows decide
+ONE_ROW_SCALE = "one-row-scale"
 
 
 def item(kind: str, text: str, **refs) -> dict:

@@ -12,7 +12,7 @@ each is tried.
 from __future__ import annotations
 
 from tensor_trace.exporters.analysis import dataflow, declared, rules_weights
-from tensor_trace.exporters.analysis.evidence import coll_item, decide, item
+from tensor_trace.exporters.analysis.evidence import ONE_ROW_SCALE, coll_item, decide, item
 from tensor_trace.exporters.analysis.step_view import EXCHANGE, GATHER, REDUCE_SCATTER, REDUCING, coll_desc, coll_json
 from tensor_trace.exporters.analysis.tolerance import Observed, close, disjoint_sum, fp_equal, linked
 
@@ -86,7 +86,14 @@ def reduction_output(j, pt, exact=True):
     for c, _i, scale in j.links(pt)[0]:  # the latest first
         if c.op in REDUCE_SCATTER:
             continue
-        if not _scale_ok(j, pt.tref, scale) or (exact and scale != 1.0):
+        if exact and scale != 1.0:
+            continue
+        if not _scale_ok(j, pt.tref, scale):
+            if scale is not None and c.sums:
+                note = item(ONE_ROW_SCALE, f"a scaled copy (times {scale:.4g}) of the output of {coll_desc(c)}, "
+                                           "but of one row, which a norm of that row also is: not counted here")
+                if note not in pt.items:
+                    pt.items.append(note)
             continue
         if c.op in REDUCING and not c.sums:
             if scale != 1.0:

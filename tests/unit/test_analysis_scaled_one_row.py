@@ -1,0 +1,48 @@
+"""Gemma2 (a held-out real SGLang run at tp 2, not written here) scales the embedding's
+all_reduce output in place by sqrt(hidden): a common scale, so post-reduction. A decode step's
+one row cannot tell that scale from a norm of the row; the prefill steps can, and they decide."""
+
+import numpy as np
+
+from synthetic_trace import SyntheticTrace, arrays, check, gen, point, pos, same
+from tensor_trace.exporters import query
+
+R = [0, 1]
+
+
+def _scaled_embedding_step(tr, rng, rows):
+    x = pos(rng, rows, 4)
+    parts = {0: x * 0.25, 1: x * 0.75}
+    with tr.call("model", same(np.arange(rows), R, "int64")) as outer:
+        with tr.call("embed", same(np.arange(rows), R, "int64")) as c:
+            tr.coll("all_reduce", [arrays(parts)], [same(x, R)])
+            c.returns(same(x, R))
+        with tr.call("layer", same(x * 8, R)) as c:  # hidden_states *= sqrt(64), in place
+            c.returns(same(x * 3, R))
+        outer.returns(same(x, R))
+
+
+def test_a_scaled_reduction_output_is_post_reduction_where_steps_of_more_rows_show_it(tmp_path):
+    tr = SyntheticTrace(2, root="run")
+    rng = gen(51)
+    with tr.step({"forward_mode": "extend"}):
+        _scaled_embedding_step(tr, rng, 3)
+    for _ in range(2):
+        with tr.step({"forward_mode": "decode"}):
+            _scaled_embedding_step(tr, rng, 1)
+    con = tr.merge(tmp_path)
+    p = point(con, "layer:input.0")
+    check(p, "replicate", "post-reduction", "reduction-output")
+    (one,) = query.placement(con, "layer:input.0", step=1)
+    check(one, "replicate", "no-reduction", "equal-values")
+    assert any("but of one row, which a norm of that row also is" in t for t in one["evidence"]), one["evidence"]
+
+
+def test_one_row_steps_alone_do_not_take_a_scale_for_a_reduction_output(tmp_path):
+    tr = SyntheticTrace(2, root="run")
+    rng = gen(52)
+    for _ in range(2):
+        with tr.step({"forward_mode": "decode"}):
+            _scaled_embedding_step(tr, rng, 1)
+    check(point(tr.merge(tmp_path), "layer:input.0"), "replicate", "no-reduction", "equal-values")
+
