@@ -1,0 +1,33 @@
+"""With dummy weights (a held-out real SGLang Qwen3 run at tp 2, not written here) a layer's
+addend is tiny, so the residual sum ``x + residual`` that an SGLang norm returns (its output.1,
+declared a sum) nearly equals the embedding's all_reduce output. The next norm receives that
+very tensor: a sum too, not the reduction's output."""
+
+from synthetic_trace import SyntheticTrace, arrays, check, gen, point, pos, same
+
+R = [0, 1]
+
+
+def test_the_residual_sum_a_norm_returns_is_a_sum_where_the_next_norm_receives_it(tmp_path):
+    rng = gen(53)
+    x = pos(rng, 3, 4)
+    parts = {0: x * 0.5, 1: x * 0.5}
+    tiny = x * 1e-6  # a dummy-weight layer's addend
+    tr = SyntheticTrace(2, root="run")
+    for norm in ("layers.0.post_norm", "layers.1.input_norm"):
+        tr.layer(norm, {"sglang_class": "RMSNorm", "residual_sum_output": "output.1"})
+    with tr.step():
+        with tr.call("model", same(x, R)) as outer:
+            with tr.call("embed", same(x, R)) as c:
+                tr.coll("all_reduce", [arrays(parts)], [same(x, R)])
+                c.returns(same(x, R))
+            with tr.call("layers.0.post_norm", same(tiny, R), same(x, R)) as c:
+                c.returns(same(x * 2, R), same(x + tiny, R))
+            with tr.call("layers.1.input_norm", same(tiny * 2, R), same(x + tiny, R)) as c:
+                c.returns(same(x * 3, R), same(x + 3 * tiny, R))
+            outer.returns(same(x, R))
+    con = tr.merge(tmp_path)
+    check(point(con, "layers.0.post_norm:output.1"), "replicate", "no-reduction", "equal-values")
+    p = point(con, "layers.1.input_norm:input.1")
+    check(p, "replicate", "no-reduction", "equal-values")
+    assert any("the values of layers.0.post_norm:output.1" in t for t in p["evidence"]), p["evidence"]
