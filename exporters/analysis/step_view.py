@@ -30,11 +30,24 @@ class Collective:
     """One collective of the step, matched across ranks by (group, sequence number)."""
 
     __slots__ = ("key", "op", "reduce_op", "group", "seq", "module", "span", "t_end", "t0", "ins", "outs",
-                 "bytes", "group_name", "group_ranks", "attrs", "attrs_of")
+                 "bytes", "group_name", "group_ranks", "attrs", "attrs_of", "groups_of")
 
     @property
     def sums(self) -> bool:
         return self.op in REDUCING and self.reduce_op in SUM_OPS
+
+
+def _across(group_ranks, rank, my_ranks):
+    """The key of a group that holds ``rank`` and no other rank of the group judged, as its
+    ranks relative to ``rank`` (a data- or expert-parallel group of a TP rank: [0, 2] for rank 0
+    and [1, 3] for rank 1 are both (0, 2)), or None for any other group. Each rank of the
+    judged group issues its own such group's collectives in the same order: matched by their
+    sequence, they are one collective whose output each rank holds, as for a group of them all."""
+    if rank is None or len(my_ranks) < 2 or rank not in group_ranks:
+        return None
+    if len(my_ranks.intersection(group_ranks)) != 1:
+        return None
+    return ("across",) + tuple(sorted(r - rank for r in group_ranks))
 
 
 def _collective_attrs_column(con) -> bool:
@@ -113,6 +126,7 @@ class StepView:
                 if proc == procs[0]:
                     self.times[key] = (t0 if i < n_pre else t0 + dur, idx, i)
         self.colls: dict = {}  # (group, seq) -> Collective with per-proc ins/outs
+        my_ranks = {rank_of.get(p) for p in procs}
         attrs_col = "c.attrs" if _collective_attrs_column(con) else "NULL"
         for (proc, idx, parent, op, redop, gid, seq, t0, dur, lay, fp_pre, fp_post, n_pre, nbytes,
              gname, granks, attrs) in con.execute(
@@ -120,15 +134,20 @@ class StepView:
                 f"c.layout_id, c.fp_pre, c.fp_post, c.n_pre, c.bytes, g.name, g.ranks, {attrs_col} "
                 f"FROM collectives c JOIN groups g USING(group_id) WHERE c.step=? AND c.proc IN ({ph})",
                 (step, *procs)):
+            group_ranks = json.loads(granks)
             key = (gid, seq)
+            across = _across(group_ranks, rank_of.get(proc), my_ranks)
+            if across is not None:  # one group per rank of these: matched as one collective
+                key = (across, seq)
             c = self.colls.get(key)
             if c is None:
                 c = Collective()
                 c.key, c.op, c.reduce_op, c.group, c.seq = key, op, redop, gid, seq
                 c.ins, c.outs, c.bytes, c.t_end, c.t0, c.module, c.span = {}, {}, nbytes, None, None, None, None
-                c.group_name, c.group_ranks = gname, json.loads(granks)
-                c.attrs, c.attrs_of = {}, {}
+                c.group_name, c.group_ranks = gname, group_ranks
+                c.attrs, c.attrs_of, c.groups_of = {}, {}, {}
                 self.colls[key] = c
+            c.groups_of[proc] = group_ranks
             c.attrs_of[proc] = json.loads(attrs) if attrs else {}
             d = fps[proc]
             slots = layouts.get(lay, ())
@@ -239,6 +258,10 @@ class StepView:
 
 def coll_desc(c: Collective) -> str:
     op = f"{c.op}({c.reduce_op})" if c.reduce_op else c.op
+    groups = sorted({tuple(g) for g in (getattr(c, "groups_of", None) or {}).values()})
+    if len(groups) > 1:  # one group per rank (_across)
+        return f"{op} #{c.seq} of groups {', '.join(str(list(g)) for g in groups)} (one per rank), " \
+               f"issued by {c.module or '<root>'}"
     return f"{op} #{c.seq} of group {c.group_name} {c.group_ranks}, issued by {c.module or '<root>'}"
 
 

@@ -127,6 +127,14 @@ class SyntheticTrace:
     def param(self, module, name, values: Vals, meta=None) -> None:
         self.params.append((module, name, values, meta))
 
+    def group(self, name, ranks_of: dict) -> None:
+        """A group of another set of ranks on each rank (rank -> the ranks of its group): a data-
+        parallel group per tensor-parallel rank, say."""
+        ids = {}
+        for rank, ranks in ranks_of.items():
+            ids.setdefault(tuple(ranks), 100 + len(self.groups) * 10 + len(ids))
+        self.groups[name] = {rank: (ids[tuple(ranks)], list(ranks)) for rank, ranks in ranks_of.items()}
+
     def layer(self, module, attrs: dict) -> None:
         """What a framework says the layer does (a MODULE_ATTRS record)."""
         self.layer_attrs[module] = attrs
@@ -234,7 +242,8 @@ class SyntheticTrace:
                     w.add((schema.LINEAGE, step, 1000 + n_spans, w.string(ev[1]), None, [], None))
                 else:
                     _, op, redop, group, inputs, outputs, attrs = ev
-                    gid, granks = self.groups[group]
+                    gid, granks = self.groups[group] if isinstance(self.groups[group], tuple) else \
+                        self.groups[group][rank]
                     if group not in written_groups:
                         w.add((schema.GROUP, gid, group, granks, "gloo", str(gid)))
                         written_groups.add(group)
