@@ -20,13 +20,15 @@ from tensor_trace.exporters.analysis.tolerance import Observed, close, disjoint_
 def _scale_ok(j, t, scale) -> bool:
     """A link through a common scale factor is evidence unless the tensor has a single row: a
     norm over the last dimension scales each row by its own factor, so a one-row tensor's norm
-    looks like a scaled copy. There only averaging over the group (1/N, N) counts."""
+    looks like a scaled copy. There only averaging over the group (1/N, N) and a negation (a
+    loss, minus a log-probability: ``loss_parallel``'s per-token loss of a 1-D target) count,
+    factors no norm gives but by chance."""
     if scale is None:
         return False
     if scale == 1.0 or (t.shape and t.numel > t.shape[-1]):
         return True
     n = j.group_size
-    return any(abs(scale - k) <= 1e-3 * k for k in (n, 1.0 / n))
+    return any(abs(scale - k) <= 1e-3 * abs(k) for k in (n, 1.0 / n, -1.0))
 
 
 def _gathering(c, procs, step_attrs=None) -> bool:

@@ -46,3 +46,21 @@ def test_one_row_steps_alone_do_not_take_a_scale_for_a_reduction_output(tmp_path
             _scaled_embedding_step(tr, rng, 1)
     check(point(tr.merge(tmp_path), "layer:input.0"), "replicate", "no-reduction", "equal-values")
 
+
+
+def test_a_negated_reduction_output_of_one_row_is_post_reduction(tmp_path):
+    """torch's loss_parallel (a held-out DTensor program, not written here): the per-token loss
+    of a 1-D target is minus the all_reduce of each rank's masked log-probabilities; a factor of
+    -1, as N and 1/N, is none a norm of the row gives but by chance."""
+    rng = gen(54)
+    logp = -pos(rng, 16)
+    parts = {0: np.where(np.arange(16) % 2 == 0, logp, 0).astype(np.float32)}
+    parts[1] = (logp - parts[0]).astype(np.float32)
+    tr = SyntheticTrace(2, root="run")
+    with tr.step():
+        with tr.call("loss", same(logp, R)) as c:
+            tr.coll("all_reduce", [arrays(parts)], [same(logp, R)])
+            c.returns(same(-logp, R))
+    p = point(tr.merge(tmp_path), "loss:output")
+    check(p, "replicate", "post-reduction", "reduction-output")
+    assert any("(times -1)" in t for t in p["evidence"]), p["evidence"]
