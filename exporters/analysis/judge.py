@@ -107,6 +107,8 @@ class Judge:
             if verdict is not None:
                 if verdict.placement.startswith("shard("):
                     self._note_repeated_slices(pt, verdict)
+                elif verdict.placement == "divergent" and rule is not rules.divergent:
+                    rules.note_undeclared_groups(self, verdict)  # (a reduction's output, each group's own)
                 return verdict
         raise AssertionError("the last rule always decides")  # rules.divergent
 

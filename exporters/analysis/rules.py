@@ -141,6 +141,14 @@ def fingerprints(j, pt):
     return decide(pt, "unknown", "unknown", "no-fingerprint", None, *extra)
 
 
+def note_undeclared_groups(j, verdict) -> None:
+    """Add ``_smaller_reduction_groups``'s hint to a divergent verdict another rule made (the
+    output of a reduction of each undeclared TP group's own: divergent, post-reduction)."""
+    hint = _smaller_reduction_groups(j)
+    if hint is not None and hint not in verdict.items:
+        verdict.items.append(hint)
+
+
 def divergent(j, pt):
     pt.items.append(item("values", "no partial-sum, gather, concatenation or sharded-weight evidence: "
                                    "the ranks disagree"))
@@ -157,8 +165,9 @@ def _smaller_reduction_groups(j):
     different data: say which groups those are (the most reducing ones first, as TP groups
     reduce in every layer and a DP metric once) and how to declare them."""
     ranks = set(j.ranks(j.v.procs))
-    uses = collections.Counter(tuple(sorted(c.group_ranks)) for c in j.v.colls.values()
-                               if c.sums and c.group_ranks and len(c.group_ranks) < len(ranks))
+    uses = collections.Counter(tuple(sorted(g)) for c in j.v.colls.values() if c.sums
+                               for g in {tuple(g) for g in (c.groups_of or {}).values()} or {tuple(c.group_ranks or ())}
+                               if g and len(g) < len(ranks))
     chosen, covered = [], set()
     for g, _n in sorted(uses.items(), key=lambda kv: (-kv[1], kv[0])):
         if set(g) <= ranks and not covered & set(g):

@@ -37,17 +37,25 @@ class Collective:
         return self.op in REDUCING and self.reduce_op in SUM_OPS
 
 
-def _across(group_ranks, rank, my_ranks):
-    """The key of a group that holds ``rank`` and no other rank of the group judged, as its
-    ranks relative to ``rank`` (a data- or expert-parallel group of a TP rank: [0, 2] for rank 0
-    and [1, 3] for rank 1 are both (0, 2)), or None for any other group. Each rank of the
-    judged group issues its own such group's collectives in the same order: matched by their
-    sequence, they are one collective whose output each rank holds, as for a group of them all."""
-    if rank is None or len(my_ranks) < 2 or rank not in group_ranks:
-        return None
-    if len(my_ranks.intersection(group_ranks)) != 1:
-        return None
-    return ("across",) + tuple(sorted(r - rank for r in group_ranks))
+def _family_keys(rows, rank_of, my_ranks) -> dict:
+    """(proc, group id) -> the key of a group that does not hold every rank judged, as its ranks
+    relative to its first: a family of groups alike up to a shift, one per rank judged or
+    partitioning them (data-parallel groups [0, 2] and [1, 3] of TP ranks 0 and 1, both (0, 2);
+    TP groups [0, 1] and [2, 3] of a world judged whole, both (0, 1)). Each rank issues its own
+    group's collectives in the same order, so matched by their sequence they are one collective,
+    as for a group of them all. Where two groups of one process are alike (a TP and an expert
+    group of the same ranks), neither is keyed so: their sequences could not be told apart."""
+    by_proc: dict = {}
+    for proc, gid, ranks in rows:
+        rank = rank_of.get(proc)
+        if rank is None or len(my_ranks) < 2 or rank not in ranks or my_ranks <= set(ranks):
+            continue
+        by_proc.setdefault(proc, {})[gid] = ("family",) + tuple(r - min(ranks) for r in sorted(ranks))
+    keys = {}
+    for proc, groups in by_proc.items():
+        shapes = collections.Counter(groups.values())
+        keys.update({(proc, gid): key for gid, key in groups.items() if shapes[key] == 1})
+    return keys
 
 
 def _collective_attrs_column(con) -> bool:
@@ -127,6 +135,9 @@ class StepView:
                     self.times[key] = (t0 if i < n_pre else t0 + dur, idx, i)
         self.colls: dict = {}  # (group, seq) -> Collective with per-proc ins/outs
         my_ranks = {rank_of.get(p) for p in procs}
+        family = _family_keys([(p, g, json.loads(r)) for p, g, r in con.execute(
+            f"SELECT DISTINCT c.proc, c.group_id, g.ranks FROM collectives c JOIN groups g USING(group_id) "
+            f"WHERE c.step=? AND c.proc IN ({ph})", (step, *procs))], rank_of, my_ranks)
         attrs_col = "c.attrs" if _collective_attrs_column(con) else "NULL"
         for (proc, idx, parent, op, redop, gid, seq, t0, dur, lay, fp_pre, fp_post, n_pre, nbytes,
              gname, granks, attrs) in con.execute(
@@ -136,9 +147,9 @@ class StepView:
                 (step, *procs)):
             group_ranks = json.loads(granks)
             key = (gid, seq)
-            across = _across(group_ranks, rank_of.get(proc), my_ranks)
-            if across is not None:  # one group per rank of these: matched as one collective
-                key = (across, seq)
+            shape = family.get((proc, gid))
+            if shape is not None:  # one of a family of groups: matched as one collective
+                key = (shape, seq)
             c = self.colls.get(key)
             if c is None:
                 c = Collective()
@@ -259,8 +270,8 @@ class StepView:
 def coll_desc(c: Collective) -> str:
     op = f"{c.op}({c.reduce_op})" if c.reduce_op else c.op
     groups = sorted({tuple(g) for g in (getattr(c, "groups_of", None) or {}).values()})
-    if len(groups) > 1:  # one group per rank (_across)
-        return f"{op} #{c.seq} of groups {', '.join(str(list(g)) for g in groups)} (one per rank), " \
+    if len(groups) > 1:  # a family of groups (_family_keys)
+        return f"{op} #{c.seq} of groups {', '.join(str(list(g)) for g in groups)} (each rank's own, alike), " \
                f"issued by {c.module or '<root>'}"
     return f"{op} #{c.seq} of group {c.group_name} {c.group_ranks}, issued by {c.module or '<root>'}"
 

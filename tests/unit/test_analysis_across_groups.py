@@ -21,4 +21,4 @@ def test_a_metric_reduced_over_the_data_parallel_groups_is_post_reduction(tmp_pa
             c.returns(arrays({r: (a + b) * 0.5 for r in TP}))
     p = point(tr.merge(tmp_path), "metrics:output")
     check(p, "replicate", "post-reduction", "reduction-output")
-    assert any("of groups [0, 2], [1, 3] (one per rank)" in t and "times 0.5" in t for t in p["evidence"]), p
+    assert any("of groups [0, 2], [1, 3] (each rank's own, alike)" in t and "times 0.5" in t for t in p["evidence"]), p

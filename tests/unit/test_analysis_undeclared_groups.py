@@ -31,7 +31,9 @@ def test_undeclared_replicas_are_divergent_and_the_evidence_names_their_groups(t
     with tr.step():
         _replicas(tr, gen(51), tp_groups=[[0, 1], [2, 3]], dp_groups=[[0, 2], [1, 3]])
     p = point(tr.merge(tmp_path), "o_proj:output")
-    check(p, "divergent", "unknown", "divergent")
+    # each rank's values are its own TP group's all_reduce output (the groups' collectives are
+    # matched by their sequence): post-reduction, and divergent across the world
+    check(p, "divergent", "post-reduction", "reduction-output")
     said = [i["text"] for i in items(p, "groups")]
     assert said and "groups [0, 1], [2, 3]" in said[0] and "set_tp_group" in said[0], p["evidence"]
 
