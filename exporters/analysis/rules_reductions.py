@@ -87,6 +87,13 @@ def reduction_output(j, pt, exact=True):
     gather's output is not."""
     for c, _i, scale in j.links(pt)[0]:  # the latest first
         if c.op in REDUCE_SCATTER:
+            if pt.equal and scale == 1.0 and c.sums:
+                # each rank's slice of rows that were the same on every rank (Megatron-Core's
+                # MoE all-gather dispatcher gathers the TP ranks' copies of the tokens, and its
+                # combine reduce-scatters them back): a reduced slice, the same everywhere
+                return decide(pt, "replicate", "post-reduction", "reduce-scatter-output", coll_json(c, pt.procs[0]),
+                              coll_item(c, f"equals the output of {coll_desc(c)} on every rank: a reduced slice, "
+                                           "the same on every rank"))
             continue
         if exact and scale != 1.0:
             continue
