@@ -214,8 +214,17 @@ def _too_alike(j, pt) -> str | None:
     for key in j.alike:
         if linked(j.v.points[key], pt.obs) == 1.0:
             return f"they are the values of {j.name(key)}, which are too"
+    if not pt.is_output:
+        return None
+    # Computed inside its call from a shard its own modules made, whose ranks differ (eager
+    # attention's weights from each rank's q and k heads, returned beside the all_reduced
+    # output): what is computed from whole values after a reduction is the same bit for bit.
+    inner = j.inner_shard(pt)
+    if inner is not None and tuple(j.v.points[inner][pt.procs[0]].shape) != tuple(pt.tref.shape) \
+            and not _equal_on_every_rank(j, inner, pt.procs):
+        return f"its call computed them where {j.name(inner)}, a shard made inside it, differs across ranks"
     inputs = j.call_inputs(pt)
-    if not pt.is_output or not inputs or _collective_inside(j, pt, inputs):
+    if not inputs or _collective_inside(j, pt, inputs):
         return None
     for key, _verdict in inputs:
         obs = j.v.points[key]
@@ -225,6 +234,14 @@ def _too_alike(j, pt) -> str | None:
         if tuple(ts[0].shape) == tuple(pt.tref.shape) and not all_equal(ts):
             return f"its call's input {j.name(key)}, of its shape, differs across ranks"
     return None
+
+
+def _equal_on_every_rank(j, key, procs) -> bool:
+    """Whether ``key``'s values read equal on every rank of ``procs`` (no fingerprint: taken
+    as equal, which says nothing)."""
+    obs = j.v.points.get(key) or {}
+    ts = [obs.get(p) for p in procs]
+    return any(t is None or t.fp is None for t in ts) or all_equal(ts)
 
 
 def _collective_inside(j, pt, inputs) -> bool:
