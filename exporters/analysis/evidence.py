@@ -21,6 +21,9 @@ READ_FROM_ASKED = "read-from-asked"
 # the kind of the item that says a one-row tensor is a scaled copy of a sum-reduction's output,
 # which a norm of that row would also be: verdicts.vote lets steps of more rows decide
 ONE_ROW_SCALE = "one-row-scale"
+# ... and the kind of the item that says the sums of squares fit a scaled copy of one, but the
+# sums are too near zero to confirm it (verdicts.vote treats both alike)
+UNCONFIRMED_SCALE = "unconfirmed-scale"
 
 
 def item(kind: str, text: str, **refs) -> dict:

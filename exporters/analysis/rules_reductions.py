@@ -12,9 +12,9 @@ each is tried.
 from __future__ import annotations
 
 from tensor_trace.exporters.analysis import dataflow, declared, rules_weights
-from tensor_trace.exporters.analysis.evidence import ONE_ROW_SCALE, coll_item, decide, item
+from tensor_trace.exporters.analysis.evidence import ONE_ROW_SCALE, UNCONFIRMED_SCALE, coll_item, decide, item
 from tensor_trace.exporters.analysis.step_view import EXCHANGE, GATHER, REDUCE_SCATTER, REDUCING, coll_desc, coll_json
-from tensor_trace.exporters.analysis.tolerance import Observed, close, disjoint_sum, fp_equal, linked
+from tensor_trace.exporters.analysis.tolerance import Observed, close, disjoint_sum, fp_equal, linked, unconfirmed_scale
 
 
 def _scale_ok(j, t, scale) -> bool:
@@ -141,7 +141,26 @@ def reduction_output(j, pt, exact=True):
         return decide(pt, "replicate" if pt.equal else "divergent", "post-reduction",
                       "reduction-output", coll_json(c, pt.procs[0]),
                       coll_item(c, f"equals the output of {coll_desc(c)} on every rank{times}"))
+    if not exact:
+        _note_unconfirmed_scale(j, pt)
     return None
+
+
+def _note_unconfirmed_scale(j, pt) -> None:
+    """Say where the point's sums of squares fit a scaled copy of a sum-reduction's output
+    whose sums are too near zero to confirm it (a bf16 embedding times a multiplier whose token
+    sums cancel): this step cannot tell, and does not outvote one that can (verdicts.vote)."""
+    for c in j.v.before(pt.t_point + 1, REDUCING):
+        if not c.sums or c.op in REDUCE_SCATTER:
+            continue
+        outs = {p: c.outs[p][0] for p in pt.procs if c.outs.get(p) and len(c.outs[p]) == 1}
+        if len(outs) < len(pt.procs) or outs[pt.procs[0]].numel != pt.tref.numel:
+            continue
+        scale = unconfirmed_scale(outs, pt.obs)
+        if scale is not None:
+            pt.items.append(item(UNCONFIRMED_SCALE, f"its sums of squares fit the output of {coll_desc(c)} times "
+                                                    f"{scale:.4g}, but its sums are too near zero to confirm it"))
+            return
 
 
 def _input_links(j, pt, exact):

@@ -103,6 +103,27 @@ def linked(xs: dict, ys: dict) -> float | None:
     return scale
 
 
+def unconfirmed_scale(xs: dict, ys: dict) -> float | None:
+    """The common scale c with ys[r] == c * xs[r] on every rank, found as ``linked`` finds it
+    but where a sum is too near zero to confirm it (the sums of squares fit it, the sums do not
+    contradict it), or None: evidence too weak to link, enough for a step not to say the
+    contrary (verdicts.vote)."""
+    procs = [p for p in xs if p in ys]
+    if not procs or len(procs) < len(xs):
+        return None
+    x, y = xs[procs[0]], ys[procs[0]]
+    if x.fp is None or y.fp is None or x.numel != y.numel or not x.fp[1] or not y.fp[1]:
+        return None
+    scale = math.sqrt(y.fp[1] / x.fp[1])
+    if x.fp[0] * y.fp[0] < 0:
+        scale = -scale
+    if abs(scale) < 1e-6 or abs(scale - 1.0) < 1e-6:
+        return None
+    if all(fp_equal(xs[p], ys[p], scale) for p in procs):
+        return scale
+    return None
+
+
 def all_equal(ts: list) -> bool:
     return all(fp_equal(ts[0], t) for t in ts[1:])
 

@@ -8,7 +8,7 @@ import json
 
 from tensor_trace import schema
 from tensor_trace.exporters.analysis import declared, groups
-from tensor_trace.exporters.analysis.evidence import ONE_ROW_SCALE, READ_FROM_ASKED, item, texts
+from tensor_trace.exporters.analysis.evidence import ONE_ROW_SCALE, READ_FROM_ASKED, UNCONFIRMED_SCALE, item, texts
 from tensor_trace.exporters.analysis.judge import Judge
 from tensor_trace.exporters.analysis.step_view import StepView
 from tensor_trace.format.fingerprints import decode_fingerprints
@@ -284,8 +284,9 @@ def vote(verdicts: list, lineage_steps: set) -> tuple:
     if read and len(read) < len(voting):
         voting = [v for v in voting if v not in read]
     # A step where the point is one row (a decode step's token) cannot tell a common scale of a
-    # sum-reduction's output (Gemma's embedding times sqrt(hidden)) from a norm of that row: it
-    # says nothing against steps of more rows that found the scaled output.
+    # sum-reduction's output (Gemma's embedding times sqrt(hidden)) from a norm of that row, nor
+    # one whose sums are too near zero to confirm a scale its sums of squares fit: it says
+    # nothing against steps that found the scaled output.
     if any(v["rule"] == "reduction-output" for v in voting):
         voting = [v for v in voting if v["rule"] == "reduction-output" or not _one_row_scale(v)]
     counts = collections.Counter((v["placement"], v["reduction"]) for v in voting)
@@ -295,7 +296,7 @@ def vote(verdicts: list, lineage_steps: set) -> tuple:
 
 
 def _one_row_scale(v) -> bool:
-    return any(i["kind"] == ONE_ROW_SCALE for i in v.get("items", ()))
+    return any(i["kind"] in (ONE_ROW_SCALE, UNCONFIRMED_SCALE) for i in v.get("items", ()))
 
 
 def _read_from_asked(v) -> bool:

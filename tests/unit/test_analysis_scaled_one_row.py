@@ -64,3 +64,32 @@ def test_a_negated_reduction_output_of_one_row_is_post_reduction(tmp_path):
     p = point(tr.merge(tmp_path), "loss:output")
     check(p, "replicate", "post-reduction", "reduction-output")
     assert any("(times -1)" in t for t in p["evidence"]), p["evidence"]
+
+
+def _multiplied_embedding_step(tr, x):
+    parts = {0: x * 0.25, 1: x * 0.75}
+    with tr.call("model", same(np.arange(len(x)), R, "int64")) as outer:
+        with tr.call("embed", same(np.arange(len(x)), R, "int64")) as c:
+            tr.coll("all_reduce", [arrays(parts)], [same(x, R)])
+            c.returns(same(x, R))
+        with tr.call("layer", same(x * 4, R)) as c:  # an embedding multiplier (granite's 4)
+            c.returns(same(x * 3, R))
+        outer.returns(same(x, R))
+
+
+def test_a_scale_whose_sums_are_too_near_zero_to_confirm_does_not_outvote_one_that_is_confirmed(tmp_path):
+    """transformers' granite in bf16 (a held-out program, not written here): the embedding
+    times 4, whose token sums cancel to about zero in most steps: there the scale cannot be
+    confirmed, and those steps no longer outvote the one that confirms it."""
+    rng = gen(55)
+    tr = SyntheticTrace(2, root="run")
+    with tr.step():
+        _multiplied_embedding_step(tr, pos(rng, 3, 4) + 1.0)  # sums far from zero
+    for _ in range(2):
+        with tr.step():
+            x = pos(rng, 3, 4)
+            _multiplied_embedding_step(tr, (x - x.mean()).astype(np.float32))  # sums about zero
+    con = tr.merge(tmp_path)
+    check(point(con, "layer:input.0"), "replicate", "post-reduction", "reduction-output")
+    (one,) = query.placement(con, "layer:input.0", step=1)
+    assert any("too near zero to confirm it" in t for t in one["evidence"]), one["evidence"]
