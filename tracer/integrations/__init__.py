@@ -51,9 +51,25 @@ def apply_loaded() -> None:
 
 def module_attrs(module) -> dict | None:
     """What a framework's own layer class says about a module (for the merge to cross-check
-    against the observed evidence), or None for modules no integration knows."""
+    against the observed evidence), and whether its calls run compiled; None for modules no
+    integration knows that run as they are."""
+    attrs = None
     if type(module).__module__.startswith("sglang."):
         from tensor_trace.tracer.integrations import sglang
 
-        return sglang.module_attrs(module)
+        attrs = sglang.module_attrs(module)
+    compiled = compiled_how(module)
+    if compiled:
+        attrs = dict(attrs or {}, compiled=compiled)
+    return attrs
+
+
+def compiled_how(module) -> str | None:
+    """How a module's calls run compiled, or None: ``torch.compile(module)`` (the wrapper that
+    takes its place) or ``module.compile()`` (its compiled call). The ops and collectives inside
+    run in the compiled graph, which the tracer does not see."""
+    if type(module).__name__ == "OptimizedModule" and type(module).__module__.startswith("torch._dynamo"):
+        return "torch.compile(module)"
+    if getattr(module, "__dict__", {}).get("_compiled_call_impl") is not None:
+        return "module.compile()"
     return None

@@ -1,0 +1,55 @@
+"""A module whose calls run compiled (torch.compile): the collectives inside its graph are not
+recorded, so what it returns, equal on every rank, cannot be said to be computed locally. The
+case from a held-out program (not written here): TP attention and MLP modules compiled one by
+one, each ending with a functional all_reduce; they were judged no-reduction, definite and
+wrong. Now the reduction is unknown, and the evidence says why."""
+
+import torch
+import torch.nn as nn
+
+from synthetic_trace import SyntheticTrace, check, gen, items, point, pos, same
+from tensor_trace.tracer.integrations import compiled_how, module_attrs
+
+R = [0, 1]
+
+
+def _step(tr, rng):
+    x = pos(rng, 2, 4)
+    y = pos(rng, 2, 4)
+    with tr.call("model", same(x, R)) as outer:
+        with tr.call("attn", same(x, R)) as c:  # its all_reduce ran inside the compiled graph
+            c.returns(same(y, R))
+        with tr.call("norm", same(y, R)) as c:
+            c.returns(same(y * 2, R))
+        outer.returns(same(y * 2, R))
+
+
+def test_what_a_compiled_call_returns_is_of_unknown_reduction(tmp_path):
+    tr = SyntheticTrace(2, root="run")
+    tr.layer("attn", {"compiled": "torch.compile(module)"})
+    with tr.step():
+        _step(tr, gen(91))
+    con = tr.merge(tmp_path)
+    for name in ("attn:output", "norm:input.0"):
+        p = point(con, name)
+        check(p, "replicate", "unknown", "equal-values")
+        assert any("attn:output ran compiled (torch.compile(module))" in i["text"] for i in items(p, "values")), p
+    check(point(con, "norm:output"), "replicate", "no-reduction", "equal-values")
+
+
+def test_without_compiled_calls_equal_values_are_computed_locally(tmp_path):
+    tr = SyntheticTrace(2, root="run")
+    with tr.step():
+        _step(tr, gen(91))
+    check(point(tr.merge(tmp_path), "attn:output"), "replicate", "no-reduction", "equal-values")
+
+
+def test_the_tracer_says_which_modules_run_compiled():
+    plain = nn.Linear(2, 2)
+    assert compiled_how(plain) is None and module_attrs(plain) is None
+    wrapped = torch.compile(nn.Linear(2, 2), backend="eager")
+    assert compiled_how(wrapped) == "torch.compile(module)"
+    assert module_attrs(wrapped) == {"compiled": "torch.compile(module)"}
+    in_place = nn.Linear(2, 2)
+    in_place.compile(backend="eager")
+    assert compiled_how(in_place) == "module.compile()"
