@@ -214,17 +214,21 @@ def _too_alike(j, pt) -> str | None:
     for key in j.alike:
         if linked(j.v.points[key], pt.obs) == 1.0:
             return f"they are the values of {j.name(key)}, which are too"
-    if not pt.is_output:
-        return None
+    if not pt.is_output or j.links(pt)[0]:
+        return None  # (a collective's output: its own summation order can differ by rank)
     # Computed inside its call from a shard its own modules made, whose ranks differ (eager
     # attention's weights from each rank's q and k heads, returned beside the all_reduced
     # output): what is computed from whole values after a reduction is the same bit for bit.
+    # Not where a collective inside the call returned a tensor of its size: values carried on
+    # from a reduction (a layer's residual sum of its MoE's reduce_scatter output) need not be
+    # the same bit for bit, as each rank's slice is summed in its own order.
+    inputs = j.call_inputs(pt)
     inner = j.inner_shard(pt)
     if inner is not None and tuple(j.v.points[inner][pt.procs[0]].shape) != tuple(pt.tref.shape) \
-            and not _equal_on_every_rank(j, inner, pt.procs):
+            and not _equal_on_every_rank(j, inner, pt.procs) \
+            and not _collective_inside(j, pt, numel=pt.tref.numel):
         return f"its call computed them where {j.name(inner)}, a shard made inside it, differs across ranks"
-    inputs = j.call_inputs(pt)
-    if not inputs or _collective_inside(j, pt, inputs):
+    if not inputs or _collective_inside(j, pt):
         return None
     for key, _verdict in inputs:
         obs = j.v.points[key]
@@ -244,15 +248,18 @@ def _equal_on_every_rank(j, key, procs) -> bool:
     return any(t is None or t.fp is None for t in ts) or all_equal(ts)
 
 
-def _collective_inside(j, pt, inputs) -> bool:
+def _collective_inside(j, pt, numel=None) -> bool:
     """Whether any collective ran while the call of output ``pt`` did (its own or a child's:
-    a module whose child all_reduces its partial input returns whole values)."""
-    times = j.v.times
-    start = min((times[k][0] for k, _ in inputs if k in times), default=None)
-    end = times.get(pt.key, (None,))[0]
-    if start is None or end is None:
+    a module whose child all_reduces its partial input returns whole values); with ``numel``,
+    one with an output of that many elements."""
+    at = j.v.times.get(pt.key)
+    start = j.v.span_t0.get(at[1]) if at is not None else None
+    if start is None:
         return True
-    return any(start <= c.t0 <= end for c in j.v.coll_list)
+    end = at[0]
+    p0 = pt.procs[0]
+    return any(start <= c.t0 <= end and (numel is None or any(o.numel == numel for o in c.outs.get(p0) or ()))
+               for c in j.v.coll_list)
 
 
 # Rules that place a point from what built it (its module's split weight and its inputs'

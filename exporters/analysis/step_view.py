@@ -106,6 +106,7 @@ class StepView:
         self.points: dict = {}  # (module, call, slot) -> {proc: Observed}
         self.times: dict = {}  # point key -> (ns from step start, span idx, slot idx) on the first proc
         self.span_of: dict = {}  # (proc, idx) -> (module, call, parent)
+        self.span_t0: dict = {}  # span idx -> its start (ns from the step's start) on the first proc
         self.slot_key: dict = {}  # (proc, span idx, slot idx) -> point key
         self.max_call = collections.Counter()
         ph = ",".join("?" * len(procs))
@@ -123,6 +124,8 @@ class StepView:
         for proc, idx, parent, mid, call, t0, dur, lay, fp_pre, fp_post, n_pre in rows:
             module = modules[mid]
             self.span_of[(proc, idx)] = (module, call, parent)
+            if proc == procs[0]:
+                self.span_t0[idx] = t0
             self.max_call[module] = max(self.max_call[module], call)
             d = fps[proc]
             for i, slot in enumerate(layouts.get(lay, ())):
