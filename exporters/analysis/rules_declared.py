@@ -64,11 +64,12 @@ def _equal_values(j, pt):
         whole = whole or verdict is not None
     compiled = _compiled_call(j, pt)
     if compiled is not None:
+        # (a compiled block ends with its residual add more often than with its reduction:
+        # the verdict stays, with the caution)
         key, how = compiled
-        return decide(pt, "replicate", "unknown", "equal-values", None,
-                      item("values", f"{j.name(key)} ran compiled ({how}): the ops and collectives inside it are "
-                                     "not seen, so whether these values are a sum-reduction's output is not known",
-                           point=j.name(key)))
+        pt.items.append(item("values", f"{j.name(key)} ran compiled ({how}): the ops and collectives inside it "
+                                       "are not seen, so that these values are no sum-reduction's output is "
+                                       "not checked", point=j.name(key)))
     if pt.is_output and any(c.sums for c in j.call_collectives(pt)):
         # (the contract's post-reduction is the reduction's output carried unchanged)
         why = ("not the output of its call's sum-reduction itself: computed locally from it or from other "
@@ -81,7 +82,7 @@ def _equal_values(j, pt):
 def _compiled_call(j, pt):
     """(point, how) of the compiled module call (torch.compile) whose output ``pt`` is, or whose
     output's values (bit for bit) it carries on, or None: a collective inside a compiled call
-    is not recorded, so "computed locally" cannot be said of what it returns."""
+    is not recorded, so "computed locally" is not checked of what it returns."""
     keys = [pt.key] if pt.is_output else []
     t0 = pt.obs.get(j.v.procs[0])
     producer = j.by_fp0.get((t0.fp, t0.numel)) if t0 is not None and t0.fp is not None else None
