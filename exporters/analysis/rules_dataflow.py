@@ -231,6 +231,20 @@ def _left_over(src_shape, d, shape) -> list | None:
     return left if k == len(whole) else None
 
 
+def inner_shard_dim(a, d, b) -> int | None:
+    """Where a tensor of shape ``b`` computed from a shard of dim ``d`` of shape ``a`` holds each
+    rank's part: the same dim of the same size where both have the same rank, else where the
+    shard's other dims lie in order with one dim left over whose size divides the shard's (each
+    rank's heads); None otherwise (a gathered tensor is larger than a rank's part)."""
+    a, b = tuple(a), tuple(b)
+    if len(a) == len(b):
+        return d if a[:d + 1] == b[:d + 1] else None
+    left = _left_over(a, d, b)
+    if not left or b[left[0]] < 2 or a[d] % b[left[0]]:
+        return None
+    return left[0]
+
+
 def derived_from_inner_shard(j, pt):
     """An output whose values differ across ranks, of a call that issued no collective and was
     handed no shard, computed from a shard the modules it called made (eager attention's
@@ -256,17 +270,10 @@ def derived_from_inner_shard(j, pt):
     if src_t is None:
         return None
     placement = j.done[src].placement
-    d = int(placement[6:-1])
     a, b = tuple(src_t.shape), tuple(pt.tref.shape)
-    if len(a) == len(b):
-        if a[:d + 1] != b[:d + 1]:
-            return None
-        dim = d
-    else:
-        left = _left_over(a, d, b)
-        if not left or b[left[0]] < 2 or a[d] % b[left[0]]:
-            return None
-        dim = left[0]
+    dim = inner_shard_dim(a, int(placement[6:-1]), b)
+    if dim is None:
+        return None
     return decide(pt, f"shard({dim})", "no-reduction", "derived-from-shard", None,
                   item("dataflow", f"computed inside its call from {j.name(src)}, {placement}, which a module it "
                                    f"called made" + ("" if len(a) == len(b) else f" (its dims in order: dim {dim} the "

@@ -7,7 +7,7 @@ import bisect
 import collections
 import json
 
-from tensor_trace.exporters.analysis.tolerance import Observed
+from tensor_trace.exporters.analysis.tolerance import Observed, all_equal
 from tensor_trace.format.fingerprints import F32_MAX, decode_fingerprints
 
 REDUCING = {"all_reduce", "all_reduce_", "all_reduce_coalesced", "reduce", "reduce_scatter",
@@ -74,12 +74,12 @@ def _wide_only_where_equal(obs: dict) -> None:
     """Values past float32's range (WIDE_FINGERPRINTS) are a real tensor's only as sentinels,
     the same on every rank (an attention mask of finfo.min); else they are uninitialised
     memory (a buffer before its broadcast, gathered padding), which says nothing: such a
-    tensor is taken as non-finite, as its float32 sums were, unless every rank's are equal."""
+    tensor is taken as non-finite, as its float32 sums were, unless every rank's read equal."""
     if not any(map(_is_wide, obs.values())):
         return
-    fps = {o.fp for o in obs.values()}
-    if len(fps) == 1 and len({o.shape for o in obs.values()}) == 1:
-        return
+    ts = list(obs.values())
+    if len({o.shape for o in ts}) == 1 and all(o.fp is not None for o in ts) and all_equal(ts):
+        return  # (equal as any values are: two ways of summing may differ in the last bits)
     for o in obs.values():
         if _is_wide(o):
             o.fp, o.nonfinite = None, True
