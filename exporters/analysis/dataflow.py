@@ -327,8 +327,7 @@ def built_by_sum(judge, pt) -> str | None:
         return says
     # the very values (bit for bit) of an earlier module output declared a residual sum: that
     # tensor handed on (SGLang's norms return x + residual, which the next layer's norm receives)
-    t0 = pt.obs.get(judge.v.procs[0])
-    producer = judge.by_fp0.get((t0.fp, t0.numel)) if t0 is not None and t0.fp is not None else None
+    producer = judge.producer(pt.obs.get(judge.v.procs[0]))
     if producer is not None and producer != pt.key:
         says = judge.residual_sum(producer)
         if says:

@@ -68,6 +68,11 @@ class Judge:
         self.alike: list = []
         self._params_by_shape: dict | None = None  # shape -> [(module, parameter index)]: params_of_shape
 
+    def producer(self, t):
+        """The point that first output these very values (``t``'s fingerprint on the first
+        process), or None."""
+        return self.by_fp0.get((t.fp, t.numel)) if t is not None and t.fp is not None else None
+
     def name(self, key) -> str:
         """A point's name as queries show it (``#K`` where its module runs more than once)."""
         module, call, slot = key

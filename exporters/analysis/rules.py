@@ -81,8 +81,7 @@ def _gather_destination(j, pt):
                       item("missing", seen),
                       coll_item(c, f"its call gathered the ranks' parts with {coll_desc(c)}: whole where it "
                                    "was delivered, absent on the other ranks, not reduced"))
-    t0 = pt.tref
-    hit = j.by_fp0.get((t0.fp, t0.numel)) if t0 is not None and t0.fp is not None else None
+    hit = j.producer(pt.tref)
     prev = j.done.get(hit) if hit is not None else None
     if prev is not None and prev.rule == "gather-destination" and set(j.v.points[hit]) == set(pt.procs):
         return decide(pt, "unknown", "no-reduction", "gather-destination", prev.collective, item("missing", seen),
@@ -165,9 +164,8 @@ def _smaller_reduction_groups(j):
     different data: say which groups those are (the most reducing ones first, as TP groups
     reduce in every layer and a DP metric once) and how to declare them."""
     ranks = set(j.ranks(j.v.procs))
-    uses = collections.Counter(tuple(sorted(g)) for c in j.v.colls.values() if c.sums
-                               for g in {tuple(g) for g in (c.groups_of or {}).values()} or {tuple(c.group_ranks or ())}
-                               if g and len(g) < len(ranks))
+    uses = collections.Counter(g for c in j.v.colls.values() if c.sums
+                               for g in _groups_of(c) if g and len(g) < len(ranks))
     chosen, covered = [], set()
     for g, _n in sorted(uses.items(), key=lambda kv: (-kv[1], kv[0])):
         if set(g) <= ranks and not covered & set(g):
@@ -179,6 +177,12 @@ def _smaller_reduction_groups(j):
                           f"none over all of {sorted(ranks)}: if those are the tensor-parallel groups (data-parallel "
                           "replicas differ by their data), declare each with tensor_trace.tracer.set_tp_group(group) "
                           "in its processes; until then the TP group is the world")
+
+
+def _groups_of(c) -> set:
+    """The groups a collective ran in, as sorted rank tuples: one per rank where it stands for a
+    family of groups (step_view._family_keys)."""
+    return {tuple(sorted(g)) for g in (c.groups_of or {}).values()} or {tuple(sorted(c.group_ranks or ()))}
 
 
 def _values(j, pt):
@@ -231,7 +235,7 @@ def _too_alike(j, pt) -> str | None:
     if inner_t is not None and tuple(inner_t.shape) != tuple(pt.tref.shape) \
             and rules_dataflow.inner_shard_dim(inner_t.shape, int(j.done[inner].placement[6:-1]),
                                                pt.tref.shape) is not None \
-            and not _equal_on_every_rank(j, inner, pt.procs) \
+            and not rules_dataflow.equal_on_ranks(j, inner, pt.procs) \
             and not _collective_inside(j, pt, numel=pt.tref.numel):
         return f"its call computed them where {j.name(inner)}, a shard made inside it, differs across ranks"
     if not inputs or _collective_inside(j, pt):
@@ -257,14 +261,6 @@ def _apart(ts) -> bool:
         return False
     n = ts[0].numel
     return (max(qs) - min(qs)) / max(qs) > 4e-7 * max(1.0, n / 65536.0)
-
-
-def _equal_on_every_rank(j, key, procs) -> bool:
-    """Whether ``key``'s values read equal on every rank of ``procs`` (no fingerprint: taken
-    as equal, which says nothing)."""
-    obs = j.v.points.get(key) or {}
-    ts = [obs.get(p) for p in procs]
-    return any(t is None or t.fp is None for t in ts) or all_equal(ts)
 
 
 def _collective_inside(j, pt, numel=None) -> bool:

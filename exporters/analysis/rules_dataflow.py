@@ -112,12 +112,12 @@ def derived_from_shard_inputs(j, pt):
         src = same[0]
     else:
         src = shards[0]
-    if pt.equal and not _equal_on_ranks(j, src, pt.procs):
+    if pt.equal and not equal_on_ranks(j, src, pt.procs):
         return None
     return derived_from_shard(j, pt, src)
 
 
-def _equal_on_ranks(j, key, procs) -> bool:
+def equal_on_ranks(j, key, procs) -> bool:
     """Whether ``key``'s values are equal on every rank of ``procs``, or cannot be told (no
     fingerprints). Values equal on every rank derive from a shard only where that shard is
     identical on every rank too (dummy weights): from a shard whose ranks differ, what is equal
@@ -141,7 +141,7 @@ def input_shaped_as_shard(j, pt):
     src = j.enclosing_shard(pt, shape)
     if src is None or j.enclosing_shard(pt, shape, whole=True) is not None:
         return None  # (whole tensors of that shape in the call too: the shape tells nothing)
-    if pt.equal and not _equal_on_ranks(j, src, pt.procs):
+    if pt.equal and not equal_on_ranks(j, src, pt.procs):
         return None
     return derived_from_shard(j, pt, src)
 
@@ -151,7 +151,7 @@ def same_values_as_producer(j, pt):
     earlier output, an output that passes its call's input through, or one that returns a
     child's output."""
     cands = [k for k, _ in j.call_inputs(pt)] if pt.is_output else []
-    hit = j.by_fp0.get((pt.tref.fp, pt.tref.numel))
+    hit = j.producer(pt.tref)
     if hit is not None:
         cands.append(hit)
     for prod in cands:
@@ -175,9 +175,8 @@ def same_values_where_finite(j, pt):
     """A point with non-finite values on some ranks (a vocab-parallel head's -inf padding
     columns) carrying a producer's tensor: the same values on the ranks where they are finite,
     non-finite on the same ranks as the producer's, and the same shapes."""
-    t0 = pt.tref
     cands = [k for k, _ in j.call_inputs(pt)] if pt.is_output else []
-    hit = j.by_fp0.get((t0.fp, t0.numel)) if t0.fp is not None else None
+    hit = j.producer(pt.tref)
     if hit is not None:
         cands.append(hit)
     if all(t.nonfinite for t in pt.ts):

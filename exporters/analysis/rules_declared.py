@@ -84,8 +84,7 @@ def _compiled_call(j, pt):
     output's values (bit for bit) it carries on, or None: a collective inside a compiled call
     is not recorded, so "computed locally" is not checked of what it returns."""
     keys = [pt.key] if pt.is_output else []
-    t0 = pt.obs.get(j.v.procs[0])
-    producer = j.by_fp0.get((t0.fp, t0.numel)) if t0 is not None and t0.fp is not None else None
+    producer = j.producer(pt.obs.get(j.v.procs[0]))
     if producer is not None:
         keys.append(producer)
     for key in keys:

@@ -37,16 +37,18 @@ class Collective:
         return self.op in REDUCING and self.reduce_op in SUM_OPS
 
 
-def _family_keys(rows, rank_of, my_ranks) -> dict:
-    """(proc, group id) -> the key of a group that does not hold every rank judged, as its ranks
-    relative to its first: a family of groups alike up to a shift, one per rank judged or
+def _family_keys(pairs, ranks_of, rank_of, my_ranks) -> dict:
+    """(proc, group id) -> the key of a group that does not hold every rank judged, of the
+    (proc, group id) ``pairs`` the step's collectives ran in (``ranks_of``: group id -> its
+    ranks), as its ranks relative to its first: a family of groups alike up to a shift, one per rank judged or
     partitioning them (data-parallel groups [0, 2] and [1, 3] of TP ranks 0 and 1, both (0, 2);
     TP groups [0, 1] and [2, 3] of a world judged whole, both (0, 1)). Each rank issues its own
     group's collectives in the same order, so matched by their sequence they are one collective,
     as for a group of them all. Where two groups of one process are alike (a TP and an expert
     group of the same ranks), neither is keyed so: their sequences could not be told apart."""
     by_proc: dict = {}
-    for proc, gid, ranks in rows:
+    for proc, gid in pairs:
+        ranks = ranks_of[gid]
         rank = rank_of.get(proc)
         if rank is None or len(my_ranks) < 2 or rank not in ranks or my_ranks <= set(ranks):
             continue
@@ -138,17 +140,17 @@ class StepView:
                     self.times[key] = (t0 if i < n_pre else t0 + dur, idx, i)
         self.colls: dict = {}  # (group, seq) -> Collective with per-proc ins/outs
         my_ranks = {rank_of.get(p) for p in procs}
-        family = _family_keys([(p, g, json.loads(r)) for p, g, r in con.execute(
-            f"SELECT DISTINCT c.proc, c.group_id, g.ranks FROM collectives c JOIN groups g USING(group_id) "
-            f"WHERE c.step=? AND c.proc IN ({ph})", (step, *procs))], rank_of, my_ranks)
         attrs_col = "c.attrs" if _collective_attrs_column(con) else "NULL"
+        coll_rows = con.execute(
+            f"SELECT c.proc, c.idx, c.parent, c.op, c.reduce_op, c.group_id, c.seq, c.t0, c.dur, "
+            f"c.layout_id, c.fp_pre, c.fp_post, c.n_pre, c.bytes, g.name, g.ranks, {attrs_col} "
+            f"FROM collectives c JOIN groups g USING(group_id) WHERE c.step=? AND c.proc IN ({ph})",
+            (step, *procs)).fetchall()
+        ranks_of = {gid: json.loads(granks) for _, _, _, _, _, gid, *_, granks, _ in coll_rows}
+        family = _family_keys({(r[0], r[5]) for r in coll_rows}, ranks_of, rank_of, my_ranks)
         for (proc, idx, parent, op, redop, gid, seq, t0, dur, lay, fp_pre, fp_post, n_pre, nbytes,
-             gname, granks, attrs) in con.execute(
-                f"SELECT c.proc, c.idx, c.parent, c.op, c.reduce_op, c.group_id, c.seq, c.t0, c.dur, "
-                f"c.layout_id, c.fp_pre, c.fp_post, c.n_pre, c.bytes, g.name, g.ranks, {attrs_col} "
-                f"FROM collectives c JOIN groups g USING(group_id) WHERE c.step=? AND c.proc IN ({ph})",
-                (step, *procs)):
-            group_ranks = json.loads(granks)
+             gname, granks, attrs) in coll_rows:
+            group_ranks = ranks_of[gid]
             key = (gid, seq)
             shape = family.get((proc, gid))
             if shape is not None:  # one of a family of groups: matched as one collective

@@ -11,23 +11,17 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from tensor_trace.cli import main
-from tt_helpers import TORCHRUN, record
+from tt_helpers import TORCHRUN, placements, record
 
 SCRIPT = Path(__file__).parent / "scripts" / "masked_attention.py"
 MASKS = ("layers.0:input.attention_mask", "layers.0.attn:input.attention_mask",
          "layers.1:input.attention_mask", "layers.1.attn:input.attention_mask")
 
 
-def _placements(out):
-    r = CliRunner().invoke(main, ["query", "placement", "*:*", "--trace", str(out), "--json"])
-    assert r.exit_code == 0, r.output
-    return {p["point"]: p for p in json.loads(r.stdout)}
-
-
 def test_a_finfo_min_mask_is_replicated(tmp_path):
     out = tmp_path / "t"
     record(out, [TORCHRUN, "--standalone", "--nproc-per-node", "2", SCRIPT], timeout=240)
-    pts = _placements(out)
+    pts = placements(out)
     for name in MASKS:
         p = pts[name]
         assert (p["placement"], p["reduction"], p["rule"]) == ("replicate", "no-reduction", "equal-values"), p
@@ -43,7 +37,7 @@ def test_a_finfo_min_mask_is_replicated(tmp_path):
 def test_a_minus_inf_mask_stays_unknown(tmp_path):
     out = tmp_path / "t"
     record(out, [TORCHRUN, "--standalone", "--nproc-per-node", "2", SCRIPT, "--mask-value", "inf"], timeout=240)
-    pts = _placements(out)
+    pts = placements(out)
     for name in MASKS:
         p = pts[name]
         assert (p["placement"], p["reduction"]) == ("unknown", "unknown"), p

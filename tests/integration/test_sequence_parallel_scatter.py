@@ -4,27 +4,17 @@
 dim) and the values that differ across ranks; a slice the same on every rank stays whole.
 Before, the part and everything computed from it were ``divergent``."""
 
-import json
 from pathlib import Path
 
-from click.testing import CliRunner
-
-from tensor_trace.cli import main
-from tt_helpers import TORCHRUN, record
+from tt_helpers import TORCHRUN, placements, record
 
 SCRIPT = Path(__file__).parent / "scripts" / "sp_scatter.py"
-
-
-def _placements(out):
-    r = CliRunner().invoke(main, ["query", "placement", "*:*", "--trace", str(out), "--json"])
-    assert r.exit_code == 0, r.output
-    return {p["point"]: p for p in json.loads(r.stdout)}
 
 
 def test_each_ranks_sequence_part_is_a_shard_of_the_sequence(tmp_path):
     out = tmp_path / "t"
     record(out, [TORCHRUN, "--standalone", "--nproc-per-node", "2", SCRIPT], timeout=240)
-    pts = _placements(out)
+    pts = placements(out)
     p = pts["embedding:output"]
     assert (p["placement"], p["reduction"], p["rule"]) == ("shard(0)", "no-reduction", "lineage-ops"), p["evidence"]
     assert any("a slice of 1/2 of a whole tensor along its dim 0" in e for e in p["evidence"]), p["evidence"]
@@ -35,5 +25,5 @@ def test_each_ranks_sequence_part_is_a_shard_of_the_sequence(tmp_path):
 def test_a_slice_the_same_on_every_rank_is_whole(tmp_path):
     out = tmp_path / "t"
     record(out, [TORCHRUN, "--standalone", "--nproc-per-node", "2", SCRIPT, "--same-part"], timeout=240)
-    p = _placements(out)["embedding:output"]
+    p = placements(out)["embedding:output"]
     assert (p["placement"], p["reduction"]) == ("replicate", "no-reduction"), p["evidence"]

@@ -114,6 +114,17 @@ def lineage_json(trace, point) -> dict:
     return json.loads(r.stdout)
 
 
+def placements(trace) -> dict:
+    """``query placement '*:*' --json`` of a trace, by point name."""
+    from click.testing import CliRunner
+
+    from tensor_trace.cli import main
+
+    r = CliRunner().invoke(main, ["query", "placement", "*:*", "--trace", str(trace), "--json"])
+    assert r.exit_code == 0, r.output
+    return {p["point"]: p for p in json.loads(r.stdout)}
+
+
 def record_cmd(out_dir, cmd, *options) -> list:
     return [TENSOR_TRACE, "record", "-o", str(out_dir), *options, "--", *[str(c) for c in cmd]]
 
