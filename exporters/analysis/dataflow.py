@@ -78,22 +78,50 @@ def reshape_shard(placement: str, old_shape, new_shape, block=None, asked=None):
         if block is None and list(old) == new:
             return placement, None  # (the same shape, and no -1 that says otherwise)
         # Several dims end at that stride only where all but the last are size 1: the old
-        # shape's size-1 dims just before d (one token: a decode step's [1, heads, head_dim])
-        # are the first of them; a size-1 dim after those is the rank's where the dims from it
-        # split d alone (one KV head per rank: [t, head_dim] to [t, 1, head_dim]), not where
-        # the last of them also holds the dims after d ([2, 16] of one token's two heads viewed
-        # back to [1, 32]: the 1 is the token).
+        # shape's size-1 dims just before d (one token: a decode step's [1, heads, head_dim]),
+        # and for an interleaved slice what is left of d above it where that is size 1, are
+        # the first of them; a size-1 dim after those is the rank's where the dims after it
+        # are the dims after d (one KV head per rank: [t, head_dim] to [t, 1, head_dim]; the
+        # heads split out of [b * np, sq, sk] as [b, 1, sq, sk]), not where the last of them
+        # also holds d's own elements ([2, 16] of one token's two heads viewed back to [1, 32]:
+        # the 1 is the token).
         ones = 0
         while ones < d and old[d - 1 - ones] == 1:
             ones += 1
+        if block is not None and old[d] == block:
+            ones += 1  # (what is left of d above the rank's runs, size 1, takes one too)
         at = min(run[0] + ones, run[-1])
-        if at < run[-1] and below[run[-1]] != math.prod(old[d + 1:]):
+        if at < run[-1] and math.prod(old[d + 1:]) not in below[at:]:
             at = run[-1]
         return f"shard({at})", None
     for i, n in enumerate(new):
         if below[i] < stride < below[i] * n and stride % below[i] == 0:
             return f"shard({i})", stride // below[i]
     return None
+
+
+def merged_left(placement: str, old_shape, new_shape, block=None):
+    """The other reading of a reshape that merges a sharded size-1 dim away, or None.
+
+    Each rank holding one head of a heads dim (``[sq, b, 1, hn]``) reshaped to ``[sq, b, hn]``
+    reads two ways from local shapes: the heads merged into hn (reshape_shard's reading, the
+    rank the outer part of hn, as ``[sq, b, np * hn]`` before a row-parallel projection) or into
+    the batch before them (Megatron's ``[sq, b * np, hn]`` for its batched product: the rank's
+    head interleaved with the batch, in runs of one). This is the second: the new dim whose
+    inner edge the rank sits at, as an interleaved slice in runs of one."""
+    d = _shard_dim(placement)
+    old, new = list(old_shape or ()), list(new_shape or ())
+    if d is None or block not in (None, 1) or not old or not new or d >= len(old) or old[d] != 1:
+        return None
+    if -1 in new or math.prod(new) != math.prod(old) or len(new) >= len(old):
+        return None
+    stride = math.prod(old[d + 1:])
+    below = [math.prod(new[i + 1:]) for i in range(len(new))]
+    left = [i for i, n in enumerate(new) if below[i] == stride and n > 1 and below[i] * n > stride]
+    right = [i for i, n in enumerate(new) if below[i] * n == stride]
+    if not left or not right or d == 0 or old[d - 1] == 1:
+        return None
+    return f"shard({left[0]})", 1
 
 
 def strided_shard(placement: str, vshape, vstride, shape, strides):
@@ -160,7 +188,7 @@ NOTHING = Placed(None)
 class LineageWalk:
     """Resolves a point's lineage reference to the judged points it was built from."""
 
-    def __init__(self, judge, pt):
+    def __init__(self, judge, pt, merge_left=False):
         self.j, self.pt = judge, pt
         self.nodes, self.sources = judge.v.lineage()
         self.proc = judge.v.procs[0]
@@ -168,6 +196,9 @@ class LineageWalk:
         # a reshape that left the local shape as it was moved the shard by its -1 alone: a
         # reading the shapes cannot confirm (reshape_shard), which steps that show it outvote
         self.read_from_asked = False
+        # merge_left: read reshapes that merge a sharded size-1 dim away as merged_left does;
+        # ambiguous: the walk met such a reshape (the caller may try the other reading)
+        self.merge_left, self.ambiguous = merge_left, False
 
     def slot_ref(self):
         t = self.j.v.times.get(self.pt.key)
@@ -220,7 +251,10 @@ class LineageWalk:
             self.ops.append(op)
             if src.placement is None or src.shape is None or new_shape is None:
                 return Placed(src.placement) if src.placement in ("replicate", "partial") else NOTHING
-            hit = reshape_shard(src.placement, src.shape, new_shape, src.block, attrs.get("asked"))
+            left = merged_left(src.placement, src.shape, new_shape, src.block)
+            self.ambiguous = self.ambiguous or left is not None
+            hit = left if left is not None and self.merge_left else reshape_shard(
+                src.placement, src.shape, new_shape, src.block, attrs.get("asked"))
             if hit and hit[0] != src.placement and list(src.shape) == list(new_shape):
                 self.read_from_asked = True
             return Placed(hit[0], tuple(new_shape), hit[1]) if hit else NOTHING
@@ -367,18 +401,21 @@ def _cuts(src: Placed, dim: int) -> bool:
 class FromLineage(NamedTuple):
     """A point placed by the ops that built it: ``block``, reshape_shard's, for an interleaved
     slice of the shard's dim; ``read_from_asked``, a shard moved by a local no-op reshape's -1;
-    ``cut``, Placed's."""
+    ``cut``, Placed's; ``ambiguous``, the walk met a reshape that merged a sharded size-1 dim
+    away (merged_left: the other reading may be asked for)."""
 
     placement: str
     ops: str
     block: int | None
     read_from_asked: bool
     cut: int | None = None
+    ambiguous: bool = False
 
 
-def placement_from_lineage(judge, pt) -> FromLineage | None:
-    """What the recorded ops that built ``pt`` say of its placement, or None."""
-    walk = LineageWalk(judge, pt)
+def placement_from_lineage(judge, pt, merge_left=False) -> FromLineage | None:
+    """What the recorded ops that built ``pt`` say of its placement, or None; ``merge_left``:
+    with merged_left's reading of the ambiguous reshapes."""
+    walk = LineageWalk(judge, pt, merge_left)
     ref = walk.slot_ref()
     if ref is None:
         return None
@@ -389,4 +426,4 @@ def placement_from_lineage(judge, pt) -> FromLineage | None:
     if d is not None and d >= pt.ndim:
         return None
     return FromLineage(found.placement, ", ".join(reversed(walk.ops)), found.block if d is not None else None,
-                       walk.read_from_asked and d is not None, found.cut)
+                       walk.read_from_asked and d is not None, found.cut, walk.ambiguous)

@@ -41,7 +41,7 @@ def lineage_ops(j, pt):
     hit = dataflow.placement_from_lineage(j, pt)
     if hit is None:
         return None
-    placement, ops, block, read, cut = hit
+    placement, ops, block, read, cut, ambiguous = hit
     if placement == "replicate" and pt.equal is False:
         # Values that differ across ranks are not whole, whatever the ops say: an index or a
         # slice taken differently on each rank (DP attention's own tokens) is not seen in them.
@@ -54,11 +54,25 @@ def lineage_ops(j, pt):
                                        f"along its dim {cut}, with values that differ across ranks: each rank's "
                                        "own part"))
     c = next_sum_reduction(j.v, pt) if placement == "partial" else None
+    other = None
+    if placement == "partial" and c is None and ambiguous:
+        # a partial sum that no sum-reduction completes, read through a reshape of a size-1
+        # sharded dim: the reshape's other reading (the heads merged into the batch before
+        # them, not into the dim a product contracts) is taken where it gives a shard
+        other = dataflow.placement_from_lineage(j, pt, merge_left=True)
+        if other is not None and other.placement.startswith("shard(") and other.placement[6:-1].isdigit():
+            placement, ops, block, read = other.placement, other.ops, other.block, other.read_from_asked
+        else:
+            other = None
     reduction = "pre-reduction" if c else ("unknown" if placement == "partial" else "no-reduction")
     verdict = decide(pt, placement, reduction, "lineage-ops", coll_json(c, pt.procs[0]) if c else None,
                      item("dataflow", f"built by recorded ops: {ops}"), *_interleaved(pt, placement, block),
                      *([item(READ_FROM_ASKED, "a reshape left the local shape as it was: the ranks are taken to be "
-                                              "in its -1 dim, which the shapes alone cannot confirm")] if read else []))
+                                              "in its -1 dim, which the shapes alone cannot confirm")] if read else []),
+                     *([item("dataflow", "a reshape merged a sharded size-1 dim away, which local shapes read two "
+                                         "ways: merged into the dim after it, the ops make a partial sum that no "
+                                         "sum-reduction completes; merged into the dim before it (heads into the "
+                                         "batch), a shard: taken")] if other else []))
     verdict.block = block
     return verdict
 

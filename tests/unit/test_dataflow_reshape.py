@@ -5,7 +5,7 @@ import pytest
 
 import torch
 
-from tensor_trace.exporters.analysis.dataflow import reshape_shard, strided_shard
+from tensor_trace.exporters.analysis.dataflow import merged_left, reshape_shard, strided_shard
 from tensor_trace.exporters.analysis.rules_dataflow import _derived_dim
 
 
@@ -55,6 +55,13 @@ def test_shard_after_reshape(placement, old, new, want):
     # heads split out with view(B, S, -1, hd): the -1 dim is the heads
     ("shard(2)", None, [3, 5, 32], [3, 5, 2, 16], [3, 5, -1, 16], ("shard(2)", None)),
     ("shard(2)", None, [3, 5, 16], [3, 5, 1, 16], [3, 5, -1, 16], ("shard(2)", None)),
+    # Megatron's scores, one head per rank: [b * np, sq, sk] (the rank's head interleaved with
+    # the batch, runs of one) viewed [b, np, sq, sk]: the size-1 heads dim, not the queries'
+    ("shard(0)", 1, [2, 8, 8], [2, 1, 8, 8], None, ("shard(1)", None)),
+    ("shard(0)", 1, [2, 8, 8], [2, 1, 64], None, ("shard(1)", None)),
+    # one token's one KV head per rank, rows [1, 16] (view(-1, head_dim)) viewed back to
+    # [1, 16]: the 1 is the token (what is left of dim 0 above the rank), the columns the heads
+    ("shard(0)", 1, [1, 16], [1, 16], None, ("shard(1)", None)),
 ])
 def test_interleaved_shards_through_reshapes(placement, block, old, new, asked, want):
     assert reshape_shard(placement, old, new, block, asked) == want
@@ -116,3 +123,21 @@ def _views(shape, make):
 ])
 def test_a_shard_written_through_a_view(placement, shape, make, want):
     assert strided_shard(placement, *_views(shape, make)) == want
+
+
+@pytest.mark.parametrize("placement, block, old, new, want", [
+    # one head per rank merged away: into the batch before it, the rank's head interleaved in
+    # runs of one (Megatron's [sq, b, 1, hn] -> [sq, b * np, hn]; [sq, b * np] flattened)
+    ("shard(2)", None, [8, 2, 1, 16], [8, 2, 16], ("shard(1)", 1)),
+    ("shard(2)", 1, [8, 2, 1, 16], [8, 2, 16], ("shard(1)", 1)),
+    ("shard(2)", None, [8, 2, 1, 16], [16, 16], ("shard(0)", 1)),
+    # not that ambiguity: heads of size > 1, no dim before it to merge into, a size-1 dim
+    # before it (one token: nothing to interleave with), a split rather than a merge
+    ("shard(2)", None, [8, 2, 2, 16], [8, 4, 16], None),
+    ("shard(0)", None, [1, 16], [16], None),
+    ("shard(1)", None, [1, 1, 16], [1, 16], None),
+    ("shard(1)", None, [8, 16], [8, 1, 16], None),
+    ("replicate", None, [8, 2, 1, 16], [8, 2, 16], None),
+])
+def test_the_other_reading_of_a_size_one_shard_merged_away(placement, block, old, new, want):
+    assert merged_left(placement, old, new, block) == want

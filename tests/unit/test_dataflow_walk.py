@@ -39,7 +39,7 @@ def _pt(equal=False):
 
 
 def test_the_experts_act_fn_input_is_the_shard_of_the_packed_weight():
-    placement, ops, block, read, _cut = dataflow.placement_from_lineage(_judge(), _pt())
+    placement, ops, block, read, *_ = dataflow.placement_from_lineage(_judge(), _pt())
     assert placement == "shard(1)" and not read
     assert ops.startswith("chunk, grouped_mm([...], from model.layers.0.mlp.experts:input.0 (replicate); ")
     assert "gate_up_proj (shard(1): a DTensor _StridedShard(dim=1, sf=2))" in ops
@@ -86,7 +86,7 @@ def _residual_judge(norm_in_placement="shard(1)"):
 
 def test_an_intermediate_tensor_seen_at_a_judged_point_takes_that_points_verdict():
     pt = SimpleNamespace(key=OUT, procs=[0, 1], ndim=3, items=[], equal=False)
-    placement, ops, _block, _read, _cut = dataflow.placement_from_lineage(_residual_judge(), pt)
+    placement, ops, *_ = dataflow.placement_from_lineage(_residual_judge(), pt)
     assert placement == "shard(1)"
     assert "as layer.ffn_norm:input.0 (shard(1))" in ops, ops
     # without a verdict there, the walk goes through the add and its hidden slice: no answer
@@ -121,6 +121,54 @@ def test_attention_scores_from_heads_interleaved_with_the_batch_hold_the_heads()
     done = {k: Verdict("shard(2)", "no-reduction", "r", []) for k in (Q, K)}
     j = SimpleNamespace(v=view, done=done, name=lambda k: f"{k[0]}:{k[2]}", module_params=lambda m, procs: [])
     pt = SimpleNamespace(key=SCORES, procs=[0, 1], ndim=4, items=[], equal=False)
-    placement, ops, block, _read, _cut = dataflow.placement_from_lineage(j, pt)
+    placement, ops, block, *_ = dataflow.placement_from_lineage(j, pt)
     assert (placement, block) == ("shard(1)", None), ops
     assert "baddbmm(" in ops, ops
+
+
+# The same at TP = the number of heads (megatron-core at tp 4 with 4 heads): one head per rank,
+# q and k [sq, b, 1, hn] reshaped to [sq, b, hn], which local shapes read two ways.
+ONE_HEAD_NODES = {
+    8: ("reshape", {"shape": [8, 2, 16], "asked": [8, 2, -1]}, [[0, 0, 3, 0]], [8, 2, 16]),
+    9: ("view", {"shape": [8, 2, 16], "asked": [8, 2, -1]}, [[0, 0, 3, 1]], [8, 2, 16]),
+    10: ("transpose", {"dims": [1, 0, 2]}, [[1, 0, 8]], [2, 8, 16]),
+    11: ("transpose", {"dims": [1, 0, 2]}, [[1, 0, 9]], [2, 8, 16]),
+    12: ("transpose", {"dims": [0, 2, 1]}, [[1, 0, 11]], [2, 16, 8]),
+    13: ("baddbmm", {"ndims": [3, 3]}, [[1, 0, 10], [1, 0, 12]], [2, 8, 8]),
+    14: ("view", {"shape": [2, 1, 8, 8]}, [[1, 0, 13]], [2, 1, 8, 8]),
+}
+
+
+def _one_head_judge(reductions=()):
+    obs = {Q: {0: SimpleNamespace(shape=(8, 2, 1, 16))}, K: {0: SimpleNamespace(shape=(8, 2, 1, 16))},
+           SCORES: {0: SimpleNamespace(shape=(2, 1, 8, 8))}}
+    view = SimpleNamespace(step=0, procs=[0, 1], points=obs, slot_key={(0, 3, 0): Q, (0, 3, 1): K},
+                           times={SCORES: (10, 5, 0)}, lineage=lambda: (ONE_HEAD_NODES, {(5, 0): [1, 0, 14]}),
+                           node_points=lambda: {14: [SCORES]}, after=lambda t, ops: list(reductions))
+    done = {k: Verdict("shard(2)", "no-reduction", "r", [], block=1) for k in (Q, K)}
+    return SimpleNamespace(v=view, done=done, name=lambda k: f"{k[0]}:{k[2]}", module_params=lambda m, procs: [])
+
+
+def _scores_pt():
+    return SimpleNamespace(key=SCORES, procs=[0, 1], ndim=4, items=[], equal=False, t_point=10,
+                           tref=SimpleNamespace(shape=(2, 1, 8, 8), numel=128))
+
+
+def test_one_head_per_rank_scores_take_the_reading_that_no_reduction_contradicts():
+    """Merged into hn, the heads make the product over hn a partial sum, which no sum-reduction
+    completes: the other reading (the head merged into the batch) gives the heads dim."""
+    j = _one_head_judge()
+    hit = dataflow.placement_from_lineage(j, _scores_pt())
+    assert (hit.placement, hit.ambiguous) == ("partial", True), hit
+    verdict = lineage_ops(j, _scores_pt())
+    assert (verdict.placement, verdict.reduction) == ("shard(1)", "no-reduction")
+    assert any("merged a sharded size-1 dim away" in str(i) for i in verdict.items), verdict.items
+
+
+def test_one_head_per_rank_partial_that_a_reduction_completes_stays_partial():
+    """Where a sum-reduction of the product's size follows, the partial reading stands."""
+    t = SimpleNamespace(numel=128, shape=(2, 1, 8, 8), dtype="float32")
+    c = SimpleNamespace(sums=True, ins={0: [t], 1: [t]}, outs={}, op="all_reduce", reduce_op="sum", group_name="0",
+                        group_ranks=[0, 1], seq=3, bytes=512, module="attn")
+    verdict = lineage_ops(_one_head_judge([c]), _scores_pt())
+    assert (verdict.placement, verdict.reduction) == ("partial", "pre-reduction")
