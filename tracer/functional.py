@@ -29,8 +29,11 @@ the placements of a DTensor redistribution are no arguments of the ops: those fu
 wrapped to hold them while their ops run, and each op's record carries them as ``attrs`` (the
 optional last element of ``schema.COLLECTIVE``; docs/store-schema.md gives the keys).
 
-Not seen: ops called through an overload (``torch.ops._c10d_functional.all_reduce.default``, as
-compiled graphs do), and collectives that run inside other C++ ops. The Python functions are
+Compiled graphs call the overloads (``torch.ops._c10d_functional.all_reduce_.default``), looked
+up on the namespace when they run: an overload looked up from a compiled graph's code goes
+through the wrapper as well (OpPacketWrapper), so the collectives inside a ``torch.compile``d
+module are spans of that module's call. Not seen: overloads called from other code, and
+collectives that run inside other C++ ops. The Python functions are
 wrapped when the tracer installs, or, for modules imported later, when the bootstrap's import
 watcher sees them imported (tracer/integrations): a tracer started in-process before funcol or
 DTensor is first imported records their ops without those attributes.
@@ -168,7 +171,38 @@ class OpPacketWrapper:
         return type(self._packet)
 
     def __getattr__(self, name):
-        return getattr(self._packet, name)
+        real = getattr(self._packet, name)
+        if name in self._packet.overloads() and compiled_frame(sys._getframe(1)):
+            # A compiled graph calls the overload (``torch.ops._c10d_functional.all_reduce_
+            # .default(buf, 'sum', '0')``), looked up on the namespace at each call: there its
+            # call goes through the wrapper too. Anywhere else (inductor's lowerings, its
+            # passes that match node targets) the real overload, which they compare by identity.
+            return OverloadCall(real, self._call)
+        return real
+
+
+class OverloadCall:
+    """An overload as a compiled graph's code calls it: the call through the packet's wrapper
+    (the packet resolves to the same overload for the same arguments)."""
+
+    __slots__ = ("_overload", "_call")
+
+    def __init__(self, overload, call):
+        self._overload, self._call = overload, call
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._overload, name)
+
+
+def compiled_frame(frame) -> bool:
+    """Whether ``frame`` runs a compiled graph's code: an FX GraphModule's generated forward
+    (``<eval_with_key>.N``, aot_eager's and inductor's fallbacks) or a module inductor wrote
+    to its code cache (``.../torchinductor_USER/xx/cxxx.py``)."""
+    name = frame.f_code.co_filename if frame is not None else ""
+    return name.startswith("<eval_with_key>") or "torchinductor" in name
 
 
 class FunctionalCollectives:

@@ -12,6 +12,7 @@ Every function takes the tracer first.
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 from tensor_trace import schema
@@ -181,7 +182,18 @@ def _child_entry(t, module):
             parent = frame_path(t, frame)
             break
     name = type(module).__name__
-    return module_entry(t, f"{parent}.{name}" if parent else name, module)
+    path, cls, selected = module_entry(t, f"{parent}.{name}" if parent else name, module)
+    if _is_graph_module(module):
+        # the graph a torch.compile'd call runs (aot_eager's, named ``<lambda>``), one object
+        # for every call of the same code: a part of the compiled module's call, not a module
+        # of the program (what runs in it, its collectives, belongs to that call)
+        selected = False
+    return path, cls, selected
+
+
+def _is_graph_module(module) -> bool:
+    fx = sys.modules.get("torch.fx")
+    return fx is not None and isinstance(module, fx.GraphModule)
 
 
 def enclosing_module(t, pattern) -> str | None:

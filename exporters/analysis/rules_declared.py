@@ -67,9 +67,8 @@ def _equal_values(j, pt):
         # (a compiled block ends with its residual add more often than with its reduction:
         # the verdict stays, with the caution)
         key, how = compiled
-        pt.items.append(item("values", f"{j.name(key)} ran compiled ({how}): the ops and collectives inside it "
-                                       "are not seen, so that these values are no sum-reduction's output is "
-                                       "not checked", point=j.name(key)))
+        pt.items.append(item("values", f"{j.name(key)} ran compiled ({how}): the ops inside it are not seen (the "
+                                       "collectives its graph ran are, as spans of its call)", point=j.name(key)))
     if pt.is_output and any(c.sums for c in j.call_collectives(pt)):
         # (the contract's post-reduction is the reduction's output carried unchanged)
         why = ("not the output of its call's sum-reduction itself: computed locally from it or from other "
@@ -81,8 +80,8 @@ def _equal_values(j, pt):
 
 def _compiled_call(j, pt):
     """(point, how) of the compiled module call (torch.compile) whose output ``pt`` is, or whose
-    output's values (bit for bit) it carries on, or None: a collective inside a compiled call
-    is not recorded, so "computed locally" is not checked of what it returns."""
+    output's values (bit for bit) it carries on, or None: the ops inside a compiled call are not
+    recorded (its graph's functional collectives are), which the evidence says."""
     keys = [pt.key] if pt.is_output else []
     producer = j.producer(pt.obs.get(j.v.procs[0]))
     if producer is not None:

@@ -1,6 +1,7 @@
 """A TP program whose blocks are compiled (torchtitan's torch.compile per block): the blocks'
 boundaries are judged as in eager mode, what torch.compile traces inside them is no collective
-of the run, and tracing changes no result."""
+of the run, the collectives their graphs run are spans of their calls, and tracing changes no
+result."""
 
 import json
 import sys
@@ -110,3 +111,44 @@ def test_c10d_all_reduce_inside_compiled_blocks(tmp_path, fullgraph):
     for i in range(2):  # x + the reduced MLP output: whole on every rank, a sum, not the reduction's output
         p = got[f"layers.{i}:output"]
         assert (p["placement"], p["reduction"]) == ("replicate", "no-reduction"), p["evidence"]
+    # the all_reduce that ran inside each compiled block's graph, a span of that block's call
+    # (not of aot_eager's graph module, one object for both blocks, that it runs)
+    assert _collectives(tmp_path / "trace") == {("layers.0", "sum"): [1, 1, 1], ("layers.1", "sum"): [1, 1, 1]}
+
+
+def _collectives(trace) -> dict:
+    r = CliRunner().invoke(cli_main, ["query", "collectives", "--trace", str(trace), "--json"])
+    assert r.exit_code == 0, r.output
+    return {(c["module"], c["reduce_op"]): list(c["per_step"].values()) for c in json.loads(r.stdout)
+            if c["op"].startswith("all_reduce")}
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_module_that_ends_with_its_all_reduce_is_post_reduction(tmp_path, backend):
+    """The row-parallel modules compiled alone (from a held-out program: attention and MLP
+    compiled one by one): their graphs call the functional all_reduce's overload, which the
+    tracer sees there, so what they return is that reduction's output (it was judged
+    no-reduction when the collective inside was not seen), and tracing changes no result."""
+    script = HERE / "scripts" / "c10d_compiled.py"
+    env = base_env(TT_COMPILE="down", TT_COMPILE_BACKEND=backend)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "traced").mkdir()
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(TP), script]
+    plain = run_cmd(cmd + [tmp_path / "plain"], timeout=600, env=env)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    traced = record(tmp_path / "trace", cmd + [tmp_path / "traced"], timeout=600, check=False, env=env)
+    assert traced.returncode == 0, traced.stderr[-3000:]
+    for rank in range(TP):
+        a = torch.load(tmp_path / "plain" / f"rank{rank}.pt")
+        b = torch.load(tmp_path / "traced" / f"rank{rank}.pt")
+        assert len(a) == len(b) == 3 and all(torch.equal(x, y) for x, y in zip(a, b))
+    r = CliRunner().invoke(cli_main, ["query", "placement", "layers.*:*", "--trace", str(tmp_path / "trace"), "--json"])
+    assert r.exit_code == 0, r.output
+    got = {p["point"]: p for p in json.loads(r.stdout)}
+    for i in range(2):
+        p = got[f"layers.{i}.down:output"]
+        assert (p["placement"], p["reduction"]) == ("replicate", "post-reduction"), p["evidence"]
+        p = got[f"layers.{i}.down:input.0"]
+        assert (p["placement"], p["reduction"]) == ("shard(1)", "no-reduction"), p["evidence"]
+    assert _collectives(tmp_path / "trace") == {("layers.0.down", "sum"): [1, 1, 1],
+                                                ("layers.1.down", "sum"): [1, 1, 1]}

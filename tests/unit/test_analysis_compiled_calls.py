@@ -1,9 +1,7 @@
-"""A module whose calls run compiled (torch.compile): the collectives inside its graph are not
-recorded, so that what it returns, equal on every rank, is computed locally is not checked. The
-case from a held-out program (not written here): TP attention and MLP modules compiled one by
-one, each ending with a functional all_reduce, judged no-reduction with nothing to say so. The
-verdict stays (a compiled block, as torchtitan compiles them, ends with its residual add: no
-reduction, tests/integration/test_compiled_blocks.py); the evidence now says what was not seen."""
+"""A module whose calls run compiled (torch.compile): the ops inside its graph are not recorded,
+and the evidence of what it returns says so. Here its call issued no collective (one that its
+graph runs is a span of its call: tests/integration/test_compiled_blocks.py), so what it returns,
+equal on every rank, is computed locally."""
 
 import torch
 import torch.nn as nn

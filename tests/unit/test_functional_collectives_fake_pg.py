@@ -283,3 +283,47 @@ def test_stop_puts_every_op_and_function_back(tmp_path, fake_world):
              funcol.all_gather_single, _redistribute.redistribute_local_tensor,
              _dispatch.redistribute_local_tensor, _api.redistribute_local_tensor)
     assert all(a is b for a, b in zip(after, before))
+
+
+class CallsTheOverload(nn.Module):
+    """Calls the overload from code named as a compiled graph's (an FX GraphModule's generated
+    forward), as torch.compile's output does: ``torch.ops._c10d_functional.all_reduce.default``
+    looked up on the namespace at the call."""
+
+    def __init__(self, filename):
+        super().__init__()
+        src = ("def run(x):\n"
+               "    y = torch.ops._c10d_functional.all_reduce.default(x, 'sum', '0')\n"
+               "    return torch.ops._c10d_functional.wait_tensor.default(y)\n")
+        scope = {"torch": torch}
+        exec(compile(src, filename, "exec"), scope)
+        self.run = scope["run"]
+
+    def forward(self, x):
+        return self.run(x * 2)
+
+
+@pytest.mark.parametrize("filename, seen", [("<eval_with_key>.7", True),
+                                            ("/tmp/torchinductor_u/ab/cabcdef.py", True),
+                                            ("user_code.py", False)])
+def test_an_overload_called_from_a_compiled_graph_is_a_span(tmp_path, fake_world, filename, seen):
+    x = torch.randn(4, 3)
+    rt = _trace(tmp_path, CallsTheOverload(filename), x)
+    step = rt.steps[0]
+    assert [c.op for c in step.collectives] == (["all_reduce"] if seen else [])
+    if seen:
+        (c,) = step.collectives
+        assert _outputs(c)[0].fp == pytest.approx(_inputs(c)[0].fp, rel=1e-5, abs=1e-5)
+        assert not c.flags & schema.FLAG_UNWAITED
+
+
+def test_an_overload_looked_up_elsewhere_is_the_real_one(tmp_path, fake_world):
+    """inductor's lowerings and passes match node targets by identity: outside a compiled
+    graph's code the wrapper hands out the real overload."""
+    real = torch.ops._c10d_functional.all_reduce.default
+    tracer.start(out_dir=str(tmp_path))
+    try:
+        assert isinstance(torch.ops._c10d_functional.all_reduce, functional.OpPacketWrapper)
+        assert torch.ops._c10d_functional.all_reduce.default is real
+    finally:
+        tracer.stop()

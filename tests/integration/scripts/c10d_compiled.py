@@ -2,6 +2,8 @@
 ``dist.all_reduce`` inside blocks compiled with ``torch.compile`` (dynamo turns it into a
 functional collective of the graph). ``TT_FULLGRAPH=1`` compiles with ``fullgraph=True``
 (a graph break, as the tracer's wrapper would cause if dynamo traced into it, is an error).
+``TT_COMPILE=down`` compiles the row-parallel modules alone, which end with their all_reduce,
+instead of the blocks; ``TT_COMPILE_BACKEND`` picks the backend (``aot_eager`` by default).
 
     torchrun --nproc-per-node 2 c10d_compiled.py DUMP_DIR
 """
@@ -67,8 +69,12 @@ def main():
     torch.manual_seed(0)
     model = Model(tp, rank)
     fullgraph = os.environ.get("TT_FULLGRAPH") == "1"
+    backend = os.environ.get("TT_COMPILE_BACKEND", "aot_eager")
     for i, block in enumerate(model.layers):
-        model.layers[i] = torch.compile(block, backend="aot_eager", fullgraph=fullgraph)
+        if os.environ.get("TT_COMPILE") == "down":
+            block.down = torch.compile(block.down, backend=backend, fullgraph=fullgraph)
+        else:
+            model.layers[i] = torch.compile(block, backend=backend, fullgraph=fullgraph)
     outs = []
     with torch.no_grad():
         for step in range(STEPS):
