@@ -188,7 +188,7 @@ class Judge:
         tol = sum_tol(want.numel, q_total, tref.dtype) + 1e-7 * abs(s_total)
         lo = bisect.bisect_left(sums, s_total - 2 * tol)
         hi = bisect.bisect_right(sums, s_total + 2 * tol)
-        flat = None
+        flat = buffer = None
         for _, key, cand in items[lo:hi]:
             if len(cand.shape) != len(tref.shape):
                 if flat is None and _rows_of_flattened(cand.shape, tref.shape, n) and fp_equal(want, cand):
@@ -196,7 +196,14 @@ class Judge:
                 continue
             diff = [d for d in range(len(tref.shape)) if cand.shape[d] != tref.shape[d]]
             if len(diff) == 1 and cand.shape[diff[0]] == tref.shape[diff[0]] * n and fp_equal(want, cand):
-                return diff[0], key
+                if key is not None:
+                    return diff[0], key
+                # a collective's own buffer (an all_gather's output, always along dim 0) is
+                # the program's whole only where no point of the step is: spmd_types gathers
+                # a sequence shard along dim 0, then cuts and concatenates it along dim 1
+                buffer = buffer or (diff[0], key)
+        if buffer is not None:
+            return buffer
         # each rank's rows of the whole with its leading dims flattened (``x.reshape(-1, h)[r *
         # n:(r + 1) * n]``: an expert-parallel layer's own tokens)
         return (0, flat) if flat is not None else None

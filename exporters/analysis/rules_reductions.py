@@ -257,7 +257,23 @@ def _gather_dim(j, pt, c):
         diff = [d for d in range(pt.ndim) if other[0].shape[d] != pt.tref.shape[d]]
         if len(diff) == 1:
             return diff[0], f"the collective's {what} is larger along dim {diff[0]}"
+        moved = _moved_dim(pt.tref.shape, other[0].shape, len(c.group_ranks) if c is not None else 0)
+        if moved is not None:
+            return moved, (f"the collective's {what} {list(other[0].shape)} is its dims moved, one of them "
+                           f"{len(c.group_ranks)} times larger: dim {moved} here")
     return pt.ndim - 1, f"the dimension was not seen; dim {pt.ndim - 1} assumed"
+
+
+def _moved_dim(shape, larger, n: int):
+    """The dim of ``shape`` that, ``n`` times larger, makes ``larger``'s sizes in another order,
+    where exactly one does (a collective's tensor with its dims moved: spmd_types moves the
+    sequence dim to the front for reduce_scatter_tensor, which scatters dim 0, and back)."""
+    if n < 2:
+        return None
+    want = sorted(larger)
+    hits = [d for d in range(len(shape))
+            if sorted(list(shape[:d]) + [shape[d] * n] + list(shape[d + 1:])) == want]
+    return hits[0] if len(hits) == 1 else None
 
 
 def _slice_of(j, pt, c, reduction, rule, role, piece):
