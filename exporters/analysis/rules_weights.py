@@ -60,6 +60,18 @@ def from_weight(j, pt, split):
     else:
         if first is None:
             return None
+        if (len(shape) == 1 and obs_in is not None and obs_in.shape and obs_in.shape[-1] == shape[0]
+                and gather is None and (first.placement == "replicate" or (
+                    first.placement.startswith("shard(") and first.placement != f"shard({len(obs_in.shape) - 1})"))):
+            # a weight of one dim as long as its input's last dim, which is whole (a norm's, a
+            # scale's): it applies element by element, so values that differ are no slice of
+            # a larger weight: the ranks hold different weights (one rank's stale or scaled copy)
+            return decide(pt, "divergent", "unknown", "divergent-weight", None,
+                          item("weights", f"{weight} has equal shapes and different values across ranks, and "
+                                          f"applies element by element to {j.name(inputs[0][0])} "
+                                          f"({first.placement}), whose last dim it spans whole: no slice of a "
+                                          "larger weight; the ranks hold different weights",
+                               param=f"{pt.module}.{name}"))
         if first.placement == "replicate" or (gather is not None and first.placement.startswith("shard(")):
             split_out = not integer_input
         elif first.placement.startswith("shard(") and int(first.placement[6:-1]) == len(obs_in.shape) - 1:
