@@ -82,9 +82,13 @@ def shapes(con, point: str) -> list[dict]:
             raise NoAnswer(f"no point matches {point!r}; nearest: {nearest_names(con, point)}")
     else:
         pts = find_point(con, point)
+    variants = _shape_variants(con, pts)
     out = []
     for p in pts:
         d = dict(point=p["point"], module=p["module"], call=p["call"], shapes=p["shapes"], steps=p["steps"])
+        v = variants.get((p["module"], p["call"], p["slot"]))
+        if v is not None and len(v) > 1:
+            d["variants"] = v
         if "dtypes" in p:
             d["dtypes"] = p["dtypes"]
         else:
@@ -93,6 +97,41 @@ def shapes(con, point: str) -> list[dict]:
             d["capture"] = capture_info(con, p["module"])
         out.append(d)
     return out
+
+
+def _shape_variants(con, pts) -> dict:
+    """(module, call, slot) -> [{shape, steps, first_step}] of the first traced process, one per
+    local shape the point had over all its steps, in the order first seen (a prefill step's
+    ``[1, 6]`` then decode steps' ``[1, 1]``): ``shapes`` alone is one step's."""
+    ids = {path: mid for mid, path in con.execute("SELECT module_id, path FROM modules")}
+    wanted = {(ids.get(p["module"]), p["call"]) for p in pts if ids.get(p["module"]) is not None}
+    if not wanted:
+        return {}
+    bounds = con.execute("SELECT MIN(span_first), MAX(span_last) FROM steps WHERE proc = "
+                         "(SELECT MIN(proc) FROM steps WHERE span_first IS NOT NULL)").fetchone()
+    if bounds is None or bounds[0] is None:
+        return {}
+    mids = sorted({m for m, _ in wanted})
+    rows = con.execute(f"SELECT module_id, call, layout_id, COUNT(DISTINCT step), MIN(step) FROM spans "
+                       f"WHERE rowid BETWEEN ? AND ? AND module_id IN ({','.join('?' * len(mids))}) "
+                       "GROUP BY module_id, call, layout_id", (*bounds, *mids)).fetchall()
+    layouts = {}
+    paths = {mid: path for path, mid in ids.items()}
+    out: dict = {}
+    for mid, call, lay, n, first in rows:
+        if (mid, call) not in wanted:
+            continue
+        if lay not in layouts:
+            got = con.execute("SELECT slots FROM layouts WHERE layout_id=?", (lay,)).fetchone()
+            layouts[lay] = json.loads(got[0]) if got else []
+        for slot in layouts[lay]:
+            per = out.setdefault((paths[mid], call, slot[0]), {})
+            shape = tuple(slot[1])
+            steps, at = per.get(shape, (0, first))
+            per[shape] = (steps + n, min(at, first))
+    return {key: [dict(shape=list(shape), steps=n, first_step=at)
+                  for shape, (n, at) in sorted(per.items(), key=lambda kv: kv[1][1])]
+            for key, per in out.items()}
 
 
 def collectives(con, pattern: str | None) -> list[dict]:

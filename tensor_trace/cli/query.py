@@ -98,7 +98,16 @@ def shapes(point, trace_dir, as_json):
     if as_json:
         return echo_json(rows)
     echo_table(["point", "shapes", "dtype", "steps"],
-               [[r["point"], fmt_shapes(r["shapes"]), r.get("dtype") or r.get("dtypes"), r["steps"]] for r in rows])
+               [[r["point"], _shapes_text(r), r.get("dtype") or r.get("dtypes"), r["steps"]] for r in rows])
+
+
+def _shapes_text(r) -> str:
+    """One step's shapes on every rank, or, where the point's shape changed from step to step
+    (prefill, then decode), each local shape of the first rank with the steps it had."""
+    if not r.get("variants"):
+        return fmt_shapes(r["shapes"])
+    return "; ".join(f"{v['shape']} in {v['steps']} step{'s' if v['steps'] != 1 else ''} "
+                     f"(from step {v['first_step']})" for v in r["variants"])
 
 
 @query.command()
