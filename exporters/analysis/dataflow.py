@@ -361,11 +361,12 @@ def built_by_sum(judge, pt) -> str | None:
         return says
     # the very values (bit for bit) of an earlier module output declared a residual sum: that
     # tensor handed on (SGLang's norms return x + residual, which the next layer's norm receives)
-    producer = judge.producer(pt.obs.get(judge.v.procs[0]))
-    if producer is not None and producer != pt.key:
-        says = judge.residual_sum(producer)
-        if says:
-            return f"the values of {judge.name(producer)}: {says}"
+    t = pt.obs.get(judge.v.procs[0])
+    for producer in (judge.producer(t), judge.latest_producer(t)):
+        if producer is not None and producer != pt.key:
+            says = judge.residual_sum(producer)
+            if says:
+                return f"the values of {judge.name(producer)}: {says}"
     walk = LineageWalk(judge, pt)
     ref = walk.slot_ref()
     for _ in range(MAX_DEPTH):

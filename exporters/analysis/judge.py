@@ -60,6 +60,7 @@ class Judge:
         self.done: dict = {}  # key -> Verdict
         self.inputs_of: dict = {}  # (module, call) -> [keys of its input slots judged so far]
         self.by_fp0: dict = {}  # (fingerprint, numel) on the first proc -> key of its producer
+        self.latest_fp0: dict = {}  # (fingerprint, numel) -> the latest module output of those values
         # a point of this step was judged a shard although its values are equal on every rank:
         # the ranks' shards are identical (dummy weights), so equal values say nothing of a place
         self.identical_shards = False
@@ -72,6 +73,13 @@ class Judge:
         """The point that first output these very values (``t``'s fingerprint on the first
         process), or None."""
         return self.by_fp0.get((t.fp, t.numel)) if t is not None and t.fp is not None else None
+
+    def latest_producer(self, t):
+        """The latest module output judged so far with these very values (``t``'s fingerprint
+        on the first process), or None: where an addend vanishes in the fingerprint (dummy
+        weights' tiny layer outputs), a residual sum reads as the embedding's output it was
+        built from; what handed these values on is the latest of them."""
+        return self.latest_fp0.get((t.fp, t.numel)) if t is not None and t.fp is not None else None
 
     def name(self, key) -> str:
         """A point's name as queries show it (``#K`` where its module runs more than once)."""
@@ -102,6 +110,7 @@ class Judge:
             t0 = obs.get(v.procs[0])
             if t0 is not None and t0.fp is not None and pt.is_output:
                 self.by_fp0.setdefault((t0.fp, t0.numel), key)
+                self.latest_fp0[(t0.fp, t0.numel)] = key
         for d in out.values():  # (verdicts.vote: equal values in such a step say nothing of a place)
             d["identical_shards"] = self.identical_shards
         return out

@@ -31,3 +31,30 @@ def test_the_residual_sum_a_norm_returns_is_a_sum_where_the_next_norm_receives_i
     p = point(con, "layers.1.input_norm:input.1")
     check(p, "replicate", "no-reduction", "equal-values")
     assert any("the values of layers.0.post_norm:output.1" in t for t in p["evidence"]), p["evidence"]
+
+
+def test_a_residual_sum_whose_addend_vanishes_in_the_fingerprint_is_still_a_sum(tmp_path):
+    """A held-out real SGLang DeepSeek-V2 run with dummy weights (not written here): the
+    attention's addend (1e-8 relative) vanishes in the fingerprint, so the norm's x + residual
+    has the embedding output's very fingerprint. The next norm's residual input was taken for
+    the embedding's all_reduce output carried on (post-reduction); what handed it on is the
+    latest module output of those values, the norm's declared sum."""
+    rng = gen(54)
+    x = pos(rng, 3, 4)
+    parts = {0: x * 0.5, 1: x * 0.5}
+    tr = SyntheticTrace(2, root="run")
+    for norm in ("layers.0.post_norm", "layers.1.input_norm"):
+        tr.layer(norm, {"sglang_class": "RMSNorm", "residual_sum_output": "output.1"})
+    with tr.step():
+        with tr.call("model", same(x, R)) as outer:
+            with tr.call("embed", same(x, R)) as c:
+                tr.coll("all_reduce", [arrays(parts)], [same(x, R)])
+                c.returns(same(x, R))
+            with tr.call("layers.0.post_norm", same(x * 1e-8, R), same(x, R)) as c:
+                c.returns(same(x * 2, R), same(x, R))  # x + residual: the embedding's fingerprint
+            with tr.call("layers.1.input_norm", same(x * 3e-8, R), same(x, R)) as c:
+                c.returns(same(x * 3, R), same(x * 1.5, R))
+            outer.returns(same(x, R))
+    p = point(tr.merge(tmp_path), "layers.1.input_norm:input.1")
+    check(p, "replicate", "no-reduction", "equal-values")
+    assert any("the values of layers.0.post_norm:output.1" in t for t in p["evidence"]), p["evidence"]
