@@ -47,10 +47,15 @@ def _slot_index(res, proc, step, module_id, call, slot):
     return (row[0], names.index(slot)) if slot in names else None
 
 
-def _find(con, mid, call, slot):
-    """(resolver, (span, slot index), ref or None) on the first process and step that recorded
-    the slot, preferring one where a node built it; None if no step has it."""
-    procs = [r[0] for r in con.execute("SELECT proc FROM processes ORDER BY rank IS NULL, rank, proc")]
+def _procs(con) -> list:
+    return [r[0] for r in con.execute("SELECT proc FROM processes ORDER BY rank IS NULL, rank, proc")]
+
+
+def _find(con, mid, call, slot, procs=None):
+    """(resolver, (span, slot index), ref or None) on the first process (of ``procs``, else of
+    all) and step that recorded the slot, preferring one where a node built it; None if no step
+    has it."""
+    procs = _procs(con) if procs is None else procs
     found = None
     shared = read_shared(con)
     for proc in procs:
@@ -76,6 +81,39 @@ def lineage(con, point: str) -> dict:
     if row is None:
         raise NoAnswer(f"no module {module!r} in this trace")
     found = _find(con, row[0], call, slot)
+    out = _answer(p, found)
+    if found is not None:
+        _ranks_that_differ(con, p, row[0], found[0].proc, out)
+    return out
+
+
+def _ranks_that_differ(con, p, mid, first_proc, out) -> None:
+    """Where another rank's recorded ops built the point from other sources (a rank that
+    concatenated another layer's hidden state), ``ranks_differ`` lists each such rank's own
+    answer: the first rank's alone would hide the very divergence lineage is asked about."""
+    names = _source_names(out)
+    rank_of = dict(con.execute("SELECT proc, rank FROM processes"))
+    differ = []
+    for proc in _procs(con):
+        if proc == first_proc:
+            continue
+        found = _find(con, mid, p["call"], p["slot"], [proc])
+        if found is None or found[2] is None and not names:
+            continue
+        other = _answer(p, found)
+        if _source_names(other) != names:
+            differ.append(dict(rank=rank_of.get(proc), op=other["op"], sources=other["sources"]))
+    if differ:
+        out["ranks_differ"] = differ
+
+
+def _source_names(out) -> tuple:
+    return (out["op"],) + tuple(s["point"] for s in out["sources"])
+
+
+def _answer(p, found) -> dict:
+    """The lineage answer from one process's records (``_find``'s)."""
+    module, slot = p["module"], p["slot"]
     out = dict(point=p["point"], module=module, shapes=p["shapes"], dtype=p.get("dtype"),
                placement=p["placement"], op=None, via=[], sources=[])
     if found is None:

@@ -6,6 +6,7 @@ import click
 
 from tensor_trace.cli.options import json_option, open_trace, trace_option
 from tensor_trace.cli.table import echo_json, echo_table, fmt_shapes
+from tensor_trace.format.points import is_input
 
 @click.group()
 def query():
@@ -123,9 +124,19 @@ def lineage(point, trace_dir, as_json):
 
 
 def echo_lineage(res) -> None:
+    _echo_lineage_of(res)
+    for other in res.get("ranks_differ") or ():
+        built = (f"{other['op']} of [{', '.join(s['point'] for s in other['sources'])}]" if other["sources"]
+                 else "no recorded op")
+        click.echo(f"RANKS DIFFER: rank {other['rank']} built it from {built}")
+
+
+def _echo_lineage_of(res) -> None:
     head = f"{res['point']} {fmt_shapes(res['shapes'])} {res['dtype'] or ''} {res['placement']}".rstrip()
     if not res["sources"]:
-        click.echo(f"{head}: no recorded op built it (computed inside its module)")
+        where = ("made before the call by code whose ops were not recorded (a hook, a leaf module's body, "
+                 "a collective)" if is_input(res["point"].rsplit(":", 1)[-1]) else "computed inside its module")
+        click.echo(f"{head}: no recorded op built it ({where})")
         return
     via = f" <- {' <- '.join(res['via'])}" if res.get("via") else ""
     inside = f" (inside {', '.join(res['inside'])})" if res.get("inside") else ""

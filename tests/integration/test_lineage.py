@@ -130,3 +130,25 @@ def test_a_module_input_is_traced_to_the_call_that_made_it(example_runs):
     # Passed through unchanged by an outer module: the innermost maker is named.
     res = lineage_json(train, "lm_head:input.0")
     assert [s["point"] for s in res["sources"]] == ["model.norm:output"]
+
+
+def test_a_rank_that_built_the_point_from_other_captures_is_named(tmp_path):
+    """A held-out planted bug (not written here): rank 1 concatenated another layer's hidden
+    state. The first rank's lineage alone listed the right captures for both ranks, hiding the
+    divergence; ``ranks_differ`` gives rank 1's own sources, and the table says so."""
+    trace = tmp_path / "miswired"
+    record(trace, [TORCHRUN, "--nproc-per-node", "2", SCRIPT, "--order", "0,1,3", "--rank1-order", "2,1,3"])
+    res = lineage_json(trace, "head:input.0")
+    (other,) = res["ranks_differ"]
+    assert other["rank"] == 1
+    inner = [s["point"] for part in other["sources"] for s in part.get("sources", [])]
+    assert inner[:3] == ["layers.2:output", "layers.1:output", "layers.3:output"], inner
+    mine = [s["point"] for part in res["sources"] for s in part.get("sources", [])]
+    assert mine[:3] == ["layers.0:output", "layers.1:output", "layers.3:output"], mine
+    text = tt("query", "lineage", "head:input.0", "--trace", str(trace)).stdout
+    assert "RANKS DIFFER: rank 1 built it from" in text, text
+
+
+def test_ranks_that_built_the_point_alike_have_no_ranks_differ(copies):
+    a, _ = copies
+    assert "ranks_differ" not in lineage_json(a, "head:input.0")

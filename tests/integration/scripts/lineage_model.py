@@ -1,7 +1,8 @@
 """A TP=2 model whose capture points reach a concatenation through clones, reshapes,  a split,
 a dtype round trip, a copy by an op the tracer does not watch (matched by values) and an
 in-place add. Run under torchrun
-(gloo); ``--order`` picks which captures feed the head, ``--no-round-trip`` skips the copy."""
+(gloo); ``--order`` picks which captures feed the head, ``--no-round-trip`` skips the copy,
+``--rank1-order`` gives rank 1 other captures (a miswired rank)."""
 
 import argparse
 
@@ -65,9 +66,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--order", default="0,1,3")
     ap.add_argument("--no-round-trip", action="store_true")
+    ap.add_argument("--rank1-order")
     args = ap.parse_args()
     dist.init_process_group("gloo")
-    model = Model([int(i) for i in args.order.split(",")], not args.no_round_trip).eval()
+    order = args.rank1_order if args.rank1_order and dist.get_rank() == 1 else args.order
+    model = Model([int(i) for i in order.split(",")], not args.no_round_trip).eval()
     g = torch.Generator().manual_seed(7)
     with torch.inference_mode():
         for _ in range(2):
