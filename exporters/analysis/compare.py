@@ -30,6 +30,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
+import re
 
 from tensor_trace.errors import NoAnswer
 from tensor_trace.exporters.analysis.compare_steps import Side, pair_steps, parse_steps, with_values
@@ -182,6 +183,18 @@ def _fmt(w: Whole) -> str:
     return f"sum {w.s:.6g}{q} ({w.how}, {list(w.shape)} {w.dtype})"
 
 
+def _fmt_at(w: Whole, what: str) -> str:
+    """A side's values where the error was measured: a rank-by-rank side's rank that measured
+    it (``what`` ends ", rank I"), not its first rank's (which may be the one that agrees)."""
+    hit = re.search(r"rank (\d+)", what or "")
+    if hit is None or not w.ranks:
+        return _fmt(w)
+    i = int(hit.group(1))
+    r = w.ranks[min(i, len(w.ranks) - 1)]
+    q = f", sumsq {r.q:.6g}" if r.q is not None else ""
+    return f"rank {i}: sum {r.s:.6g}{q} ({w.how}, {list(r.shape)} {r.dtype})"
+
+
 def compare(con_a, con_b, pattern: str | None = None, steps=None, vector: bool = True) -> dict:
     """The contract's ``compare`` object: ``first_divergence``, ``points``, ``tolerance``
     (plus ``steps``, the pairs whose values were compared, ``unpaired``, and
@@ -318,7 +331,7 @@ def compare(con_a, con_b, pattern: str | None = None, steps=None, vector: bool =
         sa, sb, err, t, what, wa, wb = r["first_bad"]
         first_div = dict(point=r["row"]["point"], step_a=sa, step_b=sb, rel_error=_round(err), tolerance=_round(t),
                          detail=(f"relative error {err:.3g} ({what}) > tolerance {t:.3g}: "
-                                 f"A {_fmt(wa)}; B {_fmt(wb)}"),
+                                 f"A {_fmt_at(wa, what)}; B {_fmt_at(wb, what)}"),
                          evidence=_evidence(a, b, key, wa, wb, results))
     return dict(first_divergence=first_div, points=points, tolerance=tol.describe(),
                 steps=[list(p) for p in valued], unpaired=dict(a=left_a, b=left_b),

@@ -293,3 +293,22 @@ def test_a_finfo_min_mask_compares_by_its_float64_sums_and_a_minus_inf_one_is_no
     pts = by_point(cmp(_masked(tmp_path, "e", 1, -np.inf), _masked(tmp_path, "f", 2, -np.inf)))
     p = pts["layer:input.1"]
     assert p["status"] == "not comparable" and "non-finite" in p["reason"], p
+
+
+def test_a_divergence_on_rank_1_shows_rank_1s_values(tmp_path):
+    """A held-out planted bug (rank 1 alone fed another tensor): the detail printed both sides'
+    first-rank values, equal, beside an error measured on rank 1."""
+    rng = gen(4)
+    x = pos(rng, 3, 4)
+    dirs = {}
+    for name, other in (("a", x), ("b", x * 3)):
+        tr = SyntheticTrace(2)
+        with tr.step():
+            with tr.call("feed", same(x, R)) as c:
+                c.returns(arrays({0: x, 1: other}))
+        dirs[name] = tmp_path / name
+        tr.merge(dirs[name])
+    f = cmp(dirs["a"], dirs["b"])["first_divergence"]
+    assert f["point"] == "feed:output", f
+    want = f"B rank 1: sum {float((x * 3).sum()):.6g}"
+    assert want in f["detail"], f["detail"]
