@@ -58,7 +58,7 @@ def _points(con) -> dict:
 
 def _carrier(view, judge_name, c, proc0):
     """The point whose values are collective ``c``'s output (the issuing module's first), or
-    its input; None if no point carries them."""
+    its input, else the issuing module's output; None if there is none."""
     outs = {p: c.outs[p][0] for p in view.procs if c.outs.get(p)}
     ins = {p: c.ins[p][0] for p in view.procs if c.ins.get(p)}
     best = None
@@ -72,6 +72,13 @@ def _carrier(view, judge_name, c, proc0):
                 rank = (sel, key[0] != c.module, view.times.get(key, (1 << 62,))[0])
                 if best is None or rank < best[0]:
                     best = (rank, key)
+    if best is None and c.module:
+        # no point holds its values (a bias added after it): the issuing module's output, which
+        # is where the user looks (its first output slot in the step)
+        outputs = sorted((view.times.get(key, (1 << 62,))[0], key) for key in view.points
+                         if key[0] == c.module and key[2].startswith("output"))
+        if outputs:
+            return judge_name(outputs[0][1])
     return judge_name(best[1]) if best else None
 
 

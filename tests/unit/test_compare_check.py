@@ -312,3 +312,23 @@ def test_a_divergence_on_rank_1_shows_rank_1s_values(tmp_path):
     assert f["point"] == "feed:output", f
     want = f"B rank 1: sum {float((x * 3).sum()):.6g}"
     assert want in f["detail"], f["detail"]
+
+
+def test_a_double_reduction_whose_output_no_point_holds_names_the_issuing_module(tmp_path):
+    """A held-out planted bug (a second all_reduce in a row-parallel layer that adds its bias
+    after the reductions): no point has the collective's values, and the finding's point was
+    null; it is the issuing module's output."""
+    x, wc, wr = weights()
+    n = wc.shape[0] // 2
+    h = {r: x @ wc[r * n:(r + 1) * n].T for r in R}
+    parts = {r: h[r] @ wr[:, r * n:(r + 1) * n].T for r in R}
+    total = parts[0] + parts[1]
+    tr = SyntheticTrace(2)
+    with tr.step():
+        with tr.call("row", arrays(h)) as c:
+            tr.coll("all_reduce", [arrays(parts)], [same(total, R)])
+            tr.coll("all_reduce", [same(total, R)], [same(total * 2, R)])
+            c.returns(same(total * 2 + 1.0, R))
+    tr.merge(tmp_path / "b")
+    found = [f for f in check(mg.open_store(str(tmp_path / "b"))) if f["kind"] == "double-reduction"]
+    assert [f["point"] for f in found] == ["row:output"], found
