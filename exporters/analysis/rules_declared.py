@@ -41,7 +41,7 @@ def _equal_values(j, pt):
         return decide(pt, "partial", "pre-reduction" if c else "unknown", "layer-semantics",
                       coll_json(c, pt.procs[0]) if c else None, note, *extra)
     split = rules_weights.sharded_param(j, pt)
-    if split is not None and split[2] == "declared":
+    if split is not None and split[2] in ("declared", "several"):
         verdict = rules_weights.from_weight(j, pt, split)
         if verdict is not None:
             verdict.items.append(note)

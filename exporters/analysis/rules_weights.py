@@ -23,22 +23,67 @@ def sharded_param(j, pt):
     per = j.module_params(pt.module, pt.procs)
     if per is None:
         return None
-    for i, (name, shape, fp, meta) in enumerate(per[0]):
-        d = declared.param_split_dim(meta)
-        if d is not None:
-            return name, shape, "declared", d
+    declared_splits = [(name, shape, "declared", d) for name, shape, fp, meta in per[0]
+                       if (d := declared.param_split_dim(meta)) is not None]
+    if sum(1 for _, shape, _, _ in declared_splits if len(shape) >= 2) > 1:
+        return name_several(declared_splits)
+    if declared_splits:
+        return declared_splits[0]
+    split = []
     for i, (name, shape, fp, meta) in enumerate(per[0]):
         others = [x[i] for x in per[1:] if i < len(x)]
         if len(others) != len(per) - 1 or any(o[1] != shape for o in others) or fp is None:
             continue
         ref = Observed(shape, "float32", fp)
         if any(o[2] is not None and not fp_equal(ref, Observed(shape, "float32", o[2])) for o in others):
-            return name, shape, "values", None
+            split.append((name, shape, "values", None))
+    if sum(1 for _, shape, _, _ in split if len(shape) >= 2) > 1:
+        # several split matrices in one call (an MLP's or experts' w1, w2, w3 as one module):
+        # the first says nothing of the output, which the last applied makes (a partial sum
+        # where it is split along its input dim)
+        return None
+    return split[0] if split else None
+
+
+def name_several(splits) -> tuple:
+    """(names, local shapes, "several", split dims) of a call's several split matrices."""
+    return (tuple(n for n, *_ in splits), tuple(tuple(sh) for _, sh, _, _ in splits), "several",
+            tuple(d for *_, d in splits))
+
+
+def _from_several(j, pt, split):
+    """An output made by several declared-split matrices in one call (an MLP's or grouped
+    experts' w1, w2, w3 as one module: torchtitan's GroupedExperts): from a whole input, an
+    output as wide as the input's last dim, which no split dim is, has had the split dim
+    contracted away: a partial sum; one as wide as a split dim's local size, a shard of it."""
+    names, shapes, _, dims = split
+    inputs = j.call_inputs(pt)
+    if not inputs or j.call_collectives(pt) or pt.tref is None or not pt.tref.shape:
+        return None
+    first = inputs[0][1]
+    obs_in = j.v.points.get(inputs[0][0], {}).get(pt.procs[0])
+    if first.placement != "replicate" or obs_in is None or not obs_in.shape:
+        return None
+    out_last, in_last = pt.tref.shape[-1], obs_in.shape[-1]
+    local = {sh[d] for sh, d in zip(shapes, dims)}
+    text = item("weights", f"{pt.module} applies {len(names)} matrices split across ranks "
+                           f"({', '.join(f'{n} {list(sh)} along dim {d}' for n, sh, d in zip(names, shapes, dims))})"
+                           f" to {j.name(inputs[0][0])}, replicate")
+    if out_last == in_last and out_last not in local:
+        return _weight_verdict(j, pt, False, text,
+                               item("dataflow", f"its output is as wide as its input ({out_last}), which no "
+                                                "split dim is: the split dim was contracted: a partial sum"))
+    if out_last in local and out_last != in_last:
+        return _weight_verdict(j, pt, True, text,
+                               item("dataflow", f"its output's last dim ({out_last}) is a split dim's local "
+                                                "size: a shard"))
     return None
 
 
 def from_weight(j, pt, split):
     """A module's output from its split weight and its input's placement."""
+    if split[2] == "several":
+        return _from_several(j, pt, split)
     name, shape, how, dim = split
     inputs = j.call_inputs(pt)
     first = inputs[0][1] if inputs else None
