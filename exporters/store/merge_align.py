@@ -12,6 +12,9 @@ from tensor_trace import schema
 
 CLOCK_SAMPLE_STEPS = 64
 DIGEST_BLOCK_SEQS = 4096  # sequence numbers per block of a SequenceDigest
+# point-to-point ops: a send on one rank pairs with a recv on another, never with the group's
+# other ranks (pipeline stages), so they are not matched across the group as collectives are
+P2P_SQL = "('send', 'recv', 'isend', 'irecv')"
 
 
 def text_code(text) -> int:
@@ -157,7 +160,7 @@ def align_collectives(con, digests: dict | None = None) -> list:
             row = con.execute(
                 "SELECT c.seq, COUNT(*), COUNT(DISTINCT c.op || '|' || COALESCE(c.reduce_op, '') || '|' || l.sig) "
                 "FROM collectives c JOIN temp.signatures l USING(layout_id) WHERE c.group_id=? "
-                "AND c.seq BETWEEN ? AND ? AND (c.flags & ?) = 0 "
+                f"AND c.seq BETWEEN ? AND ? AND (c.flags & ?) = 0 AND c.op NOT IN {P2P_SQL} "
                 "GROUP BY c.seq HAVING COUNT(*) != ? OR COUNT(DISTINCT c.op || '|' || COALESCE(c.reduce_op, '') "
                 "|| '|' || l.sig) > 1 ORDER BY c.seq LIMIT 1",
                 (gid, first, last, schema.FLAG_REPLAYED, len(procs))).fetchone()
@@ -167,7 +170,7 @@ def align_collectives(con, digests: dict | None = None) -> list:
         if seq is None:
             continue
         rows = con.execute("SELECT c.proc, c.op, c.reduce_op, l.signature FROM collectives c JOIN layouts l "
-                           "USING(layout_id) WHERE c.group_id=? AND c.seq=? AND (c.flags & ?) = 0",
+                           f"USING(layout_id) WHERE c.group_id=? AND c.seq=? AND (c.flags & ?) = 0 AND c.op NOT IN {P2P_SQL}",
                            (gid, seq, schema.FLAG_REPLAYED)).fetchall()
         have = {p for p, *_ in rows}
         missing = [rank_of[p] for p in procs if p not in have]
@@ -243,7 +246,7 @@ def estimate_clock_offsets(con) -> list:
         cur = con.execute(
             "SELECT c.proc, c.group_id, c.seq, st.t_begin + c.t0 + c.dur FROM collectives c "
             "JOIN steps st ON st.proc = c.proc AND st.step = c.step WHERE c.proc = ? AND c.step <= ? "
-            "AND (c.flags & ?) = 0 AND c.op NOT IN ('send','recv','isend','irecv') ORDER BY c.step, c.idx",
+            f"AND (c.flags & ?) = 0 AND c.op NOT IN {P2P_SQL} ORDER BY c.step, c.idx",
             (proc, last, schema.FLAG_ASYNC | schema.FLAG_CAPTURED | schema.FLAG_REPLAYED))
         for proc_, gid, seq, end in cur:
             if end is not None:  # a step whose begin record was lost has no time base

@@ -163,7 +163,8 @@ class SyntheticTrace:
         self._events.append(("op", op))
 
     def coll(self, op, inputs, outputs, *, reduce_op="sum", group="tp", attrs=None) -> None:
-        """A collective of ``group``; ``attrs`` is a dict, or a dict per rank."""
+        """A collective of ``group``; ``op`` a name, or a name per rank (a send paired with a
+        recv); ``attrs`` is a dict, or a dict per rank."""
         self._events.append(("coll", op, reduce_op, group, list(inputs), list(outputs), attrs))
 
     # -- writing ----------------------------------------------------------------------------
@@ -255,7 +256,8 @@ class SyntheticTrace:
                     lay = w.layout(tuple((s, tuple(x[0]), x[1], "cpu") for s, x in slots))
                     nbytes = sum(math.prod(v.on(rank)[0]) * _ITEMSIZE.get(v.on(rank)[1], 4) for v in inputs
                                  if v.on(rank) is not None)
-                    rec = [schema.COLLECTIVE, step, n_colls, stack[-1][0], w.string(op),
+                    rec = [schema.COLLECTIVE, step, n_colls, stack[-1][0],
+                           w.string(op if isinstance(op, str) else op[rank]),
                            w.string(redop) if redop else -1, gid, seq[group], t, 5, lay, fp_pre, fp_post,
                            len(inputs), 0, nbytes]
                     if coll_attrs and attrs is not None:

@@ -332,3 +332,21 @@ def test_a_double_reduction_whose_output_no_point_holds_names_the_issuing_module
     tr.merge(tmp_path / "b")
     found = [f for f in check(mg.open_store(str(tmp_path / "b"))) if f["kind"] == "double-reduction"]
     assert [f["point"] for f in found] == ["row:output"], found
+
+
+def test_a_send_paired_with_a_recv_is_no_collective_mismatch(tmp_path):
+    """Pipeline stages (a held-out PP x TP program, not written here): rank 0 sends the hidden
+    state that rank 1 receives, both numbered in the world group's sequence. Matched by group
+    and sequence number as a collective, they read as a mismatch ('send ... ; recv ...') and
+    check exited 1 on a correct program; point-to-point ops are not matched across the group."""
+    rng = gen(8)
+    x = pos(rng, 2, 4)
+    tr = SyntheticTrace(2)
+    with tr.step():
+        with tr.call("stage", same(x, R)) as c:
+            tr.coll({0: "send", 1: "recv"}, [arrays({0: x})], [arrays({1: x})], reduce_op=None)
+            c.returns(same(x, R))
+    tr.merge(tmp_path / "pp")
+    con = sqlite3.connect(mg.store_path(str(tmp_path / "pp")))
+    assert con.execute("SELECT COUNT(*) FROM collectives").fetchone()[0] == 2
+    assert [f for f in check(con) if f["kind"].startswith("collective-")] == []
