@@ -192,7 +192,9 @@ def compute_verdicts(con) -> int:
     ctx = StoreContext(con)
     per_point: dict = {}
     multi: collections.Counter = collections.Counter()
-    for procs, size in tp_groups_with_size(con):
+    group_info = []
+    for gi, (procs, size) in enumerate(tp_groups_with_size(con)):
+        group_info.append(groups.tp_group_info(procs, size, ctx.rank_of))
         subgroups = groups.dp_subgroups(con, procs, ctx.rank_of)
         for step in sample_steps(con, procs):
             view, verdicts = ctx.judge_step(con, step, procs, size, subgroups)
@@ -201,56 +203,99 @@ def compute_verdicts(con) -> int:
             for key, verdict in verdicts.items():
                 verdict["step"] = step
                 verdict["order"] = view.times.get(key, (1 << 62, 0, 0))
+                verdict["tp_group"] = gi
                 per_point.setdefault(key, []).append(verdict)
     # traced steps each (module, call) was seen in, on the first process
     seen_steps = {(ctx.modules[mid], call): n for mid, call, n in calls_seen(con)}
     captures = {p: json.loads(i) for p, i in con.execute("SELECT point, info FROM captures")}
     lineage_steps = {s for (s,) in con.execute("SELECT DISTINCT step FROM lineage")}
     rows = []
-    for key, verdicts in per_point.items():
-        module, call, slot = key
-        blind, unwatched, voting, counts, chosen = vote(verdicts, lineage_steps)
-        placement, reduction = chosen["placement"], chosen["reduction"]
-        items = list(chosen["items"])
-        if module in captures and captures[module].get("what"):
-            items.insert(0, item("capture", f"captures the {captures[module]['what']}"))
-        items.append(item("sampling", f"steps sampled: {sorted({v['step'] for v in verdicts})}"))
-        if blind and len(voting) < len(verdicts):
-            items.append(item("sampling", f"unknown in steps {sorted({v['step'] for v in blind})} (not enough "
-                                          "evidence there): not counted"))
-        # (said only where those steps disagree: the same verdict left uncounted is no news)
-        other = [v for v in unwatched if (v["placement"], v["reduction"]) != (placement, reduction)]
-        if other and len(voting) < len(verdicts):
-            said = sorted({v["placement"] for v in other})
-            items.append(item("sampling", f"{' or '.join(said)} in steps {sorted({v['step'] for v in other})}, "
-                                          "whose ops were not recorded (lineage is taken on a schedule): "
-                                          "not counted"))
-        read = [v for v in verdicts if v not in voting and _read_from_asked(v)]
-        if read:
-            said = sorted({v["placement"] for v in read})
-            items.append(item("sampling", f"{' or '.join(said)} in steps {sorted({v['step'] for v in read})}, "
-                                          "from a reshape's -1 alone (the local shape unchanged): not counted"))
-        if len(counts) > 1:
-            items.append(item("sampling", "other steps disagree: " + ", ".join(
-                f"{p}/{r} in {n}" for (p, r), n in counts.items() if (p, r) != (placement, reduction))))
-        judged_across = (chosen.get("group") or {}).get("size") or len(chosen["shapes"])
-        sem = declared.expected_by_layer(ctx.layer_attrs.get(module), slot, judged_across)
-        if sem is not None:
-            _semantics_check(sem, placement, reduction, items)
-        dts = set(chosen["dtypes"].values())
-        rows.append((point_name(module, call, slot, multi[module] > 0), module, call, slot, placement,
-                     reduction, json.dumps(chosen["shapes"]), dts.pop() if len(dts) == 1 else None,
-                     json.dumps(chosen["dtypes"]) if len(set(chosen["dtypes"].values())) > 1 else None,
-                     seen_steps.get((module, call), 0), json.dumps(texts(items)),
-                     json.dumps(chosen["collective"]) if chosen["collective"] else None,
-                     json.dumps(verdicts[0]["fp"]) if verdicts[0]["fp"] else None,
-                     json.dumps(sem) if sem is not None else None,
-                     min(v["order"][0] for v in verdicts), chosen["rule"], json.dumps(items),
-                     _grouping(chosen)))
-    rows.sort(key=lambda r: (r[14], r[0]))
-    con.executemany("INSERT OR REPLACE INTO points VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+    for key, all_verdicts in per_point.items():
+        for verdicts, others in _by_group(all_verdicts, lineage_steps):
+            rows.append(_point_row_of(ctx, key, verdicts, others, group_info, multi, seen_steps, captures,
+                                      lineage_steps))
+    rows.sort(key=lambda r: (r[14], r[0], r[17] or ""))
+    con.executemany("INSERT INTO points VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     [r[:14] + (i,) + r[15:] for i, r in enumerate(rows)])
     return len(rows)
+
+
+def _by_group(verdicts: list, lineage_steps: set) -> list:
+    """[(verdicts, other groups' answers)]: one vote over every TP group's verdicts where the
+    groups agree (data-parallel replicas of one model: one row); one per group where they do
+    not, each naming the others' (pipeline stages whose modules share names: stage 1's
+    ``layers.0`` is another tensor than stage 0's, and one row would hide it)."""
+    by: dict = {}
+    for v in verdicts:
+        by.setdefault(v["tp_group"], []).append(v)
+    if len(by) < 2:
+        return [(verdicts, [])]
+    answers = {g: tuple(vote(vs, lineage_steps)[4][k] for k in ("placement", "reduction")) for g, vs in by.items()}
+    if len(set(answers.values())) == 1:
+        return [(verdicts, [])]
+    return [(vs, [(h, answers[h]) for h in by if h != g]) for g, vs in by.items()]
+
+
+def _point_row_of(ctx, key, verdicts, others, group_info, multi, seen_steps, captures, lineage_steps) -> tuple:
+    """One row of the points table: ``verdicts`` voted (``others``: the other TP groups' own
+    answers, where this row is one group's)."""
+    module, call, slot = key
+    blind, unwatched, voting, counts, chosen = vote(verdicts, lineage_steps)
+    placement, reduction = chosen["placement"], chosen["reduction"]
+    items = list(chosen["items"])
+    if module in captures and captures[module].get("what"):
+        items.insert(0, item("capture", f"captures the {captures[module]['what']}"))
+    items.append(item("sampling", f"steps sampled: {sorted({v['step'] for v in verdicts})}"))
+    if blind and len(voting) < len(verdicts):
+        items.append(item("sampling", f"unknown in steps {sorted({v['step'] for v in blind})} (not enough "
+                                      "evidence there): not counted"))
+    # (said only where those steps disagree: the same verdict left uncounted is no news)
+    other = [v for v in unwatched if (v["placement"], v["reduction"]) != (placement, reduction)]
+    if other and len(voting) < len(verdicts):
+        said = sorted({v["placement"] for v in other})
+        items.append(item("sampling", f"{' or '.join(said)} in steps {sorted({v['step'] for v in other})}, "
+                                      "whose ops were not recorded (lineage is taken on a schedule): "
+                                      "not counted"))
+    read = [v for v in verdicts if v not in voting and _read_from_asked(v)]
+    if read:
+        said = sorted({v["placement"] for v in read})
+        items.append(item("sampling", f"{' or '.join(said)} in steps {sorted({v['step'] for v in read})}, "
+                                      "from a reshape's -1 alone (the local shape unchanged): not counted"))
+    if len(counts) > 1:
+        items.append(item("sampling", "other steps disagree: " + ", ".join(
+            f"{p}/{r} in {n}" for (p, r), n in counts.items() if (p, r) != (placement, reduction))))
+    judged_across = (chosen.get("group") or {}).get("size") or len(chosen["shapes"])
+    sem = declared.expected_by_layer(ctx.layer_attrs.get(module), slot, judged_across)
+    if sem is not None:
+        _semantics_check(sem, placement, reduction, items)
+    grouping = _grouping(chosen)
+    if others:
+        info = group_info[verdicts[0]["tp_group"]]
+        items.insert(0, item("group", f"judged across TP group {info['ranks'][0]}; "
+                                      + "; ".join(f"TP group {group_info[g]['ranks'][0]} holds another tensor "
+                                                  f"under this name: {p}/{r}" for g, (p, r) in others)
+                                      + " (each group's row is its own)"))
+        grouping = grouping or json.dumps(dict(group=info, data_split=None))
+    # every TP group that judged it alike (data-parallel replicas, pipeline stages' modules of
+    # one name): their ranks' shapes and dtypes, in the chosen step
+    shapes, dtypes = dict(chosen["shapes"]), dict(chosen["dtypes"])
+    for v in verdicts:
+        if v["step"] == chosen["step"] and v["tp_group"] != chosen["tp_group"]:
+            for r, sh in v["shapes"].items():
+                shapes.setdefault(r, sh)
+            for r, dt in v["dtypes"].items():
+                dtypes.setdefault(r, dt)
+    shapes, dtypes = dict(sorted(shapes.items())), dict(sorted(dtypes.items()))
+    dts = set(dtypes.values())
+    return (point_name(module, call, slot, multi[module] > 0), module, call, slot, placement,
+            reduction, json.dumps(shapes), dts.pop() if len(dts) == 1 else None,
+            json.dumps(dtypes) if len(dts) > 1 else None,
+            seen_steps.get((module, call), 0), json.dumps(texts(items)),
+            json.dumps(chosen["collective"]) if chosen["collective"] else None,
+            json.dumps(verdicts[0]["fp"]) if verdicts[0]["fp"] else None,
+            json.dumps(sem) if sem is not None else None,
+            min(v["order"][0] for v in verdicts), chosen["rule"], json.dumps(items),
+            grouping)
 
 
 # Rules whose answer rests on recorded ops (or on a point that they placed): a step without

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 
 STORE_NAME = "merged.sqlite"
-STORE_VERSION = 13
+STORE_VERSION = 14
 
 SCHEMA_SQL = """
 CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT);
@@ -44,7 +44,7 @@ CREATE TABLE slot_sources(proc INTEGER, step INTEGER, span INTEGER, slot INTEGER
 CREATE TABLE module_attrs(module TEXT PRIMARY KEY, attrs TEXT);
 CREATE TABLE errors(proc INTEGER, t INTEGER, location TEXT, message TEXT);
 CREATE TABLE collective_issues(group_id INTEGER, seq INTEGER, kind TEXT, ranks TEXT, detail TEXT);
-CREATE TABLE points(point TEXT PRIMARY KEY, module TEXT, call INTEGER, slot TEXT, placement TEXT,
+CREATE TABLE points(point TEXT, module TEXT, call INTEGER, slot TEXT, placement TEXT,
     reduction TEXT, shapes TEXT, dtype TEXT, dtypes TEXT, steps INTEGER, evidence TEXT,
     collective TEXT, fingerprint TEXT, semantics TEXT, sort_key INTEGER, rule TEXT, evidence_items TEXT,
     grouping TEXT);
@@ -58,6 +58,7 @@ INDEX_SQL = """
 CREATE INDEX collectives_by_seq ON collectives(group_id, seq);
 CREATE INDEX fingerprints_by_step ON fingerprints(step, proc);
 CREATE INDEX points_by_module ON points(module, call);
+CREATE INDEX points_by_point ON points(point);
 CREATE VIEW span_view AS
     SELECT s.proc, p.rank, s.step, s.idx, s.parent, m.path AS module, m.class, s.call,
            st.t_begin + s.t0 + COALESCE(p.clock_offset_ns, 0) AS start_ns, s.dur AS dur_ns,

@@ -1,0 +1,37 @@
+"""Pipeline stages whose modules share names (a held-out PP x TP program with Megatron-style
+per-stage layer numbering, not written here: TP groups [0, 1] and [2, 3], stage 1's
+``layers.0`` another module than stage 0's). The verdicts of all steps kept one row per point,
+voted over both groups: one group's answer stood for both and the other's was lost. Groups that
+judge a point differently now get a row each, naming the other; groups that judge it alike
+share one row, whose shapes name every rank of them."""
+
+from synthetic_trace import SyntheticTrace, arrays, gen, pos, same
+from tensor_trace.exporters.store.points import match_points
+
+STAGE0, STAGE1, ALL = [0, 1], [2, 3], [0, 1, 2, 3]
+
+
+def test_a_name_that_two_tp_groups_judge_differently_has_a_row_per_group(tmp_path):
+    rng = gen(17)
+    x, y = pos(rng, 2, 4), pos(rng, 2, 4)
+    ident = {r: dict(tp_ranks=STAGE0 if r < 2 else STAGE1, tp_size=2) for r in ALL}
+    tr = SyntheticTrace(4, identity=ident)
+    tr.group("tp", {r: STAGE0 if r < 2 else STAGE1 for r in ALL})
+    with tr.step():
+        with tr.call("model", arrays({0: x, 1: x, 2: y, 3: y})) as outer:
+            # stage 0: the embedding's all_reduce output; stage 1: the hidden state it received
+            tr.coll("all_reduce", [arrays({0: x * 0.5, 1: x * 0.5})], [arrays({0: x, 1: x})])
+            with tr.call("layers.0", arrays({0: x, 1: x, 2: y, 3: y})) as c:
+                c.returns(arrays({0: x * 2 + 1, 1: x * 2 + 1, 2: y * 2 + 1, 3: y * 2 + 1}))
+            outer.returns(arrays({0: x * 2 + 1, 1: x * 2 + 1, 2: y * 2 + 1, 3: y * 2 + 1}))
+    con = tr.merge(tmp_path)
+    rows = {tuple(sorted(p["shapes"])): p for p in match_points(con, "layers.0:input.0")}
+    assert set(rows) == {(0, 1), (2, 3)}, rows
+    assert rows[(0, 1)]["reduction"] == "post-reduction"
+    assert rows[(2, 3)]["reduction"] == "no-reduction"
+    assert rows[(2, 3)]["group"]["ranks"] == [[2, 3]]
+    assert any("TP group [0, 1] holds another tensor under this name: replicate/post-reduction" in e
+               for e in rows[(2, 3)]["evidence"]), rows[(2, 3)]["evidence"]
+    # judged alike by both groups: one row, every rank's shape
+    (out,) = match_points(con, "layers.0:output")
+    assert sorted(out["shapes"]) == ALL and out["placement"] == "replicate"
