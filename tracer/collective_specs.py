@@ -54,16 +54,17 @@ def reduce_op_name(op) -> str:
 
 
 def layout_of(tracer, writer, inputs, outputs, key: int) -> tuple:
-    """(layout id, bytes of the inputs) of a collective's tensors, read in Python; kept under
-    ``key`` (tracer/native.py's call_key of the inputs at positions 0.. and the outputs as
+    """(layout id, bytes of the inputs, else of the outputs) of a collective's tensors, read in
+    Python; kept under ``key`` (tracer/native.py's call_key of the inputs at positions 0.. and the outputs as
     items of a list result: one int for the metadata of all of them, read in C) when it is one
     (>= 0), so that a collective of a layout seen before in this rank file reads no shape, dtype
     or device in Python (the fourteen collectives of a TP step each made six such reads, three
     f-strings and a nested tuple's hash)."""
     slots = [(f"input.{i}", t) for i, t in enumerate(inputs)]
     slots += [(f"output.{i}", t) for i, t in enumerate(outputs)]
+    # (a recv has no input: what it moved is its output)
     hit = (writer.layout(tuple([(s, t.shape, t.dtype, t.device) for s, t in slots])),
-           sum(t.numel() * t.element_size() for t in inputs))
+           sum(t.numel() * t.element_size() for t in (inputs or outputs)))
     if key >= 0:
         tracer.layouts.coll[key] = hit
     return hit

@@ -106,3 +106,21 @@ def test_collective_inputs_are_fingerprinted_when_the_call_begins_even_when_defe
     (c,) = rt.steps[0].collectives
     # (abs too: a sum near zero of values near one is exact only to a few ulps of the values)
     assert c.tensors[0].fp[0] == pytest.approx((x * 2).sum().item(), rel=1e-5, abs=1e-5)
+
+
+class Receives(nn.Module):
+    def forward(self, x):
+        dist.recv(x, src=1)
+        return x * 1
+
+
+def test_a_recv_counts_the_bytes_it_received(tmp_path, fake_world):
+    """A recv has no input tensor, only the one it fills: its bytes were 0 (a held-out PP x TP
+    program's query collectives showed recv 0 bytes beside send 16384)."""
+    tracer.start(out_dir=str(tmp_path))
+    try:
+        Receives()(torch.zeros(4, 8))
+    finally:
+        tracer.stop()
+    (c,) = load_rank_file(rank_files(str(tmp_path))[0]).steps[0].collectives
+    assert c.op == "recv" and c.bytes == 4 * 8 * 4
