@@ -65,7 +65,15 @@ def group_ranks(j, pt):
         return decide(pt, "replicate", "no-reduction", "one-rank-group",
                       None, item("shape", "one rank in its TP group: every tensor is whole"))
     if len(pt.procs) < j.group_size:
-        return _gather_destination(j, pt) or j.missing(pt)
+        verdict = _gather_destination(j, pt)
+        if verdict is not None:
+            return verdict
+        verdict = j.missing(pt)
+        # (undeclared pipeline stages: each stage's modules run on its TP group's ranks alone)
+        hint = _smaller_reduction_groups(j)
+        if hint is not None:
+            verdict.items.append(hint)
+        return verdict
     return None
 
 

@@ -35,3 +35,22 @@ def test_a_name_that_two_tp_groups_judge_differently_has_a_row_per_group(tmp_pat
     # judged alike by both groups: one row, every rank's shape
     (out,) = match_points(con, "layers.0:output")
     assert sorted(out["shapes"]) == ALL and out["placement"] == "replicate"
+
+
+def test_undeclared_stages_say_which_groups_reduced(tmp_path):
+    """Undeclared, the TP group is the world: a stage's module is seen on its ranks alone
+    (unknown, missing ranks), and that evidence now names the groups the step's sum-reductions
+    ran in and how to declare them (it was on one point of the run only)."""
+    rng = gen(18)
+    x = pos(rng, 2, 4)
+    tr = SyntheticTrace(4)
+    tr.group("pairs", {r: STAGE0 if r < 2 else STAGE1 for r in ALL})
+    with tr.step():
+        with tr.call("model", same(x, ALL)) as outer:
+            tr.coll("all_reduce", [same(x * 0.5, ALL)], [same(x, ALL)], group="pairs")
+            with tr.call("layers.0", same(x, STAGE0)) as c:
+                c.returns(same(x * 2 + 1, STAGE0))
+            outer.returns(same(x, ALL))
+    (p,) = match_points(tr.merge(tmp_path), "layers.0:output")
+    assert (p["placement"], p["rule"]) == ("unknown", "missing-ranks"), p
+    assert any("declare each with tensor_trace.tracer.set_tp_group" in e for e in p["evidence"]), p["evidence"]
