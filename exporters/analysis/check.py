@@ -12,7 +12,9 @@ Each finding is ``{kind, point, collective, detail, evidence}`` (the contract's 
   concatenation (SGLang #28925, #34668: a capture that a fusion left before the reduction);
 - ``divergent``: a point whose ranks disagree with no evidence of a partial sum or a shard;
 - ``collective-skipped`` / ``collective-mismatch``: ranks that skipped a collective the others
-  issued, or issued another op, shape or dtype (matched by group and sequence number).
+  issued, or issued another op, shape or dtype (matched by group and sequence number);
+- ``divergent-parameter``: a parameter a DTensor declares replicated whose values differ across
+  the ranks of its TP group.
 
 Collectives are examined in the steps the verdicts sampled (a few per kind of step).
 """
@@ -24,7 +26,7 @@ import json
 from tensor_trace.exporters.analysis.evidence import key_item
 from tensor_trace.exporters.analysis.step_view import REDUCE_SCATTER, StepView, coll_desc, coll_json
 from tensor_trace.exporters.analysis.tolerance import all_equal, linked
-from tensor_trace.exporters.analysis.verdicts import StoreContext, sample_steps, tp_groups_with_size
+from tensor_trace.exporters.analysis.verdicts import StoreContext, load_params, sample_steps, tp_groups_with_size
 from tensor_trace.format.points import CAPTURE_PREFIX, full_name
 
 _FLOAT = ("float", "bfloat")
@@ -45,6 +47,40 @@ def check(con) -> list:
     explained = {f["point"] for f in captures}
     out += _divergent_findings(p for name, p in points.items() if name not in explained)
     out += _issue_findings(con)
+    out += _replicated_parameter_findings(con)
+    return out
+
+
+def _replicated_parameter_findings(con) -> list:
+    """``divergent-parameter``: a parameter that a DTensor declares replicated over its TP mesh
+    whose values differ across the ranks of its TP group (a rank's stale or scaled copy: under
+    sequence parallelism a norm's output is a shard either way, and only its weight tells)."""
+    from tensor_trace.exporters.analysis.declared import dtensor_placement
+    from tensor_trace.exporters.analysis.tolerance import Observed, fp_equal
+
+    params = load_params(con)
+    rank_of = dict(con.execute("SELECT proc, rank FROM processes"))
+    out = []
+    for procs in [procs for procs, _ in tp_groups_with_size(con)]:
+        modules = sorted({m for p, m in params if p in procs})
+        for module in modules:
+            per = [params.get((p, module)) for p in procs]
+            if any(x is None for x in per):
+                continue
+            for i, (name, shape, fp, meta) in enumerate(per[0]):
+                if fp is None or dtensor_placement(meta, len(shape)) != "replicate":
+                    continue
+                rows = [x[i] for x in per if i < len(x) and x[i][0] == name]
+                ref = Observed(shape, "float32", fp)
+                odd = [rank_of.get(p) for p, r in zip(procs, rows)
+                       if r[2] is not None and not fp_equal(ref, Observed(shape, "float32", r[2]))]
+                if len(rows) != len(per) or not odd:
+                    continue
+                fps = ", ".join(f"rank {rank_of.get(p)} sum {r[2][0]:.6g}" for p, r in zip(procs, rows) if r[2])
+                out.append(finding("divergent-parameter", f"{module}.{name}", None,
+                                   f"{module}.{name} {list(shape)} is a DTensor declared Replicate() over its TP "
+                                   f"mesh, but its values differ on rank(s) {odd} from rank {rank_of.get(procs[0])}'s",
+                                   [fps]))
     return out
 
 
