@@ -120,6 +120,9 @@ class Tracer:
         self.dormant = False
         self.dormant_roots: weakref.WeakSet = weakref.WeakSet()
         self.root_classes: list = []  # prefixes given to roots, in order (the first has none)
+        # (writer, next index) of the module parameters' fingerprints in that rank file: the
+        # roots' parameters (an EAGLE-3 target's and its draft's) are numbered on from there
+        self.params_fp_next: tuple = (None, 0)
         # interception (tracer/intercept.py)
         self.global_handles: list = []
         self.late_hooks: dict = {}  # id(module) -> its own forward hooks that record its calls (intercept.late_post_hook)

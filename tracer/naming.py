@@ -64,6 +64,11 @@ def record_parameters(t, root) -> None:
     with equal shapes are what tells a column-parallel output (a slice) from divergence."""
     writer = t.ensure_writer()
     fps = StepFingerprints()
+    # every root's parameters are step PARAMS_STEP's fingerprints of the rank file: a second
+    # root's numbered from 0 again took the first's indices (the reader kept one of each)
+    last_writer, fps.count = t.params_fp_next
+    if last_writer is not writer:
+        fps.count = 0
     for sub in root.modules():
         entries = [e for e in entries_of(t, sub) if e[2]]
         if not entries:
@@ -76,6 +81,7 @@ def record_parameters(t, root) -> None:
             writer.add((schema.PARAMS, writer.module(entry[0], entry[1]), [
                 [writer.string(n), writer.meta(*kinds.meta_args(p)), base + i]
                 for i, (n, p) in enumerate(params)]))
+    t.params_fp_next = (writer, fps.count)
     fps.finish_step(schema.PARAMS_STEP)
     t.fps.adopt_pending(fps)  # written with the next step's fingerprints
 
