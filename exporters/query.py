@@ -87,8 +87,12 @@ def shapes(con, point: str) -> list[dict]:
     for p in pts:
         d = dict(point=p["point"], module=p["module"], call=p["call"], shapes=p["shapes"], steps=p["steps"])
         v = variants.get((p["module"], p["call"], p["slot"]))
-        if v is not None and len(v) > 1:
-            d["variants"] = v
+        if v is not None:
+            # the steps that held this slot (a mask passed in prefill only, None in decode),
+            # not every step of its module's call
+            d["steps"] = sum(x["steps"] for x in v)
+            if len(v) > 1:
+                d["variants"] = v
         if "dtypes" in p:
             d["dtypes"] = p["dtypes"]
         else:

@@ -45,3 +45,22 @@ def test_a_shape_that_changes_between_steps_is_given_with_its_steps(tmp_path):
 def test_a_shape_the_same_in_every_step_has_no_variants(tmp_path):
     (row,) = json.loads(_shapes(_trace(tmp_path, [3, 3, 3]), "proj:output", "--json"))
     assert row["shapes"] == {"0": [1, 3, 4], "1": [1, 3, 4]} and "variants" not in row
+
+
+def test_a_slot_passed_in_some_steps_counts_those_steps(tmp_path):
+    """A causal mask passed in prefill and None in decode steps (Meta's reference Llama, held
+    out): its steps were those of its module's calls (4), not the one step that held it."""
+    rng = gen(4)
+    tr = SyntheticTrace(2, root="run")
+    for n in (6, 1, 1, 1):
+        with tr.step():
+            x = pos(rng, 1, n, 4)
+            ins = [same(x, R)] + ([same(pos(rng, n, n), R)] if n > 1 else [])
+            with tr.call("run", same(x, R)) as root:
+                with tr.call("layer", *ins) as c:
+                    c.returns(same(x * 2, R))
+                root.returns(same(x * 2, R))
+    tr.merge(tmp_path)
+    (mask,) = json.loads(_shapes(tmp_path, "layer:input.1", "--json"))
+    (hidden,) = json.loads(_shapes(tmp_path, "layer:input.0", "--json"))
+    assert (mask["steps"], hidden["steps"]) == (1, 4)
