@@ -62,7 +62,56 @@ def _placement_at_step(con, pattern, step) -> list[dict]:
         out = [p for p in out if p["point"] in keep]
     if not out:
         raise NoAnswer(f"no point matches {pattern!r} in step {step}")
+    _against_all_steps(con, step, out)
     return out
+
+
+def _against_all_steps(con, step, out) -> None:
+    """In a step whose ops were not recorded (lineage is taken on a schedule), a verdict that
+    rests on a guess along the dataflow can differ from the one of all steps, which steps with
+    recorded ops decided: say so beside it (one decode step's one head and one token read a
+    shard along the wrong size-1 dim)."""
+    if con.execute("SELECT 1 FROM lineage WHERE step=? LIMIT 1", (step,)).fetchone():
+        return
+    overall: dict = {}
+    rule_of: dict = {}
+    for p in match_points(con, "*:*"):
+        overall.setdefault(p["point"], []).append((p["placement"], p["reduction"]))
+        rule_of[p["point"]] = p["rule"]
+    for p in out:
+        seen = overall.get(p["point"]) or []
+        mine = (p["placement"], p["reduction"])
+        if len(seen) != 1 or seen[0] == mine or seen[0][0] == "unknown":
+            continue
+        placed_by_ops = rule_of.get(p["point"]) in _OPS_PLACED and (seen[0][0].startswith("shard(")
+                                                                     or seen[0][0] == "partial")
+        if p["rule"] == "divergent" and placed_by_ops:
+            # values that differ are what a shard predicts; without ops this step cannot place
+            # them (verdicts.vote does not count such a step against the ones with ops)
+            note = (f"this step has no evidence of a shard: its ops were not recorded (lineage is taken on a "
+                    f"schedule); the steps whose ops were recorded place it {seen[0][0]}/{seen[0][1]}, taken here "
+                    "(record with --lineage-every 1 to have ops in every step)")
+            p["placement"], p["reduction"] = seen[0]
+        elif (p["rule"] in _GUESSED_DIM and mine[0].startswith("shard(") and seen[0][0].startswith("shard(")
+                and mine[1] == seen[0][1]):
+            # only the dim differs, and this step guessed it (a shard derived from the latest one
+            # before it, without the reshapes between them): the steps with ops place it
+            note = (f"this step guessed {mine[0]} along the dataflow (its ops were not recorded: lineage is taken "
+                    f"on a schedule); the steps whose ops were recorded place it {seen[0][0]}, taken here "
+                    "(record with --lineage-every 1 to have ops in every step)")
+            p["placement"] = seen[0][0]
+        else:
+            note = (f"all steps together: {seen[0][0]}/{seen[0][1]}, from steps whose ops were recorded; this "
+                    f"step's ops were not (lineage is taken on a schedule: record with --lineage-every 1 to have "
+                    f"them in every step)")
+        p["evidence"].insert(len(p["evidence"]) - 1, note)
+        p["evidence_items"].append(dict(kind="sampling", text=note, refs={}))
+
+
+# rules that follow the dataflow without recorded ops: a shard's dim among size-1 dims is a guess
+_GUESSED_DIM = frozenset(("derived-from-shard", "same-values"))
+# rules of the verdicts of all steps that rest on recorded ops (verdicts._OPS_RULES)
+_OPS_PLACED = frozenset(("lineage-ops", "derived-from-shard", "same-values"))
 
 
 def reduction(con, point: str) -> dict:

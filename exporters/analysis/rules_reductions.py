@@ -67,6 +67,30 @@ def _gathering(c, procs, step_attrs=None) -> bool:
     return disjoint_sum(ins, out[0], known_distinct=len(spans) > 1)
 
 
+def _lookup(j, c, procs) -> bool:
+    """Whether ``c`` is issued by a vocab-parallel lookup: a module handed integer ids that owns
+    a 2-D weight split across ranks as wide as the reduced rows (``[vocab / n, hidden]``). Its
+    all_reduce sums each rank's masked rows; when a step's few tokens fall one range per rank in
+    rank order (two decode tokens, one in each half of the vocabulary), the rows tile like a
+    gather's, but it is the lookup's reduction, the same in every step."""
+    ins = c.ins.get(procs[0])
+    if not c.module or not ins or not ins[0].shape:
+        return False
+    if not any(k[0] == c.module and k[2].startswith("input") and (t := obs.get(procs[0])) is not None
+               and t.dtype.startswith(("int", "uint")) for k, obs in j.v.points.items()):
+        return False
+    per = j.module_params(c.module, procs)
+    if not per:
+        return False
+    for i, (name, shape, fp, meta) in enumerate(per[0]):
+        if len(shape) != 2 or shape[1] != ins[0].shape[-1] or i >= min(len(x) for x in per):
+            continue
+        if declared.param_split_dim(meta) == 0 or any(
+                x[i][2] is not None and fp is not None and x[i][2] != fp for x in per[1:]):
+            return True
+    return False
+
+
 def _own_tokens(rows: dict, step_attrs) -> bool:
     """Each rank's nonzero rows are its own tokens of a DP-split step: a rank holds as many rows
     as the tokens its step ran, the ranks ran different token counts (a DP split, ``dp_tokens``)
@@ -127,7 +151,7 @@ def reduction_output(j, pt, exact=True):
             return decide(pt, "replicate" if pt.equal else "divergent", "no-reduction", "gather-output",
                           coll_json(c, pt.procs[0]),
                           coll_item(c, f"equals the output of {coll_desc(c)} on every rank: gathered, not reduced"))
-        if _gathering(c, pt.procs, j.v.step_attrs):
+        if _gathering(c, pt.procs, j.v.step_attrs) and not _lookup(j, c, pt.procs):
             return decide(pt, "replicate", "no-reduction", "gathered-by-all-reduce", coll_json(c, pt.procs[0]),
                           coll_item(c, f"equals the output of {coll_desc(c)}{times}, whose inputs are zero "
                                        f"outside one slice each: a gather, not a reduction"))
@@ -187,7 +211,7 @@ def reduction_input(j, pt, exact=True):
             # reduction, which that earlier reduction's output reports).
             continue
         times = f" (times {scale:.4g})" if scale != 1.0 else ""
-        if c.op not in REDUCE_SCATTER and _gathering(c, pt.procs, j.v.step_attrs):
+        if c.op not in REDUCE_SCATTER and _gathering(c, pt.procs, j.v.step_attrs) and not _lookup(j, c, pt.procs):
             return decide(pt, "shard(0)", "no-reduction", "gather-by-all-reduce-input", coll_json(c, pt.procs[0]),
                           coll_item(c, f"is the input of {coll_desc(c)}{times} and zero outside its own "
                                        f"slice (the sums of squares add up exactly): the all_reduce gathers"))

@@ -411,3 +411,29 @@ def test_disjoint_slices_without_row_attrs_stay_a_reduction(tmp_path):
         tr.coll("all_reduce", [arrays(padded)], [same(total, R)])
     con = tr.merge(tmp_path)
     check(point(con, "emb:output"), "partial", "pre-reduction", "reduction-input")
+
+
+@needs_coll_attrs
+def test_a_vocab_parallel_lookup_whose_two_tokens_fall_one_per_rank_stays_a_reduction(tmp_path):
+    """Two decode tokens, the first in rank 0's half of the vocabulary and the second in rank
+    1's (transformers' generate under tp_plan, held out, not written here): each rank's masked
+    lookup is nonzero in one row, in rank order, tiling the output like a gather's slices. The
+    module that issued the all_reduce looks integer ids up in a weight split across ranks: a
+    vocab-parallel embedding, whose all_reduce is its reduction (post-reduction)."""
+    rng = gen(5)
+    rows = {r: pos(rng, 4) for r in R}
+    padded = {0: np.stack([rows[0], np.zeros(4, np.float32)]), 1: np.stack([np.zeros(4, np.float32), rows[1]])}
+    total = padded[0] + padded[1]
+    ids = np.array([[3, 9]], dtype=np.int64)
+    tr = SyntheticTrace(2)
+    tr.param("embed", "weight", arrays({r: pos(rng, 8, 4) for r in R}))  # [vocab / 2, hidden] each
+    with tr.step():
+        with tr.call("embed", same(ids, R, dtype="int64")) as c:
+            tr.coll("all_reduce", [arrays(padded)], [same(total, R)],
+                    attrs={0: {"nonzero_rows": [[0, 0, 1]]}, 1: {"nonzero_rows": [[1, 1, 1]]}})
+            c.returns(same(total, R))
+        with tr.call("next", same(total, R)) as c:
+            c.returns(same(total * 3 + 1, R))
+    con = tr.merge(tmp_path)
+    for name in ("embed:output", "next:input.0"):
+        check(point(con, name), "replicate", "post-reduction", "reduction-output")
