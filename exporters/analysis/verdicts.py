@@ -276,16 +276,15 @@ def _point_row_of(ctx, key, verdicts, others, group_info, multi, seen_steps, cap
                                                   f"under this name: {p}/{r}" for g, (p, r) in others)
                                       + " (each group's row is its own)"))
         grouping = grouping or json.dumps(dict(group=info, data_split=None))
-    # every TP group that judged it alike (data-parallel replicas, pipeline stages' modules of
-    # one name): their ranks' shapes and dtypes, in the chosen step
-    shapes, dtypes = dict(chosen["shapes"]), dict(chosen["dtypes"])
-    for v in verdicts:
-        if v["step"] == chosen["step"] and v["tp_group"] != chosen["tp_group"]:
-            for r, sh in v["shapes"].items():
-                shapes.setdefault(r, sh)
-            for r, dt in v["dtypes"].items():
-                dtypes.setdefault(r, dt)
-    shapes, dtypes = dict(sorted(shapes.items())), dict(sorted(dtypes.items()))
+    judged_in = sorted({v["tp_group"] for v in verdicts})
+    if len(judged_in) > 1 and not grouping:
+        # judged alike by several TP groups (data-parallel replicas, pipeline stages' modules of
+        # one name), each on its own: the shapes are one group's, the group says which ranks
+        info = group_info[judged_in[0]]
+        grouping = json.dumps(dict(group=dict(name=info["name"], size=info["size"],
+                                              ranks=[group_info[g]["ranks"][0] for g in judged_in]),
+                                   data_split=None))
+    shapes, dtypes = chosen["shapes"], chosen["dtypes"]
     dts = set(dtypes.values())
     return (point_name(module, call, slot, multi[module] > 0), module, call, slot, placement,
             reduction, json.dumps(shapes), dts.pop() if len(dts) == 1 else None,

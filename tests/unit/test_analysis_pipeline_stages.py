@@ -3,7 +3,7 @@ per-stage layer numbering, not written here: TP groups [0, 1] and [2, 3], stage 
 ``layers.0`` another module than stage 0's). The verdicts of all steps kept one row per point,
 voted over both groups: one group's answer stood for both and the other's was lost. Groups that
 judge a point differently now get a row each, naming the other; groups that judge it alike
-share one row, whose shapes name every rank of them."""
+share one row, whose group names each of them."""
 
 from synthetic_trace import SyntheticTrace, arrays, gen, pos, same
 from tensor_trace.exporters.store.points import match_points
@@ -32,9 +32,10 @@ def test_a_name_that_two_tp_groups_judge_differently_has_a_row_per_group(tmp_pat
     assert rows[(2, 3)]["group"]["ranks"] == [[2, 3]]
     assert any("TP group [0, 1] holds another tensor under this name: replicate/post-reduction" in e
                for e in rows[(2, 3)]["evidence"]), rows[(2, 3)]["evidence"]
-    # judged alike by both groups: one row, every rank's shape
+    # judged alike by both groups, each on its own: one row, whose group names both
     (out,) = match_points(con, "layers.0:output")
-    assert sorted(out["shapes"]) == ALL and out["placement"] == "replicate"
+    assert out["group"]["ranks"] == [STAGE0, STAGE1] and out["placement"] == "replicate"
+    assert sorted(out["shapes"]) == STAGE0
 
 
 def test_undeclared_stages_say_which_groups_reduced(tmp_path):
