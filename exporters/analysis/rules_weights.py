@@ -26,7 +26,7 @@ def sharded_param(j, pt):
     declared_splits = [(name, shape, "declared", d) for name, shape, fp, meta in per[0]
                        if (d := declared.param_split_dim(meta)) is not None]
     if sum(1 for _, shape, _, _ in declared_splits if len(shape) >= 2) > 1:
-        return name_several(declared_splits)
+        return _name_several(declared_splits)
     if declared_splits:
         return declared_splits[0]
     split = []
@@ -45,7 +45,7 @@ def sharded_param(j, pt):
     return split[0] if split else None
 
 
-def name_several(splits) -> tuple:
+def _name_several(splits) -> tuple:
     """(names, local shapes, "several", split dims) of a call's several split matrices."""
     return (tuple(n for n, *_ in splits), tuple(tuple(sh) for _, sh, _, _ in splits), "several",
             tuple(d for *_, d in splits))
