@@ -168,8 +168,13 @@ class Judge:
         if pt._links is None:
             p0, ref, procs = pt.procs[0], pt.tref, pt.procs
             outs, ins = [], []
+            later = list(self.v.after(pt.t_point, _LINKED_OPS))
+            if not pt.is_output:
+                # the call's own collectives take its inputs too where they ran before its span
+                # began (a forward pre-hook's: PrepareModuleInput gathering a keyword input)
+                later += [c for c in self.call_collectives(pt) if c.op in _LINKED_OPS and c not in later]
             for found, side, colls in ((outs, "outs", self.v.before(pt.t_point + 1, _LINKED_OPS)),
-                                       (ins, "ins", self.v.after(pt.t_point, _LINKED_OPS))):
+                                       (ins, "ins", later)):
                 for c in colls:
                     per = getattr(c, side)
                     for i, t in enumerate(per.get(p0) or ()):
