@@ -156,6 +156,7 @@ class OpPacketWrapper:
     def __init__(self, packet, call):
         self._packet = packet
         self._call = call
+        self._overloads = frozenset(packet.overloads())  # (read at each attribute look-up)
         self.__tensor_trace_original__ = packet
 
     def __call__(self, *args, **kwargs):
@@ -172,7 +173,7 @@ class OpPacketWrapper:
 
     def __getattr__(self, name):
         real = getattr(self._packet, name)
-        if name in self._packet.overloads() and compiled_frame(sys._getframe(1)):
+        if name in self._overloads and compiled_frame(sys._getframe(1)):
             # A compiled graph calls the overload (``torch.ops._c10d_functional.all_reduce_
             # .default(buf, 'sum', '0')``), looked up on the namespace at each call: there its
             # call goes through the wrapper too. Anywhere else (inductor's lowerings, its
