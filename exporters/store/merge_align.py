@@ -15,6 +15,10 @@ DIGEST_BLOCK_SEQS = 4096  # sequence numbers per block of a SequenceDigest
 # point-to-point ops: a send on one rank pairs with a recv on another, never with the group's
 # other ranks (pipeline stages), so they are not matched across the group as collectives are
 P2P_SQL = "('send', 'recv', 'isend', 'irecv')"
+# rooted ops whose tensors differ between the root and the others by design (a gather's list of
+# outputs exists on its destination alone): matched by op, not by shapes
+ROOTED_SQL = "('gather', 'scatter')"
+ROOTED = ("gather", "scatter")
 
 
 def text_code(text) -> int:
@@ -157,12 +161,12 @@ def align_collectives(con, digests: dict | None = None) -> list:
         lo, hi = max(b[1] for b in covered), min(b[2] for b in covered)
         seq = None
         for first, last in _ranges_to_read(gid, [p for p, _, _ in covered], lo, hi, digests, len(procs)):
+            sig = f"c.op || '|' || COALESCE(c.reduce_op, '') || '|' || CASE WHEN c.op IN {ROOTED_SQL} THEN 0 ELSE l.sig END"
             row = con.execute(
-                "SELECT c.seq, COUNT(*), COUNT(DISTINCT c.op || '|' || COALESCE(c.reduce_op, '') || '|' || l.sig) "
+                f"SELECT c.seq, COUNT(*), COUNT(DISTINCT {sig}) "
                 "FROM collectives c JOIN temp.signatures l USING(layout_id) WHERE c.group_id=? "
                 f"AND c.seq BETWEEN ? AND ? AND (c.flags & ?) = 0 AND c.op NOT IN {P2P_SQL} "
-                "GROUP BY c.seq HAVING COUNT(*) != ? OR COUNT(DISTINCT c.op || '|' || COALESCE(c.reduce_op, '') "
-                "|| '|' || l.sig) > 1 ORDER BY c.seq LIMIT 1",
+                f"GROUP BY c.seq HAVING COUNT(*) != ? OR COUNT(DISTINCT {sig}) > 1 ORDER BY c.seq LIMIT 1",
                 (gid, first, last, schema.FLAG_REPLAYED, len(procs))).fetchone()
             if row is not None:
                 seq = row[0]
@@ -182,6 +186,8 @@ def align_collectives(con, digests: dict | None = None) -> list:
         sigs: dict = {}
         for proc, op, redop, sig in rows:
             sigs.setdefault((op, redop, sig), []).append(rank_of[proc])
+        if len({(op, redop) for op, redop, _ in sigs}) == 1 and rows[0][1] in ROOTED:
+            continue  # (found through another row of the same seq: only the root's tensors differ)
         parts = [f"ranks {sorted(r)}: {op}{'(' + redop + ')' if redop else ''} "
                  + ", ".join(f"{shape} {dtype}" for shape, dtype in json.loads(sig))
                  for (op, redop, sig), r in sigs.items()]
