@@ -282,6 +282,10 @@ def _divergent_findings(points) -> list:
     for p in points:
         if p["placement"] != "divergent":
             continue
+        if p["rule"] == "divergent" and p["collective"] is not None:
+            continue  # per-rank by design: the input of a max all_reduce or a broadcast (rules.divergent)
+        if (p["collective"] or {}).get("op") == "reduce":
+            continue  # a reduce delivers to its destination only: other ranks' buffers are undefined
         values = [i["text"] for i in p["items"] if i["kind"] in ("values", "shape")]
         out.append(finding("divergent", p["point"], p["collective"],
                            f"{p['point']} differs across the ranks of its TP group with no evidence of a "

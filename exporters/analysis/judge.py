@@ -9,7 +9,7 @@ import math
 
 from tensor_trace.exporters.analysis import declared, rules
 from tensor_trace.exporters.analysis.evidence import Verdict, item
-from tensor_trace.exporters.analysis.step_view import EXCHANGE, GATHER, REDUCING
+from tensor_trace.exporters.analysis.step_view import EXCHANGE, GATHER, REDUCING, coll_desc
 from tensor_trace.exporters.analysis.tolerance import Observed, fp_equal, linked, sum_tol
 from tensor_trace.format.points import is_output, point_name
 
@@ -159,6 +159,26 @@ class Judge:
         was not computed locally from its inputs."""
         t = self.v.times.get(pt.key)
         return self.v.issued_by(t[1]) if t is not None else []
+
+    def output_collectives(self, pt: Point) -> list:
+        """``call_collectives`` less those that moved only statistics: a collective each of whose
+        tensors holds at most half as many elements as the point (a norm over a hidden dim split
+        across ranks all-reduces each row's sum of squares, [t, 1] against [t, h/tp]) cannot have
+        made the point's values, which the call then computed locally from its inputs and the
+        statistic, replicated once reduced. Each one left out is said in the point's evidence."""
+        colls = self.call_collectives(pt)
+        if not colls or pt.tref is None:
+            return colls
+        n, p0 = pt.tref.numel, pt.procs[0]
+        small = [c for c in colls if (ts := (c.ins.get(p0) or []) + (c.outs.get(p0) or []))
+                 and all(2 * t.numel <= n for t in ts)]
+        for c in small:
+            note = item("dataflow", f"its call issued {coll_desc(c)} of fewer elements than this tensor holds "
+                                    f"({max(t.numel for t in (c.ins.get(p0) or []) + (c.outs.get(p0) or []))} "
+                                    f"against {n}): a statistic it used, not these values")
+            if note not in pt.items:
+                pt.items.append(note)
+        return [c for c in colls if c not in small]
 
     def links(self, pt: Point) -> tuple:
         """Where the point's values meet a collective, found once per point: ``(outputs,

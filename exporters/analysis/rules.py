@@ -45,7 +45,7 @@ import collections
 from tensor_trace.exporters.analysis import (declared, experts, rules_dataflow, rules_declared, rules_reductions,
                                              rules_weights)
 from tensor_trace.exporters.analysis.evidence import coll_item, decide, item
-from tensor_trace.exporters.analysis.step_view import REDUCE_SCATTER, coll_desc, coll_json
+from tensor_trace.exporters.analysis.step_view import REDUCE_SCATTER, REDUCING, coll_desc, coll_json
 from tensor_trace.exporters.analysis.tolerance import FLOAT_DTYPES, all_equal, linked
 
 
@@ -81,20 +81,35 @@ def _gather_destination(j, pt):
     """A point seen only on the ranks a ``gather`` delivered to (vLLM's logits processor gathers
     the vocab shards to rank 0; the others get None), or the same values carried on: its
     placement across the group is unknown (the other ranks hold nothing), but nothing reduced
-    it."""
+    it. Likewise the output of a ``reduce`` of a sum on its destination (the others get None):
+    post-reduction where it was delivered."""
     seen = f"seen on ranks {j.ranks(pt.procs)} only, of a TP group of {j.group_size}"
-    c = next((c for c in j.call_collectives(pt) if c.op == "gather"), None)
-    if c is not None:
-        return decide(pt, "unknown", "no-reduction", "gather-destination", coll_json(c, pt.procs[0]),
-                      item("missing", seen),
-                      coll_item(c, f"its call gathered the ranks' parts with {coll_desc(c)}: whole where it "
-                                   "was delivered, absent on the other ranks, not reduced"))
+    for c in j.call_collectives(pt):
+        if c.op == "gather":
+            return decide(pt, "unknown", "no-reduction", "gather-destination", coll_json(c, pt.procs[0]),
+                          item("missing", seen),
+                          coll_item(c, f"its call gathered the ranks' parts with {coll_desc(c)}: whole where it "
+                                       "was delivered, absent on the other ranks, not reduced"))
+        if c.op == "reduce" and c.sums and _holds_output(c, pt):
+            return decide(pt, "unknown", "post-reduction", "reduce-destination", coll_json(c, pt.procs[0]),
+                          item("missing", seen),
+                          coll_item(c, f"equals the output of {coll_desc(c)} where it was delivered; absent on "
+                                       "the other ranks"))
     hit = j.producer(pt.tref)
     prev = j.done.get(hit) if hit is not None else None
-    if prev is not None and prev.rule == "gather-destination" and set(j.v.points[hit]) == set(pt.procs):
-        return decide(pt, "unknown", "no-reduction", "gather-destination", prev.collective, item("missing", seen),
-                      item("dataflow", f"the same values as {j.name(hit)}, gathered to these ranks", point=j.name(hit)))
+    if prev is not None and prev.rule in _DESTINATION_RULES and set(j.v.points[hit]) == set(pt.procs):
+        return decide(pt, "unknown", prev.reduction, prev.rule, prev.collective, item("missing", seen),
+                      item("dataflow", f"the same values as {j.name(hit)}, delivered to these ranks", point=j.name(hit)))
     return None
+
+
+_DESTINATION_RULES = ("gather-destination", "reduce-destination")
+
+
+def _holds_output(c, pt) -> bool:
+    """Whether ``pt`` holds collective ``c``'s output, as it is, on every rank it was seen on."""
+    outs = {p: c.outs[p][0] for p in pt.procs if c.outs.get(p)}
+    return len(outs) == len(pt.procs) and linked(outs, pt.obs) == 1.0
 
 
 def shapes(j, pt):
@@ -162,7 +177,31 @@ def divergent(j, pt):
     hint = _smaller_reduction_groups(j)
     if hint is not None:
         pt.items.append(hint)
+    c = _combined_by(j, pt)
+    if c is not None:
+        # each rank's own by design (a vocab slice's max, a buffer only the source fills):
+        # never sum-reduced, and a collective that is no sum makes them one
+        what = "sends the source rank's" if c.op == "broadcast" else "combines them by a reduction that is no sum"
+        return decide(pt, "divergent", "no-reduction", "divergent", coll_json(c, pt.procs[0]),
+                      coll_item(c, f"the input of {coll_desc(c)} on every rank, which {what}: per-rank "
+                                   "values by design"))
     return decide(pt, "divergent", "unknown", "divergent")
+
+
+_BROADCAST = {"broadcast"}
+
+
+def _combined_by(j, pt):
+    """The collective that takes ``pt``'s values as they are on every rank and is no sum: an
+    all_reduce of max or min (a vocab-parallel sampler's or cross-entropy's per-rank max), or a
+    broadcast (a buffer only its source rank filled); None if none."""
+    for c, _, scale in j.links(pt)[1]:
+        if c.op in REDUCING and not c.sums and scale == 1.0:
+            return c
+    for c in j.v.after(pt.t_point, _BROADCAST, limit=4):
+        if all(c.ins.get(p) for p in pt.procs) and linked(pt.obs, {p: c.ins[p][0] for p in pt.procs}) == 1.0:
+            return c
+    return None
 
 
 def _smaller_reduction_groups(j):

@@ -92,7 +92,7 @@ def _communicated(j, pt) -> bool:
     """A module call that issued collectives itself did not compute its output
     locally from its inputs: a row-parallel layer's all_reduce then a bias, a max taken across
     ranks, a sequence gathered before a projection. Says so in the point's evidence."""
-    colls = j.call_collectives(pt)
+    colls = j.output_collectives(pt)
     if not colls:
         return False
     names = ", ".join(coll_desc(c) for c in colls[:3]) + (f" and {len(colls) - 3} more" if len(colls) > 3 else "")
@@ -211,6 +211,15 @@ def same_values_where_finite(j, pt):
     return None
 
 
+def _reduced_over(src_shape: tuple, d: int, shape: tuple) -> bool:
+    """Whether ``shape`` is ``src_shape`` with its dim ``d`` reduced over: dropped, or kept with
+    size 1 where it was larger (``max(-1)``, ``sum(d, keepdim=True)``, an argmax)."""
+    if d >= len(src_shape):
+        return False
+    return shape == src_shape[:d] + src_shape[d + 1:] or (
+        src_shape[d] > 1 and shape == src_shape[:d] + (1,) + src_shape[d + 1:])
+
+
 def _derived_dim(src_shape, d, shape, ndim) -> int:
     """Where a shard of dim ``d`` of ``src_shape`` is taken to lie in a tensor of another rank
     derived from it, with no recorded op between them: where the dims before d are the same and
@@ -314,6 +323,11 @@ def derived_from_shard(j, pt, src=None):
     placement = j.done[src].placement
     d = int(placement[6:-1])
     src_t = j.v.points[src].get(pt.procs[0])
+    if src_t is not None and pt.tref is not None and _reduced_over(tuple(src_t.shape), d, tuple(pt.tref.shape)):
+        pt.items.append(item("dataflow", f"{j.name(src)} is {placement}, and its shape less dim {d} is this "
+                                         "tensor's: each rank reduced its own slice (a max or a sum over it), "
+                                         "which is no slice of anything", point=j.name(src)))
+        return None
     same_rank = src_t is not None and len(src_t.shape) == pt.ndim and d < pt.ndim
     dim = d if same_rank else _derived_dim(src_t.shape if src_t is not None else None, d,
                                            pt.tref.shape if pt.tref is not None else None, pt.ndim)

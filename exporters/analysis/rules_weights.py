@@ -94,7 +94,7 @@ def from_weight(j, pt, split):
     # call (a row-parallel layer's all_reduce before its bias) makes the output something else.
     # Only an all_gather of the input itself is followed: the weight meets the gathered tensor.
     gather = _gathered_in_call(j, pt, inputs[0][0]) if inputs else None
-    others = [c for c in j.call_collectives(pt) if c is not gather]
+    others = [c for c in j.output_collectives(pt) if c is not gather]
     if others:
         pt.items.append(item("dataflow", f"the weight does not place it: its call issued {coll_desc(others[0])}"))
         return None
@@ -117,6 +117,20 @@ def from_weight(j, pt, split):
                                           f"({first.placement}), whose last dim it spans whole: no slice of a "
                                           "larger weight; the ranks hold different weights",
                                param=f"{pt.module}.{name}"))
+        if len(shape) == 1 and first.placement.startswith("shard("):
+            # one dim: a norm's or a scale's weight, which applies element by element and so
+            # never contracts: as long as the input's sharded last dim, each rank's slice of
+            # it meets its slice of the input (a norm over a hidden dim split across ranks)
+            last = len(obs_in.shape) - 1 if obs_in is not None and obs_in.shape else None
+            if (last is None or first.placement != f"shard({last})" or obs_in.shape[-1] != shape[0]
+                    or gather is not None or pt.tref is None or not pt.tref.shape or pt.tref.shape[-1] != shape[0]):
+                return None
+            return _weight_verdict(
+                j, pt, True, item("weights", f"{weight} has equal shapes and different values across ranks: each "
+                                             "rank holds a slice", param=f"{pt.module}.{name}"),
+                item("dataflow", f"its input {j.name(inputs[0][0])} is {first.placement}, and the weight, as long as "
+                                 "its last dim, applies element by element: each rank's slice of the weight meets "
+                                 "its slice of the input: a shard"))
         if first.placement == "replicate" or (gather is not None and first.placement.startswith("shard(")):
             split_out = not integer_input
         elif first.placement.startswith("shard(") and int(first.placement[6:-1]) == len(obs_in.shape) - 1:

@@ -1,0 +1,174 @@
+"""Values that are each rank's own by design, and norms over a hidden dim split across ranks.
+The cases from held-out hand-written TP programs (not written here, in the style of vLLM's and
+Megatron's internals):
+
+- a norm over a hidden dim split across ranks (vLLM's Mamba2 gated RMSNorm, MiniMax's RMSNormTP):
+  its 1-D weight is each rank's slice, applied element by element, and where the norm all-reduces
+  each row's sum of squares itself, that statistic did not make its output: shard, not
+  ``partial`` (the weight read as a contracted matmul weight) nor ``divergent``;
+- a vocab-parallel sampler's per-rank max over its vocab slice, combined by an all_reduce of max:
+  no slice of anything (it was called shard(0), "another rank of tensor: dim 0 assumed"), and
+  per-rank by design, so ``check`` does not call it a problem; nor a buffer only the source of
+  a broadcast filled;
+- the output of a ``reduce`` of a sum on its destination (the others return None): post-reduction
+  there;
+- a ``gather``, whose destination alone holds the list of outputs: not a collective mismatch.
+"""
+
+import json
+
+import numpy as np
+from click.testing import CliRunner
+
+from synthetic_trace import SyntheticTrace, arrays, check, gen, items, point, pos, same
+from tensor_trace.cli import main as cli_main
+
+R = [0, 1]
+
+
+def _findings(trace) -> list:
+    r = CliRunner().invoke(cli_main, ["check", "--trace", str(trace), "--json"])
+    assert r.exit_code in (0, 1), r.output
+    return json.loads(r.output)
+
+
+def _sharded_norm(tmp_path, stats_in_call: bool):
+    """x is shard(2) of a [2, 3, 8] hidden; the norm's weight is each rank's slice of a [8] one."""
+    rng = gen(61)
+    x = rng.standard_normal((2, 3, 8))
+    w = pos(rng, 8)
+    xs = {r: x[..., 4 * r:4 * (r + 1)] for r in R}
+    tr = SyntheticTrace(2, root="run")
+    tr.param("norm", "weight", arrays({r: w[4 * r:4 * (r + 1)] for r in R}))
+    with tr.step():
+        with tr.call("run", same(x, R)) as root:
+            with tr.call("split", same(x, R)) as c:
+                c.returns(arrays(xs))
+            with tr.call("norm", arrays(xs)) as c:
+                ss = (x * x).sum(-1, keepdims=True)
+                if stats_in_call:
+                    local = {r: (xs[r] * xs[r]).sum(-1, keepdims=True) for r in R}
+                    tr.coll("all_reduce", [arrays(local)], [same(ss, R)])
+                out = {r: xs[r] / np.sqrt(ss / 8) * w[4 * r:4 * (r + 1)] for r in R}
+                c.returns(arrays(out))
+            root.returns(same(x, R))
+    return tr.merge(tmp_path)
+
+
+def test_a_norm_whose_weight_is_a_slice_of_a_sharded_hidden_dim_gives_a_shard(tmp_path):
+    p = point(_sharded_norm(tmp_path, stats_in_call=False), "norm:output")
+    check(p, "shard(2)", "no-reduction", "sharded-weight")
+    assert any("applies element by element" in i["text"] for i in items(p, "dataflow")), p["evidence"]
+
+
+def test_a_norm_that_all_reduces_its_statistic_itself_is_still_placed_by_its_weight(tmp_path):
+    p = point(_sharded_norm(tmp_path, stats_in_call=True), "norm:output")
+    check(p, "shard(2)", "no-reduction", "sharded-weight")
+    assert any("a statistic it used, not these values" in i["text"] for i in items(p, "dataflow")), p["evidence"]
+    assert not [f for f in _findings(tmp_path) if f["point"] == "norm:output"]
+
+
+def test_a_row_parallel_output_reduced_inside_its_call_is_no_statistic(tmp_path):
+    """The collective of a row-parallel layer moves as many elements as its output: it made it."""
+    rng = gen(62)
+    x = pos(rng, 2, 8)
+    W = pos(rng, 6, 8)
+    xs = {r: x[:, 4 * r:4 * (r + 1)] for r in R}
+    part = {r: xs[r] @ W[:, 4 * r:4 * (r + 1)].T for r in R}
+    tr = SyntheticTrace(2, root="run")
+    tr.param("down", "weight", arrays({r: W[:, 4 * r:4 * (r + 1)] for r in R}))
+    with tr.step():
+        with tr.call("run", same(x, R)) as root:
+            with tr.call("split", same(x, R)) as c:
+                c.returns(arrays(xs))
+            with tr.call("down", arrays(xs)) as c:
+                tr.coll("all_reduce", [arrays(part)], [same(part[0] + part[1], R)])
+                c.returns(same(part[0] + part[1] + 1.0, R))  # a bias added after the reduction
+            root.returns(same(part[0] + part[1] + 1.0, R))
+    p = point(tr.merge(tmp_path), "down:output")
+    assert p["placement"] == "replicate" and p["rule"] != "sharded-weight", p
+    assert not any("a statistic" in e for e in p["evidence"]), p["evidence"]
+
+
+def _sampler(tmp_path):
+    rng = gen(63)
+    logits = rng.standard_normal((1, 12))
+    parts = {r: logits[:, 6 * r:6 * (r + 1)] for r in R}
+    tr = SyntheticTrace(2, root="run")
+    with tr.step():
+        with tr.call("run", same(logits, R)) as root:
+            with tr.call("split", same(logits, R)) as c:
+                c.returns(arrays(parts))
+            with tr.call("sampler", arrays(parts)) as s:
+                with tr.call("sampler.local", arrays(parts)) as c:
+                    c.returns(arrays({r: parts[r].max(-1) for r in R}))
+                tr.coll("all_reduce", [arrays({r: parts[r].max(-1) for r in R})], [same(logits.max(-1), R)],
+                        reduce_op="max")
+                s.returns(same(logits.max(-1), R))
+            root.returns(same(logits.max(-1), R))
+    return tr.merge(tmp_path)
+
+
+def test_each_ranks_max_over_its_vocab_slice_is_no_shard_and_no_finding(tmp_path):
+    con = _sampler(tmp_path)
+    p = point(con, "sampler.local:output")
+    check(p, "divergent", "no-reduction", "divergent")
+    assert p["collective"]["op"] == "all_reduce" and p["collective"]["reduce_op"] == "max", p
+    assert any("each rank reduced its own slice" in e for e in p["evidence"]), p["evidence"]
+    assert not [f for f in _findings(tmp_path) if f["point"] == "sampler.local:output"]
+
+
+def test_a_buffer_only_the_source_filled_before_its_broadcast_is_no_finding(tmp_path):
+    rng = gen(64)
+    ids = pos(rng, 2, 5)
+    tr = SyntheticTrace(2, root="run")
+    with tr.step():
+        bufs = arrays({0: ids, 1: np.zeros_like(ids)})
+        with tr.call("run", bufs) as root:
+            with tr.call("bcast", bufs) as c:
+                tr.coll("broadcast", [bufs], [same(ids, R)])
+                c.returns(same(ids, R))
+            root.returns(same(ids, R))
+    con = tr.merge(tmp_path)
+    p = point(con, "bcast:input.0")
+    check(p, "divergent", "no-reduction", "divergent")
+    assert p["collective"]["op"] == "broadcast", p
+    assert not [f for f in _findings(tmp_path) if f["kind"] == "divergent"]
+
+
+def test_a_reduce_of_a_sum_delivered_to_one_rank_is_post_reduction_there(tmp_path):
+    rng = gen(65)
+    parts = {r: pos(rng, 2, 3) for r in R}
+    total = parts[0] + parts[1]
+    tr = SyntheticTrace(2, root="run")
+    with tr.step():
+        with tr.call("run", same(total, R)) as root:
+            with tr.call("head", same(total, R)) as c:
+                with tr.call("head.linear", same(total, R)) as lin:
+                    lin.returns(arrays(parts))
+                tr.coll("reduce", [arrays(parts)], [arrays({0: total, 1: parts[1]})])
+                c.returns(arrays({0: total}))
+            with tr.call("score", same(total, R)) as c:
+                with tr.call("score.linear", same(total, R)) as lin:
+                    lin.returns(arrays(parts))
+                tr.coll("reduce", [arrays(parts)], [arrays({0: total, 1: parts[1]})])
+                c.returns(arrays({0: total, 1: parts[1]}))  # the buffer on every rank
+            root.returns(arrays({0: total}))
+    con = tr.merge(tmp_path)
+    p = point(con, "head:output")
+    check(p, "unknown", "post-reduction", "reduce-destination")
+    assert p["collective"]["op"] == "reduce", p
+    check(point(con, "run:output"), "unknown", "post-reduction", "reduce-destination")
+    assert not [f for f in _findings(tmp_path) if f["kind"] == "divergent"]
+
+
+def test_a_gather_is_no_collective_mismatch(tmp_path):
+    rng = gen(66)
+    parts = {r: pos(rng, 2, 3) for r in R}
+    tr = SyntheticTrace(2, root="run")
+    with tr.step():
+        with tr.call("run", arrays(parts)) as root:
+            tr.coll("gather", [arrays(parts)], [arrays({0: parts[0]}), arrays({0: parts[1]})])
+            root.returns(arrays({0: np.concatenate([parts[0], parts[1]], -1)}))
+    tr.merge(tmp_path)
+    assert not [f for f in _findings(tmp_path) if f["kind"].startswith("collective")]
