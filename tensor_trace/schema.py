@@ -103,6 +103,10 @@ WIDE_FINGERPRINTS = 22  # step, [index, sum, sum of squares, index, ...] (msgpac
 #                         fingerprints finite in float64 but past float32's range (an attention
 #                         mask of torch.finfo(float32).min: its sum of squares is about 1e78), whose
 #                         FINGERPRINTS value is +-inf; a reader takes these instead (tensor_trace/format/fingerprints.py)
+NONFINITE_FINGERPRINTS = 23  # step, [index, sum, sum of squares, +inf count, -inf count, NaN count, index, ...]:
+#                              a CPU tensor whose FINGERPRINTS value is not finite (an attention mask
+#                              of -inf), fingerprinted again over its finite values, with how many of
+#                              each non-finite value it holds (tensor_trace/format/fingerprints.py)
 
 # SPAN / COLLECTIVE flags.
 FLAG_CAPTURED = 1  # recorded while a CUDA graph was being captured: structure only

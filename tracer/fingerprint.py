@@ -72,6 +72,17 @@ def _cpu_floats(t, pair) -> tuple:
     return (d.sum().item(), d.square().sum().item())
 
 
+def _nonfinite_entry(idx: int, t) -> tuple:
+    """(index, sum, sum of squares, +inf count, -inf count, NaN count) of a CPU tensor whose sums
+    are not finite (an attention mask of -inf): its finite values' sums and how many of each
+    non-finite value it holds, which tell ranks whose masks are equal from ranks whose are not
+    (the sums alone are -inf on both). Rare: read again in float64."""
+    d = t.detach().to(torch.float64)
+    finite = d[torch.isfinite(d)]
+    return (idx, finite.sum().item(), finite.square().sum().item(), int(torch.isposinf(d).sum()),
+            int(torch.isneginf(d).sum()), int(torch.isnan(d).sum()))
+
+
 def _dense(t) -> bool:
     """Whether ``t``'s memory is a strided buffer of its values on a real device (not sparse,
     nested or meta): what the deferred paths read where it is."""
@@ -155,6 +166,7 @@ class StepFingerprints:
         # of squares) when squared; or a flat list of (sum, sum of squares) computed on the host
         self._blocks: list = []
         self._dups: list = []  # (index, index it repeats)
+        self._nonfinite: list = []  # _nonfinite_entry of each host value that is not finite
         self._seen: dict = {}
         self.last = None  # the tensor add_one added last, and its index (see add_one)
         self.last_idx = -1
@@ -294,6 +306,8 @@ class StepFingerprints:
                 self._host_pos[idx] = len(host_idx)
                 host_idx.append(idx)
                 self._host_vals += pair
+                if pair[0] - pair[0] != 0.0 or pair[1] - pair[1] != 0.0:  # (not both finite)
+                    self._nonfinite.append(_nonfinite_entry(idx, t))
             if store or version is not None:
                 try:
                     seen[key] = (weakref.ref(t), version, idx)
@@ -402,6 +416,8 @@ class StepFingerprints:
                 self._host_pos[idx] = len(host_idx)
                 host_idx.append(idx)
                 self._host_vals += pair
+                if pair[0] - pair[0] != 0.0 or pair[1] - pair[1] != 0.0:  # (not both finite)
+                    self._nonfinite.append(_nonfinite_entry(idx, t))
             if store or tracked:
                 try:
                     seen[key] = (weakref.ref(t), version, idx)
@@ -484,6 +500,10 @@ class StepFingerprints:
         self._host_idx.append(idx)
         vals = self._host_vals
         vals += vals[2 * p:2 * p + 2]
+        if self._nonfinite:  # (rare: the C path leaves repeats of such values to this one)
+            entry = next((e for e in self._nonfinite if e[0] == src), None)
+            if entry is not None:
+                self._nonfinite.append((idx, *entry[1:]))
 
     def reduce_now(self, idx: int, t, plain: bool = False) -> None:
         """Fingerprint ``t`` now as value ``idx``: on the host when it is a CPU tensor numpy
@@ -504,6 +524,8 @@ class StepFingerprints:
             self._host_pos[idx] = len(self._host_idx)
             self._host_idx.append(idx)
             self._host_vals += pair
+            if pair[0] - pair[0] != 0.0 or pair[1] - pair[1] != 0.0:  # (not both finite)
+                self._nonfinite.append(_nonfinite_entry(idx, t))
         else:
             self._imm_idx.append(idx)
             self._imm_vals.append(pair)
@@ -681,7 +703,7 @@ class StepFingerprints:
 
     def _finish_step(self, step: int) -> None:
         self._reduce_rest()
-        self.copies.add_step(step, self._blocks, self._dups)
+        self.copies.add_step(step, self._blocks, self._dups, self._nonfinite)
         self.reset()
 
     def adopt_pending(self, other: "StepFingerprints") -> None:

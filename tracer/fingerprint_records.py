@@ -17,7 +17,8 @@ import sys
 import torch
 
 from tensor_trace import schema
-from tensor_trace.format.fingerprints import dense_values, pack_host_values, wide_record_values
+from tensor_trace.format.fingerprints import (dense_values, nonfinite_record_values, pack_host_values,
+                                              wide_record_values)
 
 _F32 = torch.float32
 
@@ -33,12 +34,15 @@ class PendingCopies:
         self.pending: list = []  # (step, blocks, dups) waiting for their copies to finish; public: the step end skips
         # an empty collect() by reading it (tracer/steps.py)
 
-    def add_step(self, step: int, blocks, dups) -> None:
+    def add_step(self, step: int, blocks, dups, nonfinite=None) -> None:
         """Start the copies of a step's ``blocks`` ((indices, values, squared) each); ``dups``
-        are its repeats, (index, index it repeats)."""
+        are its repeats, (index, index it repeats); ``nonfinite`` its values' entries of a
+        NONFINITE_FINGERPRINTS record (made now: nothing to copy)."""
         out = [to_host(idx, vals, squared) for idx, vals, squared in blocks]
         if out or dups:
             self.pending.append((step, out, dups))
+        if nonfinite:
+            self.pending.append((step, READY, nonfinite_record(step, nonfinite, dups)))
 
     def add_replay(self, step: int, base: int, captured) -> None:
         """A replay of ``captured`` (tracer/fingerprint_capture.py's ``CapturedFingerprints``):
@@ -60,6 +64,9 @@ class PendingCopies:
         records = []
         keep = []
         for step, blocks, dups in self.pending:
+            if blocks is READY:
+                records.append(dups)
+                continue
             if blocks is None:  # a replay: (plan, host buffer, event)
                 plan, host, event = dups
                 if event is not None and not event.query():
@@ -121,6 +128,19 @@ def step_records(step, idx_all, data, dups) -> list:
     if dst:
         records.append(record(step, dst, repeated))
     return records
+
+
+READY = "ready"  # a pending entry that is a record already (PendingCopies.add_step's nonfinite)
+
+
+def nonfinite_record(step, entries, dups) -> tuple:
+    """The NONFINITE_FINGERPRINTS record of a step's values that are not finite, with the
+    repeats of their tensors."""
+    by_index = {e[0]: e[1:] for e in entries}
+    for i, src in dups or ():
+        if src in by_index and i not in by_index:
+            by_index[i] = by_index[src]
+    return (schema.NONFINITE_FINGERPRINTS, step, nonfinite_record_values((i, *rest) for i, rest in by_index.items()))
 
 
 def wide_record(step, wide, dups) -> tuple:

@@ -32,7 +32,8 @@ torch one, as before.
   values), the pair read by ``host_pair``. The C call wrapper (tracer/native_call.py) asks it
   first for a call's input and output on a fingerprinted step. It returns None, having changed
   nothing, for everything else (a deferred or CUDA tensor, the C++ table, a capture, a tensor
-  that requires grad, a value cached by id, a dtype ``host_pair`` does not read), which
+  that requires grad, a value cached by id, a dtype ``host_pair`` does not read, values whose
+  sums are not finite: NONFINITE_FINGERPRINTS), which
   ``add_one`` then takes, whole. On the example at tp=2 ``add_one`` cost about 2.5 us a tensor
   inside the model, 130 tensors on a fingerprinted step.
 - ``add_host(fps, t, store)``: the same for ``StepFingerprints.add`` (its immediate case, one
@@ -312,6 +313,19 @@ PyObject* repeat_value(PyObject* d, PyObject** v, PyObject* key, PyObject* hit) 
   return index;
 }
 
+// Whether cache hit `hit` repeats a value computed on the host whose sums are not finite.
+bool repeats_nonfinite(PyObject** v, PyObject* hit) {
+  PyObject* p = PyDict_GetItemWithError(v[fHostPos], PyTuple_GET_ITEM(hit, 2));
+  if (p == nullptr) { PyErr_Clear(); return false; }
+  Py_ssize_t at = PyLong_AsSsize_t(p);
+  PyObject* vals = v[fHostVals];
+  if (at < 0 || 2 * at + 1 >= PyList_GET_SIZE(vals)) { PyErr_Clear(); return false; }
+  PyObject* s = PyList_GET_ITEM(vals, 2 * at);
+  PyObject* q = PyList_GET_ITEM(vals, 2 * at + 1);
+  return PyFloat_Check(s) && PyFloat_Check(q) &&
+         (!std::isfinite(PyFloat_AS_DOUBLE(s)) || !std::isfinite(PyFloat_AS_DOUBLE(q)));
+}
+
 // add_one(t, store) for a plain CPU tensor fingerprinted at once: the index (a new reference);
 // NULL without an exception where add_one's Python must take the call (nothing changed), with
 // one on an error. `as_add`: add((t,), store)'s instead (_add's immediate case: no test of the
@@ -362,6 +376,7 @@ PyObject* add_one_host(PyObject* fps, PyObject* o, bool store, bool as_add = fal
         int same = held_version == Py_None ? 1 : PyObject_RichCompareBool(held_version, version, Py_EQ);
         if (same < 0) goto done;
         if (same) {
+          if (repeats_nonfinite(v, hit)) goto done;  // (its NONFINITE_FINGERPRINTS entry: add_one's Python)
           result = repeat_value(d, v, key, hit);
           goto done;
         }
@@ -373,6 +388,11 @@ PyObject* add_one_host(PyObject* fps, PyObject* o, bool store, bool as_add = fal
     PyObject* argv[1] = {o};
     PyObject* pair = host_pair(nullptr, argv, 1);
     if (pair == nullptr || pair == Py_None) { Py_XDECREF(pair); goto done; }
+    if (!std::isfinite(PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(pair, 0))) ||
+        !std::isfinite(PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(pair, 1)))) {
+      Py_DECREF(pair);  // (an attention mask of -inf: add_one's Python reads its finite values too)
+      goto done;
+    }
     // From here on the call is this one's: add_one's writes, in its order.
     long long idx = PyLong_AsLongLong(v[fCount]);
     PyObject* index = idx == -1 && PyErr_Occurred() ? nullptr : PyLong_FromLongLong(idx);

@@ -46,7 +46,7 @@ from tensor_trace.exporters.analysis import (declared, experts, rules_dataflow, 
                                              rules_weights)
 from tensor_trace.exporters.analysis.evidence import coll_item, decide, item
 from tensor_trace.exporters.analysis.step_view import REDUCE_SCATTER, REDUCING, coll_desc, coll_json
-from tensor_trace.exporters.analysis.tolerance import FLOAT_DTYPES, all_equal, linked
+from tensor_trace.exporters.analysis.tolerance import FLOAT_DTYPES, Observed, all_equal, linked
 
 
 def _fmt_fp(t) -> str:
@@ -143,6 +143,9 @@ def fingerprints(j, pt):
         pt.items.append(item("values", f"non-finite values (NaN or inf) on ranks {j.ranks(bad)}: "
                                        "their sums say nothing (an attention mask's -inf, a padded vocabulary's masked "
                                        "logits, uninitialised padding)"))
+        verdict = _equal_nonfinite(j, pt)
+        if verdict is not None:
+            return verdict
         # What built the tensor still places it (a vocab-parallel head whose padded columns
         # are -inf is a shard by its weight): the rules that read no values of the point itself.
         for rule in STRUCTURAL_RULES:
@@ -161,6 +164,24 @@ def fingerprints(j, pt):
     extra = [item("declared", f"the DTensor declares {says} (not checked against values)")] if says else []
     pt.items.append(item("values", why + ": placement needs them"))
     return decide(pt, "unknown", "unknown", "no-fingerprint", None, *extra)
+
+
+def _equal_nonfinite(j, pt):
+    """A tensor with non-finite values on every rank whose finite values and counts of +inf,
+    -inf and NaN the tracer recorded (NONFINITE_FINGERPRINTS: CPU tensors) and that are the same
+    on every rank: an attention mask of -inf built alike everywhere is ``replicate``. Counts
+    that differ, or finite values that do, leave it to the other rules."""
+    nfs = [t.nf for t in pt.ts]
+    if any(nf is None for nf in nfs) or len({t.shape for t in pt.ts}) != 1 or len({nf[2:] for nf in nfs}) != 1:
+        return None
+    finite = [Observed(t.shape, t.dtype, t.nf[:2]) for t in pt.ts]
+    if not all_equal(finite):
+        return None
+    s, q, pos, neg, nan = nfs[0]
+    counts = ", ".join(f"{n} {what}" for n, what in ((neg, "-inf"), (pos, "+inf"), (nan, "NaN")) if n)
+    return decide(pt, "replicate", "no-reduction", "equal-values", None,
+                  item("values", f"equal on every rank: the same non-finite values ({counts}) and finite values "
+                                 f"equal (sum {s:.6g}, sumsq {q:.6g})"))
 
 
 def note_undeclared_groups(j, verdict) -> None:

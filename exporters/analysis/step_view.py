@@ -105,6 +105,11 @@ class StepView:
             if proc in fps:
                 fps[proc][idx] = (s, q)
                 wide = True
+        nonfinite = {p: {} for p in procs}  # proc -> fingerprint index -> NONFINITE_FINGERPRINTS entry
+        for proc, idx, *entry in con.execute(
+                "SELECT proc, idx, sum, sumsq, posinf, neginf, nan FROM nonfinite_fingerprints WHERE step=?", (step,)):
+            if proc in nonfinite:
+                nonfinite[proc][idx] = tuple(entry)
         self.points: dict = {}  # (module, call, slot) -> {proc: Observed}
         self.times: dict = {}  # point key -> (ns from step start, span idx, slot idx) on the first proc
         self.span_of: dict = {}  # (proc, idx) -> (module, call, parent)
@@ -135,7 +140,9 @@ class StepView:
                     fp_post + i - n_pre if fp_post >= 0 else -1)
                 key = (module, call, slot[0])
                 self.slot_key[(proc, idx, i)] = key
-                self.points.setdefault(key, {})[proc] = Observed(slot[1], slot[2], d.get(ref), _slot_meta(slot))
+                o = self.points.setdefault(key, {})[proc] = Observed(slot[1], slot[2], d.get(ref), _slot_meta(slot))
+                if o.nonfinite:
+                    o.nf = nonfinite[proc].get(ref)
                 if proc == procs[0]:
                     self.times[key] = (t0 if i < n_pre else t0 + dur, idx, i)
         self.colls: dict = {}  # (group, seq) -> Collective with per-proc ins/outs

@@ -29,7 +29,7 @@ class Observed:
     gives, e.g. the padding rows of a gathered buffer that SGLang allocates with ``torch.empty``
     under DP attention: compared as numbers they would read as values that differ."""
 
-    __slots__ = ("shape", "dtype", "fp", "numel", "meta", "nonfinite")
+    __slots__ = ("shape", "dtype", "fp", "numel", "meta", "nonfinite", "nf")
 
     def __init__(self, shape, dtype, fp, meta=None):
         self.shape = tuple(shape)
@@ -38,6 +38,9 @@ class Observed:
         self.fp = None if self.nonfinite else fp
         self.numel = math.prod(self.shape) if self.shape else 1
         self.meta = meta
+        # of a non-finite tensor where recorded (NONFINITE_FINGERPRINTS): (its finite values'
+        # sum and sum of squares, +inf count, -inf count, NaN count)
+        self.nf = None
 
 
 def eps(dtype) -> float:

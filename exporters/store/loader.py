@@ -18,6 +18,7 @@ from tensor_trace.exporters.store.merge_align import SequenceDigest
 from tensor_trace.exporters.store.reader import ReadReport, iter_chunks, step_fingerprinted
 from tensor_trace.exporters.store.shared_ids import SharedIds  # noqa: F401  (merge and its workers import it here)
 from tensor_trace.exporters.store.tables import insert_rows
+from tensor_trace.format.fingerprints import decode_nonfinite
 from tensor_trace.format.lineage_refs import resolve_strings
 from tensor_trace.format.records import RecordResolver
 
@@ -47,6 +48,7 @@ class FileLoader:
         self.colls: list = []  # the same, COLLECTIVE_VALUES values per row (COLLECTIVE_ROW)
         self.fps: list = []
         self.wide_fps: list = []  # (proc, step, idx, sum, sumsq): WIDE_FINGERPRINTS
+        self.nonfinite_fps: list = []  # (proc, step, idx, sum, sumsq, +inf, -inf, NaN): NONFINITE_FINGERPRINTS
         self.steps: dict = {}
         self.header: dict = {}
         self.identity: dict = {}
@@ -144,6 +146,9 @@ class FileLoader:
         if self.wide_fps:
             con.executemany("INSERT INTO wide_fingerprints VALUES (?,?,?,?,?)", self.wide_fps)
             self.wide_fps.clear()
+        if self.nonfinite_fps:
+            con.executemany("INSERT INTO nonfinite_fingerprints VALUES (?,?,?,?,?,?,?,?)", self.nonfinite_fps)
+            self.nonfinite_fps.clear()
         if self.lineage:
             con.executemany("INSERT OR REPLACE INTO lineage VALUES (?,?,?,?,?,?,?)", self.lineage)
             self.lineage.clear()
@@ -270,6 +275,8 @@ class FileLoader:
         elif kind == schema.WIDE_FINGERPRINTS:
             vals = rec[2]
             self.wide_fps += [(proc, rec[1], vals[k], vals[k + 1], vals[k + 2]) for k in range(0, len(vals) - 2, 3)]
+        elif kind == schema.NONFINITE_FINGERPRINTS:
+            self.nonfinite_fps += [(proc, rec[1], *e) for e in decode_nonfinite(rec[2])]
         elif kind == schema.MODULE_ATTRS:
             self.con.execute("INSERT OR REPLACE INTO module_attrs VALUES (?, ?)",
                              (strings.get(rec[1], "?"), json.dumps(rec[2], sort_keys=True)))
@@ -457,8 +464,8 @@ def _per_step_json(per_step) -> str:
 
 
 # Tables a rank file's rows go to (the loader's), in the order a worker's part is copied.
-FILE_TABLES = ("spans", "collectives", "fingerprints", "wide_fingerprints", "steps", "errors", "params", "lineage",
-               "slot_sources", "collective_summary", "module_attrs", "captures")
+FILE_TABLES = ("spans", "collectives", "fingerprints", "wide_fingerprints", "nonfinite_fingerprints", "steps", "errors",
+               "params", "lineage", "slot_sources", "collective_summary", "module_attrs", "captures")
 
 
 class FileResult:
@@ -496,8 +503,8 @@ def load_file(con, proc: int, path: str, g, count_calls: bool = False, stop: int
         if not loader.load(stop):
             return loader
     except BadInput as exc:
-        for table in ("spans", "collectives", "fingerprints", "wide_fingerprints", "steps", "errors", "params",
-                      "lineage", "slot_sources"):
+        for table in ("spans", "collectives", "fingerprints", "wide_fingerprints", "nonfinite_fingerprints", "steps",
+                      "errors", "params", "lineage", "slot_sources"):
             con.execute(f"DELETE FROM {table} WHERE proc=?", (proc,))
         return FileResult(proc, path, skipped=str(exc))
     return FileResult(proc, path, loader)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 
 STORE_NAME = "merged.sqlite"
-STORE_VERSION = 14
+STORE_VERSION = 15
 
 SCHEMA_SQL = """
 CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT);
@@ -34,6 +34,8 @@ CREATE TABLE collectives(proc INTEGER, step INTEGER, idx INTEGER, parent INTEGER
     device_ns INTEGER, attrs TEXT, PRIMARY KEY(proc, step, idx)) WITHOUT ROWID;
 CREATE TABLE fingerprints(proc INTEGER, step INTEGER, first INTEGER, data BLOB, indices BLOB);
 CREATE TABLE wide_fingerprints(proc INTEGER, step INTEGER, idx INTEGER, sum REAL, sumsq REAL);
+CREATE TABLE nonfinite_fingerprints(proc INTEGER, step INTEGER, idx INTEGER, sum REAL, sumsq REAL,
+    posinf INTEGER, neginf INTEGER, nan INTEGER);
 CREATE TABLE params(proc INTEGER, module_id INTEGER, name TEXT, shape TEXT, dtype TEXT, fp_index INTEGER,
     meta TEXT);
 CREATE TABLE captures(point TEXT PRIMARY KEY, info TEXT);

@@ -52,6 +52,18 @@ def decode_wide(values, into: dict, key=None) -> dict:
     return into
 
 
+def nonfinite_record_values(entries) -> list:
+    """A NONFINITE_FINGERPRINTS record's flat list from (index, sum, sumsq, +inf count, -inf
+    count, NaN count) entries: the sums over the tensor's finite values."""
+    return [v for e in entries for v in (int(e[0]), float(e[1]), float(e[2]), int(e[3]), int(e[4]), int(e[5]))]
+
+
+def decode_nonfinite(values):
+    """The (index, sum, sumsq, +inf count, -inf count, NaN count) entries of a
+    NONFINITE_FINGERPRINTS record's flat list."""
+    return [tuple(values[k:k + 6]) for k in range(0, len(values) - 5, 6)]
+
+
 def encode_values(sums_and_squares) -> bytes:
     """The ``data`` blob of a flat sequence ``sum0, sumsq0, sum1, sumsq1, ...``."""
     return struct.pack(f"<{len(sums_and_squares)}f", *sums_and_squares)

@@ -2,8 +2,9 @@
 ``torch.finfo(float32).min`` where a position may not attend), handed to every layer by keyword:
 the same on every rank, so ``replicate`` / ``no-reduction``. Its sum of squares (about 1e78)
 is past float32's range: the fingerprint is kept in float64 (WIDE_FINGERPRINTS). Before, its
-fingerprint was +-inf and the point ``unknown``. A true -inf mask has no finite sums: it stays
-``unknown``, and says why."""
+fingerprint was +-inf and the point ``unknown``. A true -inf mask has no finite sums: its finite
+values and how many -inf it holds are recorded (NONFINITE_FINGERPRINTS), the same on every rank:
+``replicate`` too (it was ``unknown``)."""
 
 import json
 from pathlib import Path
@@ -34,11 +35,12 @@ def test_a_finfo_min_mask_is_replicated(tmp_path):
     assert pts["layers.0.attn:output"]["reduction"] == "post-reduction"
 
 
-def test_a_minus_inf_mask_stays_unknown(tmp_path):
+def test_a_minus_inf_mask_is_replicated(tmp_path):
     out = tmp_path / "t"
     record(out, [TORCHRUN, "--standalone", "--nproc-per-node", "2", SCRIPT, "--mask-value", "inf"], timeout=240)
     pts = placements(out)
     for name in MASKS:
         p = pts[name]
-        assert (p["placement"], p["reduction"]) == ("unknown", "unknown"), p
-        assert any("non-finite values" in e for e in p["evidence"]), p["evidence"]
+        assert (p["placement"], p["reduction"], p["rule"]) == ("replicate", "no-reduction", "equal-values"), p
+        assert any("the same non-finite values (28 -inf)" in e for e in p["evidence"]), p["evidence"]
+    assert pts["layers.0.attn:output"]["reduction"] == "post-reduction"

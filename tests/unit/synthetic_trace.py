@@ -37,7 +37,7 @@ from tensor_trace import schema
 from tensor_trace.exporters import pipeline as mg
 from tensor_trace.exporters import query
 from tensor_trace.exporters.store.tables import SCHEMA_SQL
-from tensor_trace.format.fingerprints import pack_host_values, wide_record_values
+from tensor_trace.format.fingerprints import nonfinite_record_values, pack_host_values, wide_record_values
 from tensor_trace.tracer.writer import RankWriter
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4}
@@ -67,6 +67,11 @@ def fingerprint(a, dtype="float32") -> tuple:
     elif dtype == "float16":
         a = a.astype(np.float16).astype(np.float32)
     a64 = a.astype(np.float64)
+    if not np.isfinite(a64).all():  # and the NONFINITE_FINGERPRINTS entry the tracer writes for it
+        f = a64[np.isfinite(a64)]
+        return (float(a64.sum()), float((a64 * a64).sum()),
+                (float(f.sum()), float((f * f).sum()), int(np.isposinf(a64).sum()), int(np.isneginf(a64).sum()),
+                 int(np.isnan(a64).sum())))
     return float(a64.sum()), float((a64 * a64).sum())
 
 
@@ -307,11 +312,14 @@ def _fingerprints(step, fp_rec: dict) -> list:
     """The FINGERPRINTS record of a step's values, and a WIDE_FINGERPRINTS one for values past
     float32's range, as the tracer writes them."""
     idx = sorted(fp_rec)
-    data, wide = pack_host_values([v for i in idx for v in fp_rec[i]])
+    data, wide = pack_host_values([v for i in idx for v in fp_rec[i][:2]])
     contiguous = idx == list(range(idx[0], idx[0] + len(idx)))
     out = [(schema.FINGERPRINTS, step, idx[0], data, None if contiguous else struct.pack(f"<{len(idx)}I", *idx))]
     if wide:
         out.append((schema.WIDE_FINGERPRINTS, step, wide_record_values((idx[k], s, q) for k, s, q in wide)))
+    nonfinite = [(i, *fp_rec[i][2]) for i in idx if len(fp_rec[i]) > 2]
+    if nonfinite:
+        out.append((schema.NONFINITE_FINGERPRINTS, step, nonfinite_record_values(nonfinite)))
     return out
 
 

@@ -49,3 +49,42 @@ def test_non_finite_values_that_nothing_built_stay_unknown(tmp_path):
             c.returns(arrays(ys))
     p = point(tr.merge(tmp_path), "buffer:output")
     check(p, "unknown", "unknown", "non-finite-values")
+
+
+def _masks(tmp_path, per_rank):
+    rng = gen(5)
+    x = pos(rng, 2, 4, 4)
+    tr = SyntheticTrace(2, root="run")
+    with tr.step():
+        with tr.call("run", same(x, R)) as root:
+            with tr.call("mask_builder", same(x > 0.5, R, "bool")) as c:
+                c.returns(arrays(per_rank))
+            with tr.call("attn", same(x, R), arrays(per_rank)) as c:
+                c.returns(same(x, R))
+            root.returns(same(x, R))
+    return tr.merge(tmp_path)
+
+
+def test_a_minus_inf_mask_alike_on_every_rank_is_replicate(tmp_path):
+    """A mask of -inf built alike on every rank (a held-out program's ``masked_fill(-inf)`` of a
+    replicated padding mask, Meta's reference Llama's causal mask): its sums are -inf and +inf
+    on every rank; what the tracer recorded of its finite values and of how many -inf it holds
+    is the same everywhere: replicate."""
+    mask = np.triu(np.full((4, 4), -np.inf), 1)
+    con = _masks(tmp_path, {r: mask for r in R})
+    for name in ("mask_builder:output", "attn:input.1"):
+        p = point(con, name)
+        check(p, "replicate", "no-reduction", "equal-values")
+        assert any("the same non-finite values (6 -inf)" in i["text"] for i in items(p, "values")), p["evidence"]
+
+
+def test_minus_inf_masks_that_differ_across_ranks_are_not_replicate(tmp_path):
+    """The same count of -inf in other places (the finite values differ), or another count."""
+    a = np.triu(np.full((4, 4), -np.inf), 1) + np.arange(16.0).reshape(4, 4)
+    b = a.copy()
+    b[0, 0], b[0, 1] = -np.inf, 1.0
+    c = a.copy()
+    c[3, 0] = -np.inf
+    for i, other in enumerate((b, c)):
+        p = point(_masks(tmp_path / str(i), {0: a, 1: other}), "mask_builder:output")
+        assert p["placement"] != "replicate", p

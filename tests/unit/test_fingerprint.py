@@ -364,3 +364,42 @@ def test_a_bfloat16_cpu_mask_past_float32s_range_is_kept_in_float64():
     f = other.float()
     assert math.isclose(s, f.sum().item(), rel_tol=1e-5, abs_tol=1e-5)
     assert math.isclose(q, f.square().sum().item(), rel_tol=1e-5)
+
+
+def _nonfinite(records):
+    from tensor_trace.format.fingerprints import decode_nonfinite
+
+    return {(r[1], e[0]): tuple(e[1:]) for r in records if r[0] == schema.NONFINITE_FINGERPRINTS
+            for e in decode_nonfinite(r[2])}
+
+
+def _add_one(fps, t, add_one_host):
+    i = add_one_host(fps, t, True) if add_one_host is not None else None
+    return fps.add_one(t, True) if i is None else i
+
+
+def test_values_that_are_not_finite_are_fingerprinted_over_their_finite_values(monkeypatch):
+    """An attention mask of -inf has sums of -inf and +inf on every rank, whatever it holds: a
+    NONFINITE_FINGERPRINTS record gives its finite values' sums and how many +inf, -inf and NaN
+    it holds, for it and for each repeat of it (a mask handed to every layer). Through numpy
+    here; test_native_host.py runs it with the extension's readers."""
+    from tensor_trace.tracer import host_values
+
+    monkeypatch.setattr(host_values, "native_pair", None)
+    monkeypatch.setattr(host_values, "native_add", None)
+    check_nonfinite_values()
+
+
+def check_nonfinite_values(add_one_host=None):
+    fps = StepFingerprints(defer_cuda=False, defer_cpu=False)
+    mask = torch.full((4, 4), float("-inf")).triu(1)  # 6 -inf above the diagonal, 10 zeros
+    bad = torch.tensor([1.0, float("nan"), float("inf"), -2.0, float("-inf")])
+    x = torch.arange(4.0)
+    assert [_add_one(fps, t, add_one_host) for t in (x, mask, bad, mask)] == [0, 1, 2, 3]
+    assert fps.add([mask, x]) == 4  # repeats of indices 1 and 0
+    fps.finish_step(7)
+    records = fps.collect(wait=True)
+    vals, nonfinite = _values(records), _nonfinite(records)
+    assert vals[(7, 1)] == (float("-inf"), float("inf")) and vals[(7, 0)] == (6.0, 14.0)
+    assert nonfinite == {(7, 1): (0.0, 0.0, 0, 6, 0), (7, 3): (0.0, 0.0, 0, 6, 0), (7, 4): (0.0, 0.0, 0, 6, 0),
+                         (7, 2): (-1.0, 5.0, 1, 1, 1)}

@@ -357,3 +357,16 @@ def test_a_steps_values_past_float32s_range_through_the_extension(native_host, m
     monkeypatch.setattr(host_values, "native_add", host_values.native_add)
     host_values.use_native(host_pair, None, add_host)
     check_values_past_float32s_range()
+
+
+def test_values_that_are_not_finite_through_the_extension(native_host, monkeypatch):
+    """test_fingerprint.py's check of NONFINITE_FINGERPRINTS with the extension's pair, add and
+    add_one (which leave such values, and repeats of them, to the Python that records them)."""
+    from test_fingerprint import check_nonfinite_values
+    from tensor_trace.tracer import native
+
+    host_pair, _, add_host = native_host
+    monkeypatch.setattr(host_values, "native_pair", host_values.native_pair)
+    monkeypatch.setattr(host_values, "native_add", host_values.native_add)
+    host_values.use_native(host_pair, None, add_host)
+    check_nonfinite_values(native.add_one_host())
