@@ -105,6 +105,13 @@ def _own_tokens(rows: dict, step_attrs) -> bool:
     return tokens == rows and 0 in tokens.values() and len(set(tokens.values())) > 1
 
 
+def _earlier_verdict(j, pt):
+    """The verdict of the point that output ``pt``'s very values earlier in the step (its first
+    producer), or None."""
+    hit = j.producer(pt.tref)
+    return j.done.get(hit) if hit is not None and hit != pt.key else None
+
+
 def reduction_output(j, pt, exact=True):
     """The values of the latest collective output they carry (up to a view, clone, cast or,
     when ``exact`` is off, a common scale): a sum-reduction's output is post-reduction, a
@@ -128,6 +135,17 @@ def reduction_output(j, pt, exact=True):
                 if note not in pt.items:
                     pt.items.append(note)
             continue
+        if scale != 1.0:
+            # a common scale leaves one test of the sums (a bfloat16 tolerance passes by chance
+            # now and then): the point that held these very values earlier says what they are
+            prev = _earlier_verdict(j, pt)
+            if prev is not None and prev.reduction != "post-reduction":
+                note = coll_item(c, f"a scaled copy (times {scale:.4g}) of the output of {coll_desc(c)} by its sums, "
+                                    f"but {j.name(j.producer(pt.tref))} held these very values earlier, "
+                                    f"{prev.placement} / {prev.reduction}: not counted here")
+                if note not in pt.items:
+                    pt.items.append(note)
+                continue
         if c.op in REDUCING and not c.sums:
             if scale != 1.0:
                 continue
@@ -344,6 +362,14 @@ def sums_add_up(j, pt):
                 by_weight.items.append(coll_item(c, f"per-rank sums add up to the output of {coll_desc(c)} "
                                                     f"({total:.6g}), a single number: the weights outrank it"))
                 return by_weight
+            # nor these very values where an earlier point of the step held them as a shard
+            # (a column-parallel output handed to the activation): its verdict carries on
+            prev = _earlier_verdict(j, pt)
+            if prev is not None and prev.placement.startswith("shard("):
+                pt.items.append(coll_item(c, f"per-rank sums add up to the output of {coll_desc(c)} "
+                                             f"({total:.6g}), a single number: {j.name(j.producer(tref))}, "
+                                             f"the same values, is {prev.placement}"))
+                return None
             return decide(pt, "partial", "pre-reduction", "sums-add-up", coll_json(c, pt.procs[0]),
                           coll_item(c, f"per-rank sums add up to the output of {coll_desc(c)} ({total:.6g}): "
                                        f"a partial sum that this reduction completes"))
