@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from tensor_trace.exporters.analysis import declared, rules_dataflow, rules_weights
 from tensor_trace.exporters.analysis.evidence import coll_item, decide, item
-from tensor_trace.exporters.analysis.step_view import coll_desc, coll_json, next_sum_reduction
-from tensor_trace.exporters.analysis.tolerance import FLOAT_DTYPES
+from tensor_trace.exporters.analysis.step_view import BROADCAST, coll_desc, coll_json, next_sum_reduction
+from tensor_trace.exporters.analysis.tolerance import FLOAT_DTYPES, linked
 
 
 def equal_values(j, pt):
@@ -21,6 +21,15 @@ def equal_values(j, pt):
     if verdict.placement.startswith("shard("):
         j.identical_shards = True
     return verdict
+
+
+def _broadcast_of(j, pt):
+    """The latest broadcast issued by ``pt`` whose output ``pt`` holds on every rank, or None."""
+    for c in j.v.before(pt.t_point + 1, BROADCAST, limit=4):
+        outs = {p: c.outs[p][0] for p in pt.procs if c.outs.get(p)}
+        if len(outs) == len(pt.procs) and linked(outs, pt.obs) == 1.0:
+            return c
+    return None
 
 
 def _equal_values(j, pt):
@@ -46,6 +55,11 @@ def _equal_values(j, pt):
         if verdict is not None:
             verdict.items.append(note)
             return verdict
+    c = _broadcast_of(j, pt)
+    if c is not None:
+        return decide(pt, "replicate", "no-reduction", "broadcast-output", coll_json(c, pt.procs[0]),
+                      coll_item(c, f"equals the output of {coll_desc(c)} on every rank: the source rank's values, "
+                                   "sent to every rank, not reduced"))
     if not pt.tref.dtype.startswith(FLOAT_DTYPES):
         what = ("boolean values (masks, flags)" if pt.tref.dtype == "bool"
                 else "integer values (ids, positions, lengths)")

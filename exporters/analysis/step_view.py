@@ -20,6 +20,7 @@ GATHER = {"all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gat
 # Each rank sends a piece of its input to every rank and receives theirs: neither a reduction
 # nor a gather (an expert-parallel layer's token dispatch and combine).
 EXCHANGE = {"all_to_all", "all_to_all_single"}
+BROADCAST = {"broadcast"}
 SUM_OPS = {None, "sum", "avg", "redopType.sum", "SUM", "AVG"}
 # How far from a point to look for the collective that consumes or produced it: a partial sum
 # is reduced, and a shard gathered, within the next few collectives of its rank.

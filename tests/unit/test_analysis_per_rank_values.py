@@ -134,6 +134,9 @@ def test_a_buffer_only_the_source_filled_before_its_broadcast_is_no_finding(tmp_
     check(p, "divergent", "no-reduction", "divergent")
     assert p["collective"]["op"] == "broadcast", p
     assert not [f for f in _findings(tmp_path) if f["kind"] == "divergent"]
+    out = point(con, "bcast:output")
+    check(out, "replicate", "no-reduction", "broadcast-output")
+    assert out["collective"]["op"] == "broadcast", out
 
 
 def test_a_reduce_of_a_sum_delivered_to_one_rank_is_post_reduction_there(tmp_path):
