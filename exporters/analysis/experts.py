@@ -30,15 +30,44 @@ from tensor_trace.exporters.analysis.tolerance import Observed, fp_equal
 
 
 def enclosing_moe(j, module: str):
-    """(path, split) of the nearest FusedMoE layer whose call ``module`` ran inside (a path
-    prefix of it, not the module itself), or None."""
+    """(path, split) of the nearest experts layer whose call ``module`` ran inside (a path
+    prefix of it, not the module itself), or None: an SGLang FusedMoE, or a module whose
+    grouped expert weights are DTensors split along the expert dim (``dtensor_experts``)."""
     parts = module.split(".")
     for n in range(len(parts) - 1, 0, -1):
         path = ".".join(parts[:n])
-        split = declared.moe_split(j.layer_attrs.get(path))
+        split = declared.moe_split(j.layer_attrs.get(path)) or dtensor_experts(j, path)
         if split is not None:
             return path, split
     return None
+
+
+def dtensor_experts(j, path: str) -> dict | None:
+    """The expert-parallel split of a module whose weights of three dims or more ([experts,
+    in, out]) are all DTensors split along dim 0 across more than one rank (transformers'
+    ``grouped_gemm`` plan under expert parallel, a DTensor plan sharding grouped experts with
+    ``Shard(0)``): each rank holds whole experts of its own. None otherwise."""
+    if path in j.dtensor_experts:
+        return j.dtensor_experts[path]
+    out = None
+    per = j.module_params(path, j.v.procs[:1])
+    grouped = [(name, shape, meta) for name, shape, _fp, meta in (per[0] if per else ()) if len(shape) >= 3]
+    if grouped and all(declared.param_split_dim(meta) == 0 for _, _, meta in grouped):
+        meta = grouped[0][2]
+        ranks = int((meta.get("mesh_shape") or [1])[0])
+        if ranks > 1:
+            local, total = grouped[0][1][0], (meta.get("global_shape") or [None])[0]
+            out = dict(tp=1, ep=ranks, inter=None, local=local, experts=total,
+                       text=f"{', '.join(n for n, _, _ in grouped)} DTensors Shard(0) over {ranks} ranks",
+                       says="its expert weights")
+    j.dtensor_experts[path] = out
+    return out
+
+
+def _split_says(path, split) -> str:
+    if split.get("says") == "its expert weights":
+        return f"{path}'s expert weights ({split['text']})"
+    return f"{path}, SGLang's FusedMoE({split['text']})"
 
 
 def split_params(j, module: str, procs) -> list:
@@ -77,7 +106,7 @@ def expert_parallel_local(j, pt):
     seen = ", ".join(f"rank {j.rank_of[p]} {list(pt.obs[p].shape)}" for p in pt.procs)
     local = (f"{split['local']} of {split['experts']} experts" if split.get("local") and split.get("experts")
              else "its own experts")
-    extra = [item("semantics", f"inside {path}, SGLang's FusedMoE({split['text']}): each rank runs {local} "
+    extra = [item("semantics", f"inside {_split_says(path, split)}: each rank runs {local} "
                                f"on the tokens routed to them, so call {pt.call} is a different expert on "
                                f"each rank: per-rank values, not comparable across ranks"),
              item("shape", f"seen on {seen}" + ("" if len(pt.procs) == j.group_size else
@@ -87,6 +116,31 @@ def expert_parallel_local(j, pt):
     if params:
         extra.append(_weights_item(path, params))
     return decide(pt, "local", "no-reduction", "expert-parallel-local", None, *extra)
+
+
+def expert_parallel_routing(j, pt):
+    """Values that differ across ranks and that an expert-parallel experts call takes as its
+    routing (transformers' ``ep_router`` leaves each rank its own experts' weights and ids,
+    renumbered locally), or that same routing where the router returned it: per rank by design,
+    ``local``, not ``divergent``."""
+    if pt.equal or j.group_size <= 1 or len(pt.procs) < 2:
+        return None
+    for key, obs in j.v.points.items():
+        if not key[2].startswith("input") or (key[0] == pt.module and pt.is_output):
+            continue
+        if key != pt.key and not all(p in obs and obs[p].fp is not None and pt.obs[p].fp is not None
+                                     and obs[p].shape == pt.obs[p].shape and fp_equal(obs[p], pt.obs[p])
+                                     for p in pt.procs):
+            continue
+        split = declared.moe_split(j.layer_attrs.get(key[0])) or dtensor_experts(j, key[0])
+        if split is None or split["ep"] <= 1 or key[2] == "input.0":
+            continue
+        via = "" if key == pt.key else f" (the same values as {j.name(key)})"
+        return decide(pt, "local", "no-reduction", "expert-parallel-routing", None,
+                      item("semantics", f"routing that {_split_says(key[0], split)} takes{via}: each rank holds "
+                                        "its own experts' weights and ids: per-rank values, not comparable "
+                                        "across ranks", point=j.name(key)))
+    return None
 
 
 def expert_tp_slice(j, pt):

@@ -64,6 +64,7 @@ class Judge:
         # a point of this step was judged a shard although its values are equal on every rank:
         # the ranks' shards are identical (dummy weights), so equal values say nothing of a place
         self.identical_shards = False
+        self.dtensor_experts: dict = {}  # module path -> experts.dtensor_experts, found once a step
         # points whose values read equal on every rank only because their fingerprints are too
         # alike to tell apart (rules._too_alike): judged as values that differ
         self.alike: list = []
