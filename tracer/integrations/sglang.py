@@ -363,8 +363,11 @@ _ATTRS = ("gather_output", "reduce_results", "input_is_parallel", "parallel_grou
 
 
 # SGLang's norms, which given a residual return (norm(x + residual), x + residual): their second
-# output is a residual sum, whatever its values (dummy weights' layer outputs vanish in it)
+# output is a residual sum, whatever its values (dummy weights' layer outputs vanish in it).
+# Those of its layers' module only: a model's own class of the same name need not add the
+# residual (Command-R's LayerNorm returns it as it was given).
 _NORM_CLASSES = ("RMSNorm", "GemmaRMSNorm", "LayerNorm")
+_NORM_MODULE = "sglang.srt.layers.layernorm"
 
 
 def module_attrs(module) -> dict | None:
@@ -373,7 +376,7 @@ def module_attrs(module) -> dict | None:
     known = next((c.__name__ for c in type(module).__mro__ if c.__name__ in _PARALLEL_CLASSES), None)
     if known is None:
         norm = next((c.__name__ for c in type(module).__mro__
-                     if c.__name__ in _NORM_CLASSES and c.__module__.startswith("sglang.")), None)
+                     if c.__name__ in _NORM_CLASSES and c.__module__ == _NORM_MODULE), None)
         return {"sglang_class": norm, "residual_sum_output": "output.1"} if norm else None
     out = {"sglang_class": known}
     for name in _ATTRS:
