@@ -14,7 +14,9 @@ Each finding is ``{kind, point, collective, detail, evidence}`` (the contract's 
 - ``collective-skipped`` / ``collective-mismatch``: ranks that skipped a collective the others
   issued, or issued another op, shape or dtype (matched by group and sequence number);
 - ``divergent-parameter``: a parameter a DTensor declares replicated whose values differ across
-  the ranks of its TP group.
+  the ranks of its TP group;
+- ``collective-error``: a collective that raised on some rank, with the ranks of its group that
+  never issued it (a TP worker that crashed: alignment leaves a rank whose trace stops early out).
 
 Collectives are examined in the steps the verdicts sampled (a few per kind of step).
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 
+from tensor_trace import schema
 from tensor_trace.exporters.analysis.evidence import key_item
 from tensor_trace.exporters.analysis.step_view import REDUCE_SCATTER, StepView, coll_desc, coll_json
 from tensor_trace.exporters.analysis.tolerance import all_equal, linked
@@ -47,6 +50,7 @@ def check(con) -> list:
     explained = {f["point"] for f in captures}
     out += _divergent_findings(p for name, p in points.items() if name not in explained)
     out += _issue_findings(con)
+    out += _raised_findings(con)
     out += _replicated_parameter_findings(con)
     return out
 
@@ -304,5 +308,31 @@ def _issue_findings(con) -> list:
                     module=module[0] if module else None)
         out.append(finding(f"collective-{kind}", module[0] if module else None, coll, detail,
                            [f"ranks {json.loads(ranks)}", "matched across ranks by (group, sequence number)"]))
+    return out
+
+
+def _raised_findings(con) -> list:
+    """``collective-error``: a collective that raised on some rank (its peer died, a timeout),
+    with the ranks of its group that never issued it: where a rank's trace stops (a crashed
+    TP worker), which alignment leaves out as a rank that was killed."""
+    rank_of = dict(con.execute("SELECT proc, rank FROM processes"))
+    last = {(g, p): s for g, p, s in con.execute("SELECT group_id, proc, MAX(seq) FROM collectives GROUP BY group_id, proc")}
+    out = []
+    for gid, seq, op, gname, granks, module in con.execute(
+            "SELECT c.group_id, c.seq, c.op, g.name, g.ranks, m.path FROM collectives c JOIN groups g USING(group_id) "
+            "LEFT JOIN modules m USING(module_id) WHERE (c.flags & ?) != 0 GROUP BY c.group_id, c.seq "
+            "ORDER BY c.group_id, c.seq", (schema.FLAG_ERROR,)):
+        rows = con.execute("SELECT proc, flags FROM collectives WHERE group_id=? AND seq=?", (gid, seq)).fetchall()
+        raised = sorted(rank_of.get(p) for p, f in rows if f & schema.FLAG_ERROR)
+        ranks = json.loads(granks)
+        procs = {r: p for p, r in rank_of.items() if r in ranks}
+        never = sorted(r for r, p in procs.items() if p not in {q for q, _ in rows})
+        detail = f"{op} #{seq} of group {gname} {ranks} raised on ranks {raised}"
+        if never:
+            stops = "; ".join(f"rank {r} at #{last[(gid, procs[r])]}" if (gid, procs[r]) in last else f"rank {r} before any"
+                              for r in never)
+            detail += f"; ranks {never} never issued it (their collectives of the group stop: {stops})"
+        out.append(finding("collective-error", module, dict(op=op, group=gname, group_ranks=ranks, seq=seq, module=module),
+                           detail, [f"raised on ranks {raised}"] + ([f"not issued on ranks {never}"] if never else [])))
     return out
 

@@ -167,10 +167,12 @@ class SyntheticTrace:
         watched (lineage is taken on a schedule), and the points were not built by them."""
         self._events.append(("op", op))
 
-    def coll(self, op, inputs, outputs, *, reduce_op="sum", group="tp", attrs=None) -> None:
+    def coll(self, op, inputs, outputs, *, reduce_op="sum", group="tp", attrs=None, flags=None) -> None:
         """A collective of ``group``; ``op`` a name, or a name per rank (a send paired with a
-        recv); ``attrs`` is a dict, or a dict per rank."""
-        self._events.append(("coll", op, reduce_op, group, list(inputs), list(outputs), attrs))
+        recv); ``attrs`` is a dict, or a dict per rank; ``flags`` rank -> its record's flags
+        (schema.FLAG_ERROR: it raised there), and a rank left out of a ``flags`` dict that has
+        ``None`` for it never issued it."""
+        self._events.append(("coll", op, reduce_op, group, list(inputs), list(outputs), attrs, flags))
 
     # -- writing ----------------------------------------------------------------------------
     def write(self, trace_dir: str) -> None:
@@ -247,7 +249,9 @@ class SyntheticTrace:
                 elif ev[0] == "op":
                     w.add((schema.LINEAGE, step, 1000 + n_spans, w.string(ev[1]), None, [], None))
                 else:
-                    _, op, redop, group, inputs, outputs, attrs = ev
+                    _, op, redop, group, inputs, outputs, attrs, flags = ev
+                    if flags is not None and rank in flags and flags[rank] is None:
+                        continue  # (this rank never issued it)
                     gid, granks = self.groups[group] if isinstance(self.groups[group], tuple) else \
                         self.groups[group][rank]
                     if group not in written_groups:
@@ -264,7 +268,7 @@ class SyntheticTrace:
                     rec = [schema.COLLECTIVE, step, n_colls, stack[-1][0],
                            w.string(op if isinstance(op, str) else op[rank]),
                            w.string(redop) if redop else -1, gid, seq[group], t, 5, lay, fp_pre, fp_post,
-                           len(inputs), 0, nbytes]
+                           len(inputs), (flags or {}).get(rank) or 0, nbytes]
                     if coll_attrs and attrs is not None:
                         rec.append(attrs.get(rank) if isinstance(attrs, dict) and rank in attrs else attrs)
                     w.add(tuple(rec))

@@ -175,3 +175,27 @@ def test_a_gather_is_no_collective_mismatch(tmp_path):
             root.returns(arrays({0: np.concatenate([parts[0], parts[1]], -1)}))
     tr.merge(tmp_path)
     assert not [f for f in _findings(tmp_path) if f["kind"].startswith("collective")]
+
+
+def test_a_collective_that_raised_where_a_peer_never_issued_it_is_a_finding(tmp_path):
+    """A held-out SGLang Phi server at TP 2 (not written here): rank 1 crashed in its model's
+    own code; rank 0's next all_reduce raised. Alignment leaves a rank whose trace stops early
+    out (a killed rank), so check said nothing."""
+    from tensor_trace import schema
+
+    rng = gen(67)
+    x = pos(rng, 2, 3)
+    tr = SyntheticTrace(2, root="run")
+    with tr.step():
+        with tr.call("run", same(x, R)) as root:
+            with tr.call("embed", same(x, R)) as c:
+                tr.coll("all_reduce", [same(x / 2, R)], [same(x, R)])
+                c.returns(same(x, R))
+            with tr.call("layers.0.dense", same(x, R)) as c:
+                tr.coll("all_reduce", [same(x / 2, R)], [same(x, R)], flags={0: schema.FLAG_ERROR, 1: None})
+                c.returns(same(x, R))
+            root.returns(same(x, R))
+    tr.merge(tmp_path)
+    (f,) = [f for f in _findings(tmp_path) if f["kind"] == "collective-error"]
+    assert f["point"] == "layers.0.dense" and f["collective"]["seq"] == 1, f
+    assert "raised on ranks [0]; ranks [1] never issued it" in f["detail"] and "rank 1 at #0" in f["detail"], f
