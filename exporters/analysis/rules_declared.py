@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from tensor_trace.exporters.analysis import declared, rules_dataflow, rules_weights
 from tensor_trace.exporters.analysis.evidence import coll_item, decide, item
-from tensor_trace.exporters.analysis.step_view import BROADCAST, coll_desc, coll_json, next_sum_reduction
-from tensor_trace.exporters.analysis.tolerance import FLOAT_DTYPES, linked
+from tensor_trace.exporters.analysis.step_view import BROADCAST, REDUCING, coll_desc, coll_json, next_sum_reduction
+from tensor_trace.exporters.analysis.tolerance import FLOAT_DTYPES, fp_equal, linked
 
 
 def equal_values(j, pt):
@@ -29,6 +29,19 @@ def _broadcast_of(j, pt):
         outs = {p: c.outs[p][0] for p in pt.procs if c.outs.get(p)}
         if len(outs) == len(pt.procs) and linked(outs, pt.obs) == 1.0:
             return c
+    return None
+
+
+def _reduced_before_broadcast(j, c):
+    """The sum-reduction whose output broadcast ``c``'s source rank sent (its input there equals
+    its output), or None."""
+    src = [p for p in c.ins if c.ins[p] and c.outs.get(p) and fp_equal(c.ins[p][0], c.outs[p][0])]
+    if len(src) != 1 or len(c.ins) < 2:
+        return None
+    p = src[0]
+    for r in j.v.before(c.t0, REDUCING, limit=4):
+        if r.sums and r.outs.get(p) and r.outs[p][0].numel == c.ins[p][0].numel and fp_equal(r.outs[p][0], c.ins[p][0]):
+            return r
     return None
 
 
@@ -57,9 +70,14 @@ def _equal_values(j, pt):
             return verdict
     c = _broadcast_of(j, pt)
     if c is not None:
-        return decide(pt, "replicate", "no-reduction", "broadcast-output", coll_json(c, pt.procs[0]),
-                      coll_item(c, f"equals the output of {coll_desc(c)} on every rank: the source rank's values, "
-                                   "sent to every rank, not reduced"))
+        sent = coll_item(c, f"equals the output of {coll_desc(c)} on every rank: the source rank's values, "
+                            "sent to every rank")
+        r = _reduced_before_broadcast(j, c)
+        if r is not None:  # (a reduce to one rank, then a broadcast from it: an all_reduce in two)
+            return decide(pt, "replicate", "post-reduction", "broadcast-output", coll_json(r, pt.procs[0]), sent,
+                          coll_item(r, f"which its source held as the output of {coll_desc(r)}: the result of a "
+                                       "sum-reduction, sent on unchanged"))
+        return decide(pt, "replicate", "no-reduction", "broadcast-output", coll_json(c, pt.procs[0]), sent)
     if not pt.tref.dtype.startswith(FLOAT_DTYPES):
         what = ("boolean values (masks, flags)" if pt.tref.dtype == "bool"
                 else "integer values (ids, positions, lengths)")

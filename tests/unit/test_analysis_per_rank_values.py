@@ -199,3 +199,29 @@ def test_a_collective_that_raised_where_a_peer_never_issued_it_is_a_finding(tmp_
     (f,) = [f for f in _findings(tmp_path) if f["kind"] == "collective-error"]
     assert f["point"] == "layers.0.dense" and f["collective"]["seq"] == 1, f
     assert "raised on ranks [0]; ranks [1] never issued it" in f["detail"] and "rank 1 at #0" in f["detail"], f
+
+
+def test_a_reduce_then_a_broadcast_from_its_destination_is_post_reduction(tmp_path):
+    """An all_reduce in two (a held-out program: ``dist.reduce`` to rank 0, then ``broadcast``
+    from it): what every rank ends with is the sum-reduction's result, sent on unchanged."""
+    rng = gen(68)
+    parts = {r: pos(rng, 2, 3) for r in R}
+    total = parts[0] + parts[1]
+    tr = SyntheticTrace(2, root="run")
+    with tr.step():
+        with tr.call("run", same(total, R)) as root:
+            with tr.call("both", same(total, R)) as c:
+                with tr.call("both.linear", same(total, R)) as lin:
+                    lin.returns(arrays(parts))
+                tr.coll("reduce", [arrays(parts)], [arrays({0: total, 1: parts[1]})])
+                tr.coll("broadcast", [arrays({0: total, 1: parts[1]})], [same(total, R)])
+                c.returns(same(total, R))
+            with tr.call("only_sent", same(total, R)) as c:
+                tr.coll("broadcast", [arrays({0: total * 3, 1: parts[1]})], [same(total * 3, R)])
+                c.returns(same(total * 3, R))
+            root.returns(same(total, R))
+    con = tr.merge(tmp_path)
+    p = point(con, "both:output")
+    check(p, "replicate", "post-reduction", "broadcast-output")
+    assert p["collective"]["op"] == "reduce", p
+    check(point(con, "only_sent:output"), "replicate", "no-reduction", "broadcast-output")
