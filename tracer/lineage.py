@@ -1,7 +1,8 @@
 """Tensor lineage: which recorded tensors a tensor was built from, and by which ops.
 
 During a traced step a ``TorchFunctionMode`` watches a small set of ops that build tensors out of
-others (``_TRACKED``: cat, stack, clone, view/reshape and friends, split/chunk, add in and out of
+others (``_TRACKED``: cat, stack, clone, view/reshape and friends, split/chunk, a tensor times or
+over a number, add in and out of
 place). Each call becomes a *node*: its op, arguments that matter (``dim``, the new shape), and
 a reference to where each input came from:
 
@@ -78,6 +79,11 @@ for _f, _name, _kind in [
     # other in-place arithmetic: no lineage node, but what it updates is fingerprinted first
     (T.mul_, "mul_", "mutate"), (T.__imul__, "mul_", "mutate"), (T.sub_, "sub_", "mutate"),
     (T.__isub__, "sub_", "mutate"), (T.div_, "div_", "mutate"), (T.__itruediv__, "div_", "mutate"),
+    # a tensor times or over a Python number (a residual multiplier, a logit scale): "scale"
+    # nodes with the factor, a common scale that keeps what the values are (a reduction's output
+    # scaled is still post-reduction); a product of two tensors is not one
+    (T.mul, "mul", "scale"), (T.__mul__, "mul", "scale"), (T.__rmul__, "mul", "scale"), (torch.mul, "mul", "scale"),
+    (T.div, "div", "scale"), (T.__truediv__, "div", "scale"), (torch.div, "div", "scale"),
     # copies that keep the values (a dtype or layout change): followed, not matched by values
     (T.to, "to", "one"), (T.float, "to", "one"), (T.half, "to", "one"), (T.bfloat16, "to", "one"),
     (T.contiguous, "contiguous", "one"), (T.detach, "detach", "one"),
@@ -93,7 +99,7 @@ for _f, _name, _kind in [
 _TRACKED.update(_attrs.tracked())
 _get_ident = __import__("threading").get_ident
 _UPDATES_FIRST_ARG = frozenset(("inplace", "write", "mutate"))
-_ONE_IN = frozenset(("one", "index", "split"))
+_ONE_IN = frozenset(("one", "index", "split", "scale"))
 _tracked_get = _TRACKED.get
 _is_compiling = torch.compiler.is_compiling
 
@@ -329,6 +335,13 @@ class LineageRecorder:
             ins = [a0]
         elif kind == "mm":
             ins = [t for t in _attrs.mm_inputs(name, args, kwargs) if isinstance(t, Tensor)]
+        elif kind == "scale":
+            a0 = args[0] if args else None
+            by = args[1] if len(args) > 1 else kwargs.get("other")
+            if (not isinstance(a0, Tensor) or type(by) not in (int, float) or out is a0 or not by
+                    or kwargs.get("rounding_mode") is not None):
+                return  # a product of tensors, an integer division: no common scale
+            ins = [a0]
         elif kind == "write" or kind == "scatter":
             return self.write(name, kind, args, kwargs, out)
         else:  # binary / inplace: a scalar operand combines nothing
@@ -374,6 +387,9 @@ class LineageRecorder:
             attrs = _attrs.LazyDims(name, args[1:], kwargs, ins[0].shape, out.dim())
         elif kind == "mm":
             attrs = {"ndims": [t.dim() for t in ins]}
+        elif kind == "scale":
+            by = float(args[1] if len(args) > 1 else kwargs.get("other"))
+            attrs = {"factor": by if name == "mul" else 1.0 / by}
         unknown = []
         for i, r in enumerate(refs):
             if r is None:

@@ -15,6 +15,7 @@ from tensor_trace.format.lineage_refs import REF_PARAM
 
 # single-input ops that keep every value (a dtype, layout or memory change)
 _KEEP = {"clone", "to", "contiguous", "detach"}
+_SCALE = {"mul", "div"}  # by a number (tracer/lineage.py's "scale" nodes): a common scale
 _RESHAPE = {"view", "reshape", "flatten", "unflatten"}
 _PARTS = {"split", "chunk", "unbind"}
 _WRITES = {"copy_", "setitem", "index_copy_"}
@@ -232,12 +233,12 @@ class LineageWalk:
             return seen
         op, attrs, inputs = node[:3]
         out_shape = tuple(node[3]) if len(node) > 3 and node[3] is not None else None  # (the op's result)
-        if op in _KEEP or op in _PARTS:
+        if op in _KEEP or op in _PARTS or op in _SCALE:
             if len(inputs) != 1:
                 return NOTHING
             src = self.placement_of(inputs[0], depth + 1)
             self.ops.append(op)
-            if op in _KEEP:
+            if op in _KEEP or op in _SCALE:
                 return src
             placement = src.placement
             if src.block is not None and _cuts(src, attrs.get("dim", 0) if attrs else 0):
@@ -381,8 +382,33 @@ def built_by_sum(judge, pt) -> str | None:
         op, _attrs, inputs = node[:3]
         if op in ("add", "add_"):
             return "the recorded ops built it by an add" if len(inputs) >= 2 else None
-        if (op not in _KEEP and op not in _RESHAPE) or len(inputs) != 1:
+        if (op not in _KEEP and op not in _RESHAPE and op not in _SCALE) or len(inputs) != 1:
             return None
+        ref = inputs[0]
+    return None
+
+
+def carried_from(judge, pt):
+    """(key, ops) where the recorded ops built ``pt`` from a point of the step by views,
+    reshapes, clones, casts and scaling by numbers alone (the contract's "carried unchanged up
+    to a view, reshape, clone, cast or common scale"): that point's key and the ops, innermost
+    last; None otherwise."""
+    walk = LineageWalk(judge, pt)
+    ref = walk.slot_ref()
+    ops = []
+    for _ in range(MAX_DEPTH):
+        if ref and ref[0] == 0 and ref[1] == judge.v.step:
+            key = judge.v.slot_key.get((walk.proc, ref[2], ref[3]))
+            return (key, ops) if key is not None and ops else None
+        if not ref or ref[0] != 1 or ref[1] != judge.v.step:
+            return None
+        node = walk.nodes.get(ref[2])
+        if node is None:
+            return None
+        op, attrs, inputs = node[:3]
+        if (op not in _KEEP and op not in _RESHAPE and op not in _SCALE) or len(inputs) != 1:
+            return None
+        ops.append(f"{op} {attrs['factor']:.4g}" if op in _SCALE and attrs and "factor" in attrs else op)
         ref = inputs[0]
     return None
 

@@ -274,6 +274,23 @@ def scaled_reduction_output(j, pt):
     return reduction_output(j, pt, exact=False)
 
 
+def carried_reduction_output(j, pt):
+    """A tensor the recorded ops built from a point judged post-reduction by views, casts and
+    scaling by numbers alone: post-reduction too, which the sums cannot always confirm (a
+    residual multiplier times an attention's reduced output, with dummy weights' sums near
+    zero)."""
+    hit = dataflow.carried_from(j, pt)
+    if hit is None:
+        return None
+    key, ops = hit
+    src = j.done.get(key)
+    if src is None or src.reduction != "post-reduction" or (src.placement == "replicate" and not pt.equal):
+        return None
+    return decide(pt, src.placement, "post-reduction", "reduction-output", src.collective,
+                  item("dataflow", f"the output of {j.name(key)} ({src.placement}, post-reduction) carried on by "
+                                   f"recorded ops: {', '.join(reversed(ops))}", point=j.name(key)))
+
+
 def scaled_reduction_input(j, pt):
     return reduction_input(j, pt, exact=False)
 

@@ -295,3 +295,32 @@ def test_a_shard_after_unbind(placement, dim, want):
     from tensor_trace.exporters.analysis.dataflow import unbind_placement
 
     assert unbind_placement(placement, dim) == want
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        y = self.b(h * 0.5)  # a common scale of a module output: a node with its factor
+        z = self.b(2.0 * (h / 4))
+        return self.b(h * y), z  # a product of two tensors is no scale: no node
+
+
+def test_a_tensor_times_or_over_a_number_is_a_scale_node_with_its_factor(tmp_path):
+    tracer.start(out_dir=str(tmp_path))
+    try:
+        Scaled()(torch.randn(2, 4))
+    finally:
+        tracer.stop()
+    names = {}
+    for f in rank_files(str(tmp_path)):
+        for rec in iter_records(f):
+            if rec[0] == schema.STRING:
+                names[rec[1]] = rec[2]
+    scales = sorted((names.get(r[3], r[3]), r[4]["factor"]) for r in _records(str(tmp_path), schema.LINEAGE)
+                    if names.get(r[3], r[3]) in ("mul", "div"))
+    assert scales == [("div", 0.25), ("mul", 0.5), ("mul", 2.0)]
