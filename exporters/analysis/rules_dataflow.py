@@ -211,13 +211,26 @@ def same_values_where_finite(j, pt):
     return None
 
 
+def _no_room(src_shape: tuple, d: int, shape: tuple) -> bool:
+    """Whether a tensor of ``shape`` (of another rank than ``src_shape``, sharded along ``d``)
+    cannot hold a part of that shard: none of the source's whole dims (larger than 1) is among
+    its dims (nothing ties them), or its dims (larger than 1) are, in order, whole dims of the
+    source alone (a [seq, head_dim] rotary table beside q [b, seq, heads, head_dim])."""
+    whole = [n for i, n in enumerate(src_shape) if i != d and n > 1]
+    mine = [n for n in shape if n > 1]
+    if not any(n in mine for n in whole):
+        return True
+    it = iter(whole)
+    return bool(mine) and all(any(n == w for w in it) for n in mine)
+
+
 def _reduced_over(src_shape: tuple, d: int, shape: tuple) -> bool:
-    """Whether ``shape`` is ``src_shape`` with its dim ``d`` reduced over: dropped, or kept with
-    size 1 where it was larger (``max(-1)``, ``sum(d, keepdim=True)``, an argmax)."""
-    if d >= len(src_shape):
+    """Whether ``shape`` is ``src_shape`` reduced over its last dim ``d`` (``max(-1)``, an
+    argmax, ``sum(-1, keepdim=True)``): that dim, larger than 1, dropped or kept with size 1. A
+    middle dim that goes is not read so (one head taken out of each rank's heads is a slice)."""
+    if d != len(src_shape) - 1 or src_shape[d] <= 1:
         return False
-    return shape == src_shape[:d] + src_shape[d + 1:] or (
-        src_shape[d] > 1 and shape == src_shape[:d] + (1,) + src_shape[d + 1:])
+    return shape == src_shape[:-1] or shape == src_shape[:-1] + (1,)
 
 
 def _derived_dim(src_shape, d, shape, ndim) -> int:
@@ -329,6 +342,12 @@ def derived_from_shard(j, pt, src=None):
                                          "which is no slice of anything", point=j.name(src)))
         return None
     same_rank = src_t is not None and len(src_t.shape) == pt.ndim and d < pt.ndim
+    if not same_rank and src_t is not None and pt.tref is not None and _no_room(tuple(src_t.shape), d,
+                                                                                 tuple(pt.tref.shape)):
+        pt.items.append(item("dataflow", f"{j.name(src)} is {placement}, but this tensor's dims are none of its "
+                                         f"whole dims, or only them: no part of its dim {d} to hold (a table "
+                                         "handed in beside it, e.g. a rotary cos)", point=j.name(src)))
+        return None
     dim = d if same_rank else _derived_dim(src_t.shape if src_t is not None else None, d,
                                            pt.tref.shape if pt.tref is not None else None, pt.ndim)
     verdict = decide(pt, f"shard({dim})", "no-reduction", "derived-from-shard", None,

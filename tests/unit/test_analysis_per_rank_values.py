@@ -225,3 +225,27 @@ def test_a_reduce_then_a_broadcast_from_its_destination_is_post_reduction(tmp_pa
     check(p, "replicate", "post-reduction", "broadcast-output")
     assert p["collective"]["op"] == "reduce", p
     check(point(con, "only_sent:output"), "replicate", "no-reduction", "broadcast-output")
+
+
+def test_a_table_handed_in_beside_a_shard_is_not_derived_from_it(tmp_path):
+    """A held-out PyTorch TP plan (not written here) with a planted bug: rank 1's rotary cos
+    table ([seq, head_dim], whole on every rank) off by 1e-2, handed to each layer beside the
+    sequence-parallel hidden state ([b, seq/tp, dim], shard(1)). It was judged shard(1),
+    "derived locally ... (another rank of tensor: dim 1 assumed)", and check said nothing."""
+    rng = gen(69)
+    x = pos(rng, 2, 8, 6)
+    cos = pos(rng, 8, 4)
+    hs = {r: x[:, 4 * r:4 * (r + 1)] for r in R}
+    tables = {0: cos, 1: cos + 1e-2}
+    tr = SyntheticTrace(2, root="run")
+    with tr.step():
+        with tr.call("run", same(x, R)) as root:
+            with tr.call("scatter", same(x, R)) as c:
+                c.returns(arrays(hs))
+            with tr.call("layers.0", arrays(hs), arrays(tables)) as c:
+                c.returns(arrays({r: hs[r] * 2 for r in R}))
+            root.returns(same(x, R))
+    con = tr.merge(tmp_path)
+    p = point(con, "layers.0:input.1")
+    assert p["placement"] == "divergent", p["evidence"]
+    assert [f["point"] for f in _findings(tmp_path) if f["kind"] == "divergent"] == ["layers.0:input.1"]
