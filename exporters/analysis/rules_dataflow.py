@@ -211,15 +211,19 @@ def same_values_where_finite(j, pt):
     return None
 
 
-def _no_room(src_shape: tuple, d: int, shape: tuple) -> bool:
-    """Whether a tensor of ``shape`` (of another rank than ``src_shape``, sharded along ``d``)
-    cannot hold a part of that shard: none of the source's whole dims (larger than 1) is among
-    its dims (nothing ties them), or its dims (larger than 1) are, in order, whole dims of the
-    source alone (a [seq, head_dim] rotary table beside q [b, seq, heads, head_dim])."""
+def _no_room(src_shape: tuple, d: int, shape: tuple, ranks: int) -> bool:
+    """Whether a tensor of ``shape`` (of another rank than ``src_shape``, sharded along ``d``
+    across ``ranks``, and holding another number of values) cannot hold a part of that shard:
+    none of the source's whole dims (larger than 1) is among its dims but the sharded dim's
+    whole size is (a [seq, head_dim] rotary table beside a sequence-parallel [b, seq/tp, dim]),
+    or its dims (larger than 1) are, in order, whole dims of the source alone (that table beside
+    q [b, seq, heads, head_dim])."""
     whole = [n for i, n in enumerate(src_shape) if i != d and n > 1]
     mine = [n for n in shape if n > 1]
+    if not whole or math.prod(src_shape) == math.prod(shape):
+        return False  # (nothing to compare by; or as many values: perhaps the shard viewed, [1, 2, 4] as [1, 8])
     if not any(n in mine for n in whole):
-        return True
+        return src_shape[d] * ranks in mine
     it = iter(whole)
     return bool(mine) and all(any(n == w for w in it) for n in mine)
 
@@ -342,8 +346,8 @@ def derived_from_shard(j, pt, src=None):
                                          "which is no slice of anything", point=j.name(src)))
         return None
     same_rank = src_t is not None and len(src_t.shape) == pt.ndim and d < pt.ndim
-    if not same_rank and src_t is not None and pt.tref is not None and _no_room(tuple(src_t.shape), d,
-                                                                                 tuple(pt.tref.shape)):
+    if not same_rank and src_t is not None and pt.tref is not None and _no_room(
+            tuple(src_t.shape), d, tuple(pt.tref.shape), j.group_size):
         pt.items.append(item("dataflow", f"{j.name(src)} is {placement}, but this tensor's dims are none of its "
                                          f"whole dims, or only them: no part of its dim {d} to hold (a table "
                                          "handed in beside it, e.g. a rotary cos)", point=j.name(src)))
