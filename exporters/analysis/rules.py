@@ -356,4 +356,5 @@ RULES = (experts.expert_parallel_local, group_ranks, shapes, fingerprints, _valu
          rules_reductions.sums_add_up, rules_declared.declared_dtensor, experts.declared_partial,
          rules_dataflow.concatenation, rules_dataflow.lineage_ops, rules_weights.sharded_weight,
          rules_weights.passed_parameter, rules_dataflow.same_values_as_producer, rules_dataflow.derived_from_shard,
-         rules_dataflow.derived_from_inner_shard, experts.expert_parallel_routing, divergent)
+         rules_dataflow.derived_from_inner_shard, rules_dataflow.compiled_residual, experts.expert_parallel_routing,
+         divergent)

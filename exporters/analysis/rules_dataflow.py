@@ -10,8 +10,8 @@ import math
 
 from tensor_trace.exporters.analysis import dataflow
 from tensor_trace.exporters.analysis.evidence import READ_FROM_ASKED, decide, item
-from tensor_trace.exporters.analysis.step_view import coll_desc, coll_json, next_sum_reduction
-from tensor_trace.exporters.analysis.tolerance import FLOAT_DTYPES, all_equal, linked
+from tensor_trace.exporters.analysis.step_view import REDUCE_SCATTER, coll_desc, coll_json, next_sum_reduction
+from tensor_trace.exporters.analysis.tolerance import FLOAT_DTYPES, all_equal, close, linked
 
 
 def concatenation(j, pt):
@@ -129,6 +129,37 @@ def derived_from_shard_inputs(j, pt):
     if pt.equal and not equal_on_ranks(j, src, pt.procs):
         return None
     return derived_from_shard(j, pt, src)
+
+
+def compiled_residual(j, pt):
+    """The output of a compiled call (torch.compile: the ops inside are not recorded) that is,
+    by its sums on every rank, its input plus the outputs of the reduce_scatters the call issued
+    (of its shape): a sequence-parallel block's residual adds of its attention's and its MLP's
+    reduced slices. Slices of the same dim added make a slice of that dim, computed locally:
+    no reduction."""
+    if not pt.is_output or pt.equal or pt.tref is None or not (j.layer_attrs.get(pt.module) or {}).get("compiled"):
+        return None
+    shape = tuple(pt.tref.shape)
+    scattered = [c for c in j.call_collectives(pt) if c.op in REDUCE_SCATTER and c.sums and all(
+        (c.outs.get(p) or [None])[0] is not None and c.outs[p][0].fp is not None and tuple(c.outs[p][0].shape) == shape
+        for p in pt.procs)]
+    if not scattered:
+        return None
+    for key, vd in j.call_inputs(pt):
+        obs = j.v.points[key]
+        if not vd.placement.startswith("shard(") or any(
+                p not in obs or obs[p].fp is None or tuple(obs[p].shape) != shape for p in pt.procs):
+            continue
+        for added in (scattered, scattered[-1:]):
+            if all(close(pt.obs[p].fp[0], obs[p].fp[0] + sum(c.outs[p][0].fp[0] for c in added), pt.tref.numel,
+                         pt.obs[p].fp[1] + obs[p].fp[1] + sum(c.outs[p][0].fp[1] for c in added), pt.tref.dtype)
+                   for p in pt.procs):
+                names = ", ".join(coll_desc(c) for c in added)
+                return decide(pt, vd.placement, "no-reduction", "compiled-residual", None,
+                              item("dataflow", f"by its sums on every rank, {j.name(key)} ({vd.placement}) plus the "
+                                               f"outputs of {names} (reduced slices of the same shape), added inside "
+                                               "the compiled call: a slice, computed locally", point=j.name(key)))
+    return None
 
 
 def equal_on_ranks(j, key, procs) -> bool:

@@ -54,3 +54,35 @@ def test_the_tracer_says_which_modules_run_compiled():
     in_place = nn.Linear(2, 2)
     in_place.compile(backend="eager")
     assert compiled_how(in_place) == "module.compile()"
+
+
+def test_a_compiled_sequence_parallel_blocks_residual_add_is_a_slice(tmp_path):
+    """A held-out PyTorch TP plan with sequence parallel, each block torch.compile'd (not written
+    here): the block's ops are not seen, only its collectives; its output is its input (the
+    sequence's slice, shard(1)) plus its attention's and MLP's reduce_scatter outputs. It was
+    divergent ('not derived locally: its call issued ...') and a check finding."""
+    from synthetic_trace import SyntheticTrace, arrays, check, gen, point, pos
+
+    R = [0, 1]  # (rank r's slice of the sequence, dim 1)
+    rng = gen(91)
+    e_full = rng.standard_normal((2, 8, 8))
+    x = {r: e_full[:, 4 * r:4 * (r + 1)] for r in R}  # the embedding's reduced slice: shard(1)
+    a_full, m_full = rng.standard_normal((2, 8, 8)), rng.standard_normal((2, 8, 8))
+    a = {r: a_full[:, 4 * r:4 * (r + 1)] for r in R}
+    m = {r: m_full[:, 4 * r:4 * (r + 1)] for r in R}
+    tr = SyntheticTrace(2, root="run")
+    tr.layer("layers.0", {"compiled": "torch.compile(module)"})
+    with tr.step():
+        ids = pos(rng, 2, 8)
+        with tr.call("run", arrays({r: ids for r in R})) as root:
+            with tr.call("embed", arrays({r: ids for r in R})) as c:
+                tr.coll("reduce_scatter_tensor", [arrays({r: e_full * 0.5 for r in R})], [arrays(x)])
+                c.returns(arrays(x))
+            with tr.call("layers.0", arrays(x)) as c:
+                tr.coll("reduce_scatter_tensor", [arrays({r: a_full * 0.5 for r in R})], [arrays(a)])
+                tr.coll("reduce_scatter_tensor", [arrays({r: m_full * 0.5 for r in R})], [arrays(m)])
+                c.returns(arrays({r: x[r] + a[r] + m[r] for r in R}))
+            root.returns(arrays(x))
+    con = tr.merge(tmp_path)
+    p = point(con, "layers.0:output")
+    check(p, "shard(1)", "no-reduction", "compiled-residual")
