@@ -286,8 +286,9 @@ def _divergent_findings(points) -> list:
     for p in points:
         if p["placement"] != "divergent":
             continue
-        if p["rule"] == "divergent" and p["collective"] is not None:
-            continue  # per-rank by design: the input of a max all_reduce or a broadcast (rules.divergent)
+        if (p["rule"] == "divergent" and p["collective"] is not None) or p["rule"] == "reduced-own-slice":
+            continue  # per-rank by design: the input of a max all_reduce or a broadcast (rules.divergent),
+            #           a rank's max or argmax over its own slice (rules_dataflow.derived_from_shard)
         if (p["collective"] or {}).get("op") == "reduce":
             continue  # a reduce delivers to its destination only: other ranks' buffers are undefined
         values = [i["text"] for i in p["items"] if i["kind"] in ("values", "shape")]

@@ -45,7 +45,7 @@ import collections
 from tensor_trace.exporters.analysis import (declared, experts, rules_dataflow, rules_declared, rules_reductions,
                                              rules_weights)
 from tensor_trace.exporters.analysis.evidence import coll_item, decide, item
-from tensor_trace.exporters.analysis.step_view import BROADCAST, REDUCE_SCATTER, REDUCING, coll_desc, coll_json
+from tensor_trace.exporters.analysis.step_view import REDUCE_SCATTER, coll_desc, coll_json
 from tensor_trace.exporters.analysis.tolerance import FLOAT_DTYPES, Observed, all_equal, linked
 
 
@@ -209,17 +209,7 @@ def divergent(j, pt):
     return decide(pt, "divergent", "unknown", "divergent")
 
 
-def _combined_by(j, pt):
-    """The collective that takes ``pt``'s values as they are on every rank and is no sum: an
-    all_reduce of max or min (a vocab-parallel sampler's or cross-entropy's per-rank max), or a
-    broadcast (a buffer only its source rank filled); None if none."""
-    for c, _, scale in j.links(pt)[1]:
-        if c.op in REDUCING and not c.sums and scale == 1.0:
-            return c
-    for c in j.v.after(pt.t_point, BROADCAST, limit=4):
-        if all(c.ins.get(p) for p in pt.procs) and linked(pt.obs, {p: c.ins[p][0] for p in pt.procs}) == 1.0:
-            return c
-    return None
+_combined_by = rules_dataflow.combined_by  # (shared with derived_from_shard)
 
 
 def _smaller_reduction_groups(j):

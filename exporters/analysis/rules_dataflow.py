@@ -10,7 +10,8 @@ import math
 
 from tensor_trace.exporters.analysis import dataflow
 from tensor_trace.exporters.analysis.evidence import READ_FROM_ASKED, decide, item
-from tensor_trace.exporters.analysis.step_view import REDUCE_SCATTER, coll_desc, coll_json, next_sum_reduction
+from tensor_trace.exporters.analysis.step_view import (BROADCAST, REDUCE_SCATTER, REDUCING, coll_desc, coll_json,
+                                                       next_sum_reduction)
 from tensor_trace.exporters.analysis.tolerance import FLOAT_DTYPES, all_equal, close, linked
 
 
@@ -259,6 +260,22 @@ def _no_room(src_shape: tuple, d: int, shape: tuple, ranks: int) -> bool:
     return bool(mine) and all(any(n == w for w in it) for n in mine)
 
 
+REDUCED_OWN_SLICE = "reduced-own-slice"
+
+
+def combined_by(j, pt):
+    """The collective that takes ``pt``'s values as they are on every rank and is no sum: an
+    all_reduce of max or min (a vocab-parallel sampler's or cross-entropy's per-rank max), or a
+    broadcast (a buffer only its source rank filled); None if none."""
+    for c, _, scale in j.links(pt)[1]:
+        if c.op in REDUCING and not c.sums and scale == 1.0:
+            return c
+    for c in j.v.after(pt.t_point, BROADCAST, limit=4):
+        if all(c.ins.get(p) for p in pt.procs) and linked(pt.obs, {p: c.ins[p][0] for p in pt.procs}) == 1.0:
+            return c
+    return None
+
+
 def _reduced_over(src_shape: tuple, d: int, shape: tuple) -> bool:
     """Whether ``shape`` is ``src_shape`` reduced over its last dim ``d`` (``max(-1)``, an
     argmax, ``sum(-1, keepdim=True)``): that dim, larger than 1, dropped or kept with size 1. A
@@ -372,10 +389,15 @@ def derived_from_shard(j, pt, src=None):
     d = int(placement[6:-1])
     src_t = j.v.points[src].get(pt.procs[0])
     if src_t is not None and pt.tref is not None and _reduced_over(tuple(src_t.shape), d, tuple(pt.tref.shape)):
-        pt.items.append(item("dataflow", f"{j.name(src)} is {placement}, and its shape less dim {d} is this "
-                                         "tensor's: each rank reduced its own slice (a max or a sum over it), "
-                                         "which is no slice of anything", point=j.name(src)))
-        return None
+        why = item("dataflow", f"{j.name(src)} is {placement}, and its shape less dim {d} is this tensor's: each "
+                               "rank reduced its own slice (a max or a sum over it), which is no slice of anything",
+                   point=j.name(src))
+        if pt.equal or combined_by(j, pt) is not None:
+            pt.items.append(why)
+            return None  # (one that a max all_reduce takes: rules.divergent names it)
+        # per rank by design (a vocab slice's max and argmax before a sampler combines them):
+        # a sum of it that a later sum-reduction completes is found before this rule
+        return decide(pt, "divergent", "no-reduction", REDUCED_OWN_SLICE, None, why)
     same_rank = src_t is not None and len(src_t.shape) == pt.ndim and d < pt.ndim
     if not same_rank and src_t is not None and pt.tref is not None and _no_room(
             tuple(src_t.shape), d, tuple(pt.tref.shape), j.group_size):
