@@ -368,23 +368,11 @@ def built_by_sum(judge, pt) -> str | None:
             says = judge.residual_sum(producer)
             if says:
                 return f"the values of {judge.name(producer)}: {says}"
-    walk = LineageWalk(judge, pt)
-    ref = walk.slot_ref()
-    for _ in range(MAX_DEPTH):
-        if ref and ref[0] == 0 and ref[1] == judge.v.step:  # a point of the step, as is
-            key = judge.v.slot_key.get((walk.proc, ref[2], ref[3]))
-            return judge.residual_sum(key) if key else None
-        if not ref or ref[0] != 1 or ref[1] != judge.v.step:
-            return None
-        node = walk.nodes.get(ref[2])
-        if node is None:
-            return None
-        op, _attrs, inputs = node[:3]
-        if op in ("add", "add_"):
-            return "the recorded ops built it by an add" if len(inputs) >= 2 else None
-        if (op not in _KEEP and op not in _RESHAPE and op not in _SCALE) or len(inputs) != 1:
-            return None
-        ref = inputs[0]
+    key, _ops, last = _walk_carried(judge, pt)
+    if key is not None:  # a point of the step, as is
+        return judge.residual_sum(key)
+    if last is not None and last[0] in ("add", "add_"):
+        return "the recorded ops built it by an add" if len(last[2]) >= 2 else None
     return None
 
 
@@ -393,24 +381,32 @@ def carried_from(judge, pt):
     reshapes, clones, casts and scaling by numbers alone (the contract's "carried unchanged up
     to a view, reshape, clone, cast or common scale"): that point's key and the ops, innermost
     last; None otherwise."""
+    key, ops, _last = _walk_carried(judge, pt)
+    return (key, ops) if key is not None and ops else None
+
+
+def _walk_carried(judge, pt) -> tuple:
+    """(key, ops, last) of the walk from ``pt``'s lineage back through views, reshapes, clones,
+    casts and scalings by numbers: ``key`` the point of the step it reached (None where it
+    reached none), ``ops`` the ops it passed (innermost last), ``last`` the node that stopped it
+    ((op, attrs, inputs), or None)."""
     walk = LineageWalk(judge, pt)
     ref = walk.slot_ref()
-    ops = []
+    ops: list = []
     for _ in range(MAX_DEPTH):
         if ref and ref[0] == 0 and ref[1] == judge.v.step:
-            key = judge.v.slot_key.get((walk.proc, ref[2], ref[3]))
-            return (key, ops) if key is not None and ops else None
+            return judge.v.slot_key.get((walk.proc, ref[2], ref[3])), ops, None
         if not ref or ref[0] != 1 or ref[1] != judge.v.step:
-            return None
+            return None, ops, None
         node = walk.nodes.get(ref[2])
         if node is None:
-            return None
+            return None, ops, None
         op, attrs, inputs = node[:3]
         if (op not in _KEEP and op not in _RESHAPE and op not in _SCALE) or len(inputs) != 1:
-            return None
+            return None, ops, node[:3]
         ops.append(f"{op} {attrs['factor']:.4g}" if op in _SCALE and attrs and "factor" in attrs else op)
         ref = inputs[0]
-    return None
+    return None, ops, None
 
 
 def _cuts(src: Placed, dim: int) -> bool:
