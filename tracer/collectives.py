@@ -435,13 +435,6 @@ class CollectiveInterceptor:
             op, reduce_op, gid, seq, t0, index, parent, inputs, fp_pre, is_async, step, started = token[:12]
             out = token[12] if n > 12 else None
             outputs = [out] if type(out) is _Tensor else tensors_of(out)
-            if guard and lineage is not None and lineage.mode is not None and outputs:
-                # reduced in place (an all_reduce of an add's result): the ops that built the
-                # tensor no longer say what it holds; its values link it to this collective
-                ids = {id(t) for t in inputs}
-                for t in outputs:
-                    if id(t) in ids:
-                        lineage.producers.pop(id(t), None)
             attrs = token[functional.T_ATTRS] if n > functional.T_ATTRS else None
             rows = self.rows_of.pop(id(token), None) if self.rows_of else None
             if rows is not None:
