@@ -198,7 +198,7 @@ def divergent(j, pt):
     hint = _smaller_reduction_groups(j)
     if hint is not None:
         pt.items.append(hint)
-    c = _combined_by(j, pt)
+    c = rules_dataflow.combined_by(j, pt)
     if c is not None:
         # each rank's own by design (a vocab slice's max, a buffer only the source fills):
         # never sum-reduced, and a collective that is no sum makes them one
@@ -207,9 +207,6 @@ def divergent(j, pt):
                       coll_item(c, f"the input of {coll_desc(c)} on every rank, which {what}: per-rank "
                                    "values by design"))
     return decide(pt, "divergent", "unknown", "divergent")
-
-
-_combined_by = rules_dataflow.combined_by  # (shared with derived_from_shard)
 
 
 def _smaller_reduction_groups(j):
